@@ -1,0 +1,169 @@
+"""DDL model configuration: Llama's configuration plus one group of `ddl_*` fields."""
+
+from huggingface_hub.dataclasses import strict
+from transformers.models.llama.configuration_llama import LlamaConfig
+
+
+DDL_COMPRESSORS = ("cc", "tc")
+DDL_RESIDUAL_MODES = ("delta", "write_only", "additive")
+DDL_VALUE_INPUTS = ("state", "context")
+
+
+def conv_state_slots(config) -> dict[tuple[int, str], int]:
+    """Where each token-axis convolution keeps its history in the generation cache.
+
+    Returns `{(layer_idx, role): slot}` with role in `"attn"`, `"mlp"` (TC compressors of the two sublayers),
+    `"embed"` (EC, kept in layer 0) and `"readout"` (the final TC readout, kept in the last layer). A
+    convolution of kernel 1 has no history and gets no slot. The config derives `layer_types`,
+    `number_of_conv_states` and `per_layer_config` from this so that `DynamicCache(config=...)` and
+    `generate()` build the right cache on their own; the model reads the same map.
+    """
+    slots: dict[tuple[int, str], int] = {}
+    num_layers = config.num_hidden_layers
+    tc = config.ddl_value_channels > 1 and config.ddl_compressor == "tc" and config.ddl_state_kernel_size > 1
+    ec = config.ddl_embed_conv and config.ddl_embed_kernel_size > 1
+    for layer_idx in range(num_layers):
+        roles = ["attn", "mlp"] if tc else []
+        if layer_idx == 0 and ec:
+            roles.append("embed")
+        if layer_idx == num_layers - 1 and tc:
+            roles.append("readout")
+        slots.update({(layer_idx, role): slot for slot, role in enumerate(roles)})
+    return slots
+
+
+@strict
+class DDLConfig(LlamaConfig):
+    r"""
+    Configuration of a Deep Delta Learning (DDL) language model (Zhang et al., 2026, arXiv 2601.00417).
+
+    Every field of [`LlamaConfig`] keeps Llama's name, default and meaning (hidden_size, intermediate_size,
+    num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, rms_norm_eps, rope_parameters,
+    tie_word_embeddings, ...). With `ddl_residual="additive"` and `ddl_value_channels=1` the model *is* Llama.
+    The DDL fields below replace each residual addition `x + F(norm(x))` by the delta update
+
+        X <- X + beta * k (v^T - k^T X),   k = h / sqrt(|h|^2 + eps_k^2),   beta = 2 sigmoid(w . c + b)
+
+    with `c = RMSNorm(x_in)` the sublayer input, `h = F(c)` the sublayer output and `v` a learned target.
+
+    Args:
+        ddl_value_channels (`int`, *optional*, defaults to 4):
+            d_v, the number of value channels of the residual state `X` (d x d_v per token). 1 = scalar value
+            (the ordinary residual vector, no extra capacity, the cheapest variant); the paper's default "DDL" is 4.
+        ddl_compressor (`str`, *optional*, defaults to `"cc"`):
+            How a d x d_v state is compressed to the width-d sublayer input when d_v > 1 (and how the final
+            readout is done): `"cc"` channel compression (per-feature weights over the d_v channels, initialised
+            to the average) or `"tc"` token compression (causal depthwise conv over tokens, then a read vector).
+        ddl_state_kernel_size (`int`, *optional*, defaults to 4):
+            Token-axis kernel of the TC compressor (>= 1; 1 = no token mixing).
+        ddl_embed_conv (`bool`, *optional*):
+            EC: build the d x d_v state from a causal depthwise convolution of the token embeddings (identity at
+            initialisation). Defaults to True when d_v > 1; must be False when d_v == 1. Without EC the embedding
+            is repeated over the d_v channels.
+        ddl_embed_kernel_size (`int`, *optional*, defaults to 4):
+            Token-axis kernel of EC (>= 1).
+        ddl_residual (`str`, *optional*, defaults to `"delta"`):
+            `"delta"`: X + beta k (v^T - k^T X) (the method). `"write_only"`: X + beta k v^T (same branches, no erase
+            term; the control the paper calls decisive). `"additive"`: X + h, the plain residual (exactly Llama when
+            d_v == 1; with d_v > 1, h is added to every value channel, an expanded-state additive control).
+        ddl_beta_init (`float`, *optional*, defaults to 1.0):
+            Initial gate beta in [0, 2]: 0 = identity (skip), 1 = projection (overwrite k^T X with v), 2 =
+            reflection. Sets the gate bias to logit(beta_init / 2) (clamped to |logit| <= 9.21, i.e. beta_init is
+            reached within 2e-4 at the ends of the range); the gate weights start at zero, so every token starts
+            at exactly beta_init.
+        ddl_beta_hidden_size (`int`, *optional*):
+            None = beta from a single linear gate `w . c + b`; an int = two-layer gate `w2 . tanh(W1 c + b1) + b2`
+            with that hidden size (the reference code uses 128).
+        ddl_k_eps (`float`, *optional*, defaults to 1e-5):
+            eps_k in k = h / sqrt(|h|^2 + eps_k^2). Keeps k finite (zero) when a sublayer output is all zeros.
+        ddl_v_sigmoid_scale (`float`, *optional*, defaults to 4.0):
+            Bound of the value: v = scale * sigmoid(W_v u + b_v) in (0, scale). None = unbounded linear value.
+        ddl_value_input (`str`, *optional*, defaults to `"state"`):
+            What the value projection reads: `"state"` = the un-normalised sublayer input x_in (the residual state for
+            d_v = 1, the compressed state for d_v > 1), as in the authors' reference code that produced the paper's
+            numbers, hence the default; `"context"` = the normalised context c, as written in the paper's text.
+        qk_norm (`bool`, *optional*, defaults to False):
+            RMSNorm on queries and keys per head (the paper's runs used it; Llama does not). Uses transformers'
+            Qwen3 attention, whose parameters add `self_attn.q_norm` / `self_attn.k_norm` to Llama's names.
+
+    Derived fields (set from the above; do not edit): `layer_types` marks the layers whose cache also holds
+    token-axis convolution histories (`"hybrid"`), and `number_of_conv_states` / `per_layer_config` say how many
+    histories each such layer holds, so that `generate()` builds the right cache by itself.
+
+    Example:
+
+    ```python
+    >>> from ddl import DDLConfig, DDLForCausalLM
+    >>> config = DDLConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    ...                    num_attention_heads=4, ddl_value_channels=4)
+    >>> model = DDLForCausalLM(config)
+    ```
+    """
+
+    model_type = "ddl"
+    keys_to_ignore_at_inference = ["cache"]
+
+    ddl_value_channels: int = 4
+    ddl_compressor: str = "cc"
+    ddl_state_kernel_size: int = 4
+    ddl_embed_conv: bool | None = None
+    ddl_embed_kernel_size: int = 4
+    ddl_residual: str = "delta"
+    ddl_beta_init: float = 1.0
+    ddl_beta_hidden_size: int | None = None
+    ddl_k_eps: float = 1e-5
+    ddl_v_sigmoid_scale: float | None = 4.0
+    ddl_value_input: str = "state"
+    qk_norm: bool = False
+    layer_types: list[str] | None = None
+    number_of_conv_states: int = 0
+
+    def __post_init__(self, **kwargs):
+        if self.ddl_embed_conv is None:
+            self.ddl_embed_conv = self.ddl_value_channels > 1
+        # The cache layout is derived, never taken from the caller (a saved config.json carries a copy of it).
+        kwargs.pop("per_layer_config", None)
+        slots = conv_state_slots(self)
+        per_layer = {}
+        for (layer_idx, _), slot in slots.items():
+            per_layer[layer_idx] = max(per_layer.get(layer_idx, 0), slot + 1)
+        self.layer_types = [
+            "hybrid" if layer_idx in per_layer else "full_attention" for layer_idx in range(self.num_hidden_layers)
+        ]
+        self.number_of_conv_states = max(per_layer.values(), default=0)
+        overrides = {i: {"number_of_conv_states": n} for i, n in per_layer.items() if n != self.number_of_conv_states}
+        if overrides:
+            kwargs["per_layer_config"] = overrides
+        super().__post_init__(**kwargs)
+
+    def validate_architecture(self):
+        """Checked at construction (and by `config.validate()`): every DDL field, with what is allowed."""
+        super().validate_architecture()
+
+        def bad(field, allowed):
+            return ValueError(f"DDLConfig.{field} must be {allowed}, got {getattr(self, field)!r}.")
+
+        if self.ddl_value_channels < 1:
+            raise bad("ddl_value_channels", "an integer >= 1 (1 = scalar state, 4 = the paper's default)")
+        if self.ddl_compressor not in DDL_COMPRESSORS:
+            raise bad("ddl_compressor", f"one of {DDL_COMPRESSORS}")
+        if self.ddl_residual not in DDL_RESIDUAL_MODES:
+            raise bad("ddl_residual", f"one of {DDL_RESIDUAL_MODES}")
+        if self.ddl_value_input not in DDL_VALUE_INPUTS:
+            raise bad("ddl_value_input", f"one of {DDL_VALUE_INPUTS}")
+        if not 0.0 <= self.ddl_beta_init <= 2.0:
+            raise bad("ddl_beta_init", "in [0, 2] (0 = identity, 1 = projection, 2 = reflection)")
+        for field in ("ddl_state_kernel_size", "ddl_embed_kernel_size"):
+            if getattr(self, field) < 1:
+                raise bad(field, "an integer >= 1 (1 = no token mixing)")
+        if self.ddl_beta_hidden_size is not None and self.ddl_beta_hidden_size < 1:
+            raise bad("ddl_beta_hidden_size", "None (single linear gate) or an integer >= 1")
+        if not self.ddl_k_eps > 0:
+            raise bad("ddl_k_eps", "a positive float (1e-5 in the paper)")
+        if self.ddl_v_sigmoid_scale is not None and not self.ddl_v_sigmoid_scale > 0:
+            raise bad("ddl_v_sigmoid_scale", "None (unbounded linear value) or a positive float (4.0 in the paper)")
+        if self.ddl_embed_conv and self.ddl_value_channels == 1:
+            raise bad("ddl_embed_conv", "False when ddl_value_channels == 1 (EC builds the d x d_v expanded state)")
+
+
+__all__ = ["DDLConfig"]

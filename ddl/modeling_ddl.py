@@ -1,0 +1,460 @@
+"""Deep Delta Learning (DDL) language model (Zhang, Liu, Wang, Gu, 2026, arXiv 2601.00417).
+
+Llama's architecture with one change: each of the two residual additions of a decoder layer becomes a delta
+update of the residual state. Attention, MLP, RMSNorm and rotary embeddings are transformers' own Llama modules
+(Qwen3's attention when `qk_norm=True`), so parameter names, attention backends and caches are Llama's.
+
+Reading order: the delta update (the method, one function), the token-axis convolution used by EC and TC, the
+DDL modules (delta residual, compressor, embedding convolution), the decoder layer, the models.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import initialization as init
+from transformers.cache_utils import Cache, DynamicCache, LinearAttentionCacheLayerMixin
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
+from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
+from transformers.utils import can_return_tuple, logging
+from transformers.utils.deprecation import deprecate_kwarg
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
+
+from .configuration_ddl import DDLConfig, conv_state_slots
+
+
+logger = logging.get_logger(__name__)
+
+# beta = 2 sigmoid(b) can only reach 0 or 2 in the limit; the bias for beta_init in {0, 2} is clamped to this logit.
+_MAX_GATE_LOGIT = 9.21
+
+
+def delta_update(x, h, v=None, beta=None, mode="delta", k_eps=1e-5):
+    r"""The DDL residual update of one sublayer (paper Eq. 2.1-2.2).
+
+        delta:       X_next = X + beta k (v^T - k^T X) = (I - beta k k^T) X + beta k v^T
+        write_only:  X_next = X + beta k v^T                   (same branches, no erase term)
+        additive:    X_next = X + h                             (the plain residual; h added to every value channel)
+
+    with the direction k = h / sqrt(|h|^2 + k_eps^2), the sublayer output normalised (zero when h = 0).
+
+    Args:
+        x: the residual state X, `(B, T, d)` for d_v = 1 or `(B, T, d, d_v)` for the expanded state.
+        h: `(B, T, d)`, the sublayer output F(c) that gives the direction k.
+        v: `(B, T, d_v)`, the target value (unused by `additive`).
+        beta: `(B, T, 1)`, the gate in [0, 2] (unused by `additive`).
+    Returns X_next, shaped and typed like `x`. k, the readout k^T X and the coefficient beta (v - k^T X) are
+    computed in fp32 (as the reference code does, for stability in bf16/fp16); the state and the rank-1 write
+    stay in the model dtype.
+    This function is the specification: a fused implementation must match it on outputs and gradients.
+    """
+    scalar_state = x.dim() == h.dim()
+    if mode == "additive":
+        return x + (h if scalar_state else h.unsqueeze(-1))
+    h32 = h.float()
+    k = h32 * torch.rsqrt(h32.pow(2).sum(-1, keepdim=True) + k_eps**2)  # (B, T, d), |k| < 1
+    state = x.unsqueeze(-1) if scalar_state else x  # (B, T, d, d_v)
+    if mode == "delta":
+        readout = torch.einsum("btd,btdv->btv", k, state.float())  # k^T X: (B, T, d_v)
+        coef = beta * (v.float() - readout)  # (B, T, d_v)
+    elif mode == "write_only":
+        coef = beta * v.float()
+    else:
+        raise ValueError(f"delta_update: unknown mode {mode!r}; expected 'delta', 'write_only' or 'additive'.")
+    out = state + k.to(x.dtype).unsqueeze(-1) * coef.to(x.dtype).unsqueeze(-2)  # rank-1 write along k
+    return out.squeeze(-1) if scalar_state else out
+
+
+def causal_token_conv(x, weight, history=None):
+    r"""Depthwise causal convolution over the token axis, used by EC and the TC compressor.
+
+        y[t, i, j] = sum_s weight[s, i, j] * x[t - (K - 1) + s, i(, j)]
+
+    x: `(B, T, d)` (EC: every feature feeds d_v output channels) or `(B, T, d, d_v)` (TC). weight: `(K, d, d_v)`,
+    tap K-1 is the current token. history: `(B, K-1, ...)` inputs before x (zeros at the start of a sequence).
+    Returns `(B, T, d, d_v)`.
+    """
+    kernel, seq_len = weight.shape[0], x.shape[1]
+    if history is None:
+        history = x.new_zeros(x.shape[0], kernel - 1, *x.shape[2:])
+    full = torch.cat([history, x], dim=1)  # (B, K-1+T, ...)
+    if full.dim() == 3:
+        full = full.unsqueeze(-1)  # (B, K-1+T, d, 1)
+    out = full[:, kernel - 1 :] * weight[kernel - 1]
+    for s in range(kernel - 1):
+        out = out + full[:, s : s + seq_len] * weight[s]
+    return out
+
+
+def token_history(x, kernel_size, cache, layer_idx, slot):
+    """The `kernel_size - 1` inputs that precede `x` in the sequence, from the cache (None = start of sequence).
+
+    Stores `x` in conv-state `slot` of cache layer `layer_idx` (time last, as transformers' conv states are), so
+    decoding, beam search (reorder), static caches and assisted decoding (crop) all keep it right.
+    """
+    if cache is None or kernel_size == 1:
+        return None
+    batch, seq_len = x.shape[:2]
+    had_past = cache.has_previous_state(layer_idx, slot)
+    flat = x.reshape(batch, seq_len, -1).transpose(1, 2)  # (B, C, T)
+    full = cache.update_conv_state(flat, layer_idx, state_idx=slot, conv_kernel_size=kernel_size - 1)
+    if not had_past:
+        return None
+    past = full[..., : full.shape[-1] - seq_len][..., -(kernel_size - 1) :]  # (B, C, <=K-1)
+    past = F.pad(past, (kernel_size - 1 - past.shape[-1], 0))
+    return past.transpose(1, 2).reshape(batch, kernel_size - 1, *x.shape[2:])
+
+
+def _mask_padding(x, pad_mask):
+    """Zero padded positions before a token-axis convolution, so pads never leak into real tokens."""
+    if pad_mask is None:
+        return x
+    return x * pad_mask.view(*pad_mask.shape, *([1] * (x.dim() - 2))).to(x.dtype)
+
+
+class DDLDeltaResidual(nn.Module):
+    r"""One sublayer's residual seam: the gate beta, the target v, and `delta_update`.
+
+        beta = 2 sigmoid(w . c + b)                 (fp32; or w2 . tanh(W1 c + b1) + b2 with ddl_beta_hidden_size)
+        v    = s sigmoid(W_v u + b_v)   in (0, s)   (or W_v u + b_v when ddl_v_sigmoid_scale is None)
+
+    c is the normalised sublayer input and u is the value input (`ddl_value_input`: the un-normalised sublayer
+    input x_in, or c). In `additive` mode the module has no parameters and computes X + h.
+    """
+
+    def __init__(self, config: DDLConfig):
+        super().__init__()
+        self.mode = config.ddl_residual
+        self.k_eps = config.ddl_k_eps
+        self.value_input = config.ddl_value_input
+        self.v_scale = config.ddl_v_sigmoid_scale
+        if self.mode == "additive":
+            return
+        d, dv, hb = config.hidden_size, config.ddl_value_channels, config.ddl_beta_hidden_size
+        if hb is not None:
+            self.beta_hidden_weight = nn.Parameter(torch.empty(hb, d))
+            self.beta_hidden_bias = nn.Parameter(torch.empty(hb))
+        self.beta_weight = nn.Parameter(torch.empty(d if hb is None else hb))
+        self.beta_bias = nn.Parameter(torch.empty(1))
+        self.value_weight = nn.Parameter(torch.empty(dv, d))
+        self.value_bias = nn.Parameter(torch.empty(dv))
+
+    def gate(self, c):
+        """beta: `(B, T, 1)` in fp32 (only the gate logit is computed in fp32, for stability)."""
+        c = c.float()
+        if hasattr(self, "beta_hidden_weight"):
+            c = torch.tanh(F.linear(c, self.beta_hidden_weight.float(), self.beta_hidden_bias.float()))
+        return 2.0 * torch.sigmoid(F.linear(c, self.beta_weight.float().unsqueeze(0), self.beta_bias.float()))
+
+    def value(self, u):
+        """v: `(B, T, d_v)`."""
+        v = F.linear(u, self.value_weight, self.value_bias)
+        return v if self.v_scale is None else self.v_scale * torch.sigmoid(v)
+
+    def forward(self, x, h, context, sublayer_input):
+        """x: state X; h: sublayer output (gives k); context: c = RMSNorm(x_in); sublayer_input: x_in."""
+        if self.mode == "additive":
+            return delta_update(x, h, mode="additive")
+        v = self.value(sublayer_input if self.value_input == "state" else context)
+        return delta_update(x, h, v, self.gate(context), mode=self.mode, k_eps=self.k_eps)
+
+
+class DDLCompressor(nn.Module):
+    r"""Compress the expanded state X `(B, T, d, d_v)` to a width-d vector (sublayer input or final readout).
+
+        CC:  x_in[t, i] = sum_j w[i, j] X[t, i, j]                                 (w initialised to 1/d_v)
+        TC:  x_in[t, i] = sum_j r_j sum_s c[s, i, j] X[t - (K-1) + s, i, j]         (c = identity, r = 1/d_v)
+    """
+
+    def __init__(self, config: DDLConfig, layer_idx: int, cache_slot: int | None):
+        super().__init__()
+        self.kind = config.ddl_compressor
+        self.layer_idx, self.cache_slot = layer_idx, cache_slot
+        d, dv = config.hidden_size, config.ddl_value_channels
+        if self.kind == "cc":
+            self.weight = nn.Parameter(torch.empty(d, dv))
+        else:
+            self.conv_weight = nn.Parameter(torch.empty(config.ddl_state_kernel_size, d, dv))
+            self.read = nn.Parameter(torch.empty(dv))
+
+    def forward(self, state, cache=None, pad_mask=None):
+        if self.kind == "cc":
+            return torch.einsum("btdv,dv->btd", state, self.weight)
+        state = _mask_padding(state, pad_mask)
+        history = token_history(state, self.conv_weight.shape[0], cache, self.layer_idx, self.cache_slot)
+        return causal_token_conv(state, self.conv_weight, history) @ self.read  # (B, T, d)
+
+
+class DDLEmbedConv(nn.Module):
+    """EC: the d x d_v initial state from a causal depthwise conv of the token embeddings (identity at init)."""
+
+    def __init__(self, config: DDLConfig, cache_slot: int | None):
+        super().__init__()
+        self.cache_slot = cache_slot
+        self.weight = nn.Parameter(
+            torch.empty(config.ddl_embed_kernel_size, config.hidden_size, config.ddl_value_channels)
+        )
+
+    def forward(self, embeds, cache=None, pad_mask=None):
+        embeds = _mask_padding(embeds, pad_mask)
+        history = token_history(embeds, self.weight.shape[0], cache, 0, self.cache_slot)
+        return causal_token_conv(embeds, self.weight, history)  # (B, T, d, d_v)
+
+
+class DDLDecoderLayer(GradientCheckpointingLayer):
+    """Llama's decoder layer; its two `residual + h` lines are delta updates of the state X."""
+
+    def __init__(self, config: DDLConfig, layer_idx: int):
+        super().__init__()
+        self.hidden_size = config.hidden_size
+        attention_class = Qwen3Attention if config.qk_norm else LlamaAttention
+        self.self_attn = attention_class(config=config, layer_idx=layer_idx)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.attn_delta = DDLDeltaResidual(config)
+        self.mlp_delta = DDLDeltaResidual(config)
+        if config.ddl_value_channels > 1:
+            slots = conv_state_slots(config)
+            self.attn_compress = DDLCompressor(config, layer_idx, slots.get((layer_idx, "attn")))
+            self.mlp_compress = DDLCompressor(config, layer_idx, slots.get((layer_idx, "mlp")))
+
+    def compress(self, which, hidden_states, cache, pad_mask):
+        """x_in: the sublayer input (the state itself when d_v = 1)."""
+        if hidden_states.dim() == 3:
+            return hidden_states
+        return getattr(self, f"{which}_compress")(hidden_states, cache, pad_mask)
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    def forward(
+        self,
+        hidden_states,
+        attention_mask=None,
+        position_ids=None,
+        cache: Cache | None = None,
+        use_cache: bool | None = False,
+        position_embeddings=None,
+        pad_mask=None,
+        **kwargs,
+    ):
+        x_in = self.compress("attn", hidden_states, cache, pad_mask)
+        context = self.input_layernorm(x_in)
+        attn_out, _ = self.self_attn(
+            hidden_states=context,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        hidden_states = self.attn_delta(hidden_states, attn_out, context, x_in)
+
+        x_in = self.compress("mlp", hidden_states, cache, pad_mask)
+        context = self.post_attention_layernorm(x_in)
+        hidden_states = self.mlp_delta(hidden_states, self.mlp(context), context, x_in)
+        return hidden_states
+
+
+class DDLPreTrainedModel(PreTrainedModel):
+    config_class = DDLConfig
+    config: DDLConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["DDLDecoderLayer"]
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+    _can_compile_fullgraph = True
+    _can_record_outputs = {
+        # For d_v > 1 the inner entries are the expanded state (B, T, d, d_v); the last is last_hidden_state (B, T, d).
+        "hidden_states": DDLDecoderLayer,
+        "attentions": OutputRecorder((LlamaAttention, Qwen3Attention), index=1),
+    }
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        """All initialisation lives here, so it also runs for `from_pretrained` (missing keys) and meta-device init."""
+        super()._init_weights(module)
+        config = self.config
+        dv = config.ddl_value_channels
+        if isinstance(module, DDLDeltaResidual) and module.mode != "additive":
+            half = min(max(config.ddl_beta_init / 2.0, 0.0), 1.0)
+            logit = math.log(half / (1.0 - half)) if 0.0 < half < 1.0 else math.copysign(_MAX_GATE_LOGIT, half - 0.5)
+            init.constant_(module.beta_bias, max(min(logit, _MAX_GATE_LOGIT), -_MAX_GATE_LOGIT))
+            init.zeros_(module.beta_weight)  # every token starts at exactly beta_init
+            if hasattr(module, "beta_hidden_weight"):
+                init.normal_(module.beta_hidden_weight, mean=0.0, std=config.initializer_range)
+                init.zeros_(module.beta_hidden_bias)
+            init.normal_(module.value_weight, mean=0.0, std=config.initializer_range)
+            init.zeros_(module.value_bias)
+        elif isinstance(module, DDLCompressor):
+            if module.kind == "cc":
+                init.constant_(module.weight, 1.0 / dv)  # the average of the d_v channels
+            else:
+                init.copy_(module.conv_weight, _identity_taps(module.conv_weight))
+                init.constant_(module.read, 1.0 / dv)
+        elif isinstance(module, DDLEmbedConv):
+            init.copy_(module.weight, _identity_taps(module.weight))  # every channel starts as the embedding
+
+
+def _identity_taps(weight):
+    """Conv taps that pass the current token through unchanged: 1 at tap K-1, 0 elsewhere."""
+    taps = torch.zeros_like(weight)
+    taps[-1] = 1.0
+    return taps
+
+
+class DDLModel(DDLPreTrainedModel):
+    def __init__(self, config: DDLConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        slots = conv_state_slots(config)
+        if config.ddl_embed_conv:
+            self.embed_conv = DDLEmbedConv(config, slots.get((0, "embed")))
+        self.layers = nn.ModuleList(
+            [DDLDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
+        )
+        if config.ddl_value_channels > 1:
+            last = config.num_hidden_layers - 1
+            self.readout = DDLCompressor(config, last, slots.get((last, "readout")))
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def expand(self, embeds, cache, pad_mask):
+        """The initial state X_0: the embeddings (d_v = 1), EC of them, or them repeated over the d_v channels."""
+        if self.config.ddl_embed_conv:
+            return self.embed_conv(embeds, cache, pad_mask)
+        if self.config.ddl_value_channels == 1:
+            return embeds
+        return embeds.unsqueeze(-1).expand(*embeds.shape, self.config.ddl_value_channels)
+
+    def _check_cache(self, cache):
+        if "hybrid" in self.config.layer_types and not any(
+            isinstance(layer, LinearAttentionCacheLayerMixin) for layer in cache.layers
+        ):
+            raise ValueError(
+                "This DDL variant keeps token-convolution histories in the cache, which a bare `DynamicCache()` "
+                "cannot hold. Pass `DynamicCache(config=model.config)` (or let `generate()` build the cache)."
+            )
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        cache: Cache | None = None,
+        inputs_embeds=None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        if cache is not None:
+            self._check_cache(cache)
+        if position_ids is None:
+            past_seen_tokens = cache.get_seq_length() if cache is not None else 0
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
+            position_ids = position_ids.unsqueeze(0)
+
+        if isinstance(attention_mask, dict):  # built by generate() for compileable (static) caches
+            causal_mask, pad_mask = attention_mask["full_attention"], attention_mask.get("linear_attention")
+        else:
+            causal_mask = create_causal_mask(
+                config=self.config,
+                inputs_embeds=inputs_embeds,
+                attention_mask=attention_mask,
+                cache=cache,
+                position_ids=position_ids,
+            )
+            pad_mask = create_recurrent_attention_mask(self.config, inputs_embeds, attention_mask, cache)
+
+        hidden_states = self.expand(inputs_embeds, cache, pad_mask)  # X_0: (B, T, d) or (B, T, d, d_v)
+        position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
+        for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+            hidden_states = decoder_layer(
+                hidden_states,
+                attention_mask=causal_mask,
+                position_embeddings=position_embeddings,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=use_cache,
+                pad_mask=pad_mask,
+                **kwargs,
+            )
+        if hidden_states.dim() == 4:
+            hidden_states = self.readout(hidden_states, cache, pad_mask)  # (B, T, d)
+        hidden_states = self.norm(hidden_states)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
+
+
+class DDLForCausalLM(DDLPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+
+    def __init__(self, config: DDLConfig):
+        super().__init__(config)
+        self.model = DDLModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        cache: Cache | None = None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        """Causal LM forward. `labels` are the input ids (shifted inside; -100 is ignored); extra loss kwargs such
+        as `num_items_in_batch` (passed by `Trainer`) go to the loss."""
+        outputs: BaseModelOutputWithPast = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            cache=outputs.cache,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+__all__ = ["DDLForCausalLM", "DDLModel", "DDLPreTrainedModel", "delta_update"]
