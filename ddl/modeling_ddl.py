@@ -58,14 +58,15 @@ def delta_update(x, h, v=None, beta=None, mode="delta", k_eps=1e-5):
     scalar_state = x.dim() == h.dim()
     if mode == "additive":
         return x + (h if scalar_state else h.unsqueeze(-1))
-    h32 = h.float()
+    acc = torch.promote_types(x.dtype, torch.float32)  # fp32 at least (fp64 stays fp64)
+    h32 = h.to(acc)
     k = h32 * torch.rsqrt(h32.pow(2).sum(-1, keepdim=True) + k_eps**2)  # (B, T, d), |k| < 1
     state = x.unsqueeze(-1) if scalar_state else x  # (B, T, d, d_v)
     if mode == "delta":
-        readout = torch.einsum("btd,btdv->btv", k, state.float())  # k^T X: (B, T, d_v)
-        coef = beta * (v.float() - readout)  # (B, T, d_v)
+        readout = torch.einsum("btd,btdv->btv", k, state.to(acc))  # k^T X: (B, T, d_v)
+        coef = beta * (v.to(acc) - readout)  # (B, T, d_v)
     elif mode == "write_only":
-        coef = beta * v.float()
+        coef = beta * v.to(acc)
     else:
         raise ValueError(f"delta_update: unknown mode {mode!r}; expected 'delta', 'write_only' or 'additive'.")
     out = state + k.to(x.dtype).unsqueeze(-1) * coef.to(x.dtype).unsqueeze(-2)  # rank-1 write along k

@@ -1,0 +1,91 @@
+import dataclasses
+
+import pytest
+from huggingface_hub.errors import StrictDataclassError
+from transformers import LlamaConfig
+
+from ddl import DDLConfig
+
+
+def test_llama_fields_names_and_defaults_are_llamas():
+    ddl, llama = DDLConfig(), LlamaConfig()
+    llama_fields = {f.name for f in dataclasses.fields(LlamaConfig)}
+    for name in llama_fields:
+        assert getattr(ddl, name) == getattr(llama, name), name
+
+
+def test_ddl_defaults_are_the_papers_default_variant():
+    config = DDLConfig()
+    assert config.model_type == "ddl"
+    assert (config.ddl_value_channels, config.ddl_compressor, config.ddl_embed_conv) == (4, "cc", True)
+    assert (config.ddl_residual, config.ddl_beta_init, config.ddl_k_eps) == ("delta", 1.0, 1e-5)
+    assert (config.ddl_v_sigmoid_scale, config.ddl_beta_hidden_size, config.qk_norm) == (4.0, None, False)
+    assert config.ddl_value_input == "state"
+    # EC defaults to off for the scalar state
+    assert DDLConfig(ddl_value_channels=1).ddl_embed_conv is False
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"ddl_value_channels": 1},
+        {"ddl_compressor": "tc", "num_hidden_layers": 3},
+        {"ddl_compressor": "tc", "num_hidden_layers": 1, "ddl_embed_conv": True},
+        {"ddl_residual": "write_only", "ddl_beta_hidden_size": 16, "qk_norm": True},
+    ],
+)
+def test_round_trip(kwargs, tmp_path):
+    config = DDLConfig(hidden_size=64, num_attention_heads=4, **kwargs)
+    restored = DDLConfig.from_dict(config.to_dict())
+    assert restored.to_dict() == config.to_dict()
+    config.save_pretrained(tmp_path)
+    assert DDLConfig.from_pretrained(tmp_path).to_dict() == config.to_dict()
+
+
+def test_cache_layout_is_derived():
+    cc = DDLConfig(num_hidden_layers=3)  # EC history lives in layer 0
+    assert cc.layer_types == ["hybrid", "full_attention", "full_attention"] and cc.number_of_conv_states == 1
+    scalar = DDLConfig(num_hidden_layers=3, ddl_value_channels=1)
+    assert scalar.layer_types == ["full_attention"] * 3
+    tc = DDLConfig(num_hidden_layers=3, ddl_compressor="tc")  # attn + mlp per layer, + EC (0), + readout (2)
+    assert tc.layer_types == ["hybrid"] * 3
+    assert [tc.per_layer_config[i].number_of_conv_states for i in range(3)] == [3, 2, 3]
+    # a stale layout in a saved config.json is replaced, not trusted
+    stale = DDLConfig(num_hidden_layers=2, layer_types=["full_attention"] * 2)
+    assert stale.layer_types == ["hybrid", "full_attention"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, field, received",
+    [
+        ({"ddl_value_channels": 0}, "ddl_value_channels", "0"),
+        ({"ddl_compressor": "xc"}, "ddl_compressor", "'xc'"),
+        ({"ddl_residual": "multiplicative"}, "ddl_residual", "'multiplicative'"),
+        ({"ddl_value_input": "embedding"}, "ddl_value_input", "'embedding'"),
+        ({"ddl_beta_init": 2.5}, "ddl_beta_init", "2.5"),
+        ({"ddl_beta_init": -0.1}, "ddl_beta_init", "-0.1"),
+        ({"ddl_state_kernel_size": 0}, "ddl_state_kernel_size", "0"),
+        ({"ddl_embed_kernel_size": 0}, "ddl_embed_kernel_size", "0"),
+        ({"ddl_beta_hidden_size": 0}, "ddl_beta_hidden_size", "0"),
+        ({"ddl_k_eps": 0.0}, "ddl_k_eps", "0.0"),
+        ({"ddl_v_sigmoid_scale": -1.0}, "ddl_v_sigmoid_scale", "-1.0"),
+        ({"ddl_value_channels": 1, "ddl_embed_conv": True}, "ddl_embed_conv", "True"),
+    ],
+)
+def test_invalid_values_are_rejected_with_field_value_and_allowed(kwargs, field, received):
+    with pytest.raises(StrictDataclassError) as info:
+        DDLConfig(**kwargs)
+    message = str(info.value.__cause__)
+    assert isinstance(info.value.__cause__, ValueError)
+    assert f"DDLConfig.{field} must be" in message and f"got {received}" in message
+
+
+def test_wrong_types_are_rejected():
+    with pytest.raises(StrictDataclassError):
+        DDLConfig(ddl_value_channels="four")
+
+
+def test_boundary_beta_init_values_are_allowed():
+    for beta in (0.0, 2.0):
+        assert DDLConfig(ddl_beta_init=beta).ddl_beta_init == beta

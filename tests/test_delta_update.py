@@ -1,0 +1,123 @@
+"""The paper's algebra (section 1 of PAPER.md), checked on the update function itself."""
+
+import pytest
+import torch
+
+from ddl.modeling_ddl import delta_update
+
+
+B, T, D = 2, 3, 8
+
+
+def _inputs(dv, beta_value=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T, D, dtype=torch.float64, generator=g)
+    if dv > 1:
+        x = torch.randn(B, T, D, dv, dtype=torch.float64, generator=g)
+    h = torch.randn(B, T, D, dtype=torch.float64, generator=g) * 3
+    v = torch.randn(B, T, dv, dtype=torch.float64, generator=g)
+    if beta_value is None:
+        beta = 2 * torch.rand(B, T, 1, dtype=torch.float64, generator=g)
+    else:
+        beta = torch.full((B, T, 1), float(beta_value), dtype=torch.float64)
+    return x, h, v, beta
+
+
+def _unit(h, eps=1e-5):
+    return h / torch.sqrt(h.pow(2).sum(-1, keepdim=True) + eps**2)
+
+
+def _state(x):
+    return x.unsqueeze(-1) if x.dim() == 3 else x
+
+
+@pytest.mark.parametrize("dv", [1, 4])
+def test_beta_zero_is_identity(dv):
+    x, h, v, beta = _inputs(dv, beta_value=0.0)
+    assert torch.equal(delta_update(x, h, v, beta), x)
+
+
+@pytest.mark.parametrize("dv", [1, 4])
+def test_beta_one_overwrites_the_readout_with_v(dv):
+    x, h, v, beta = _inputs(dv, beta_value=1.0)
+    k = _unit(h, eps=0.0)
+    out = delta_update(x, h, v, beta, k_eps=0.0)
+    readout = torch.einsum("btd,btdv->btv", k, _state(out))
+    torch.testing.assert_close(readout, v, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("dv", [1, 4])
+def test_error_contracts_by_one_minus_beta(dv):
+    x, h, v, beta = _inputs(dv)
+    k = _unit(h, eps=0.0)
+    e_pre = torch.einsum("btd,btdv->btv", k, _state(x)) - v
+    e_post = torch.einsum("btd,btdv->btv", k, _state(delta_update(x, h, v, beta, k_eps=0.0))) - v
+    torch.testing.assert_close(e_post, (1 - beta) * e_pre, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("beta_value", [0.3, 1.0, 1.7, 2.0])
+def test_frozen_operator_spectrum(beta_value):
+    """A = I - beta k k^T: eigenvalue 1 (multiplicity d-1) and 1 - beta (eigenvector k)."""
+    x, h, v, beta = _inputs(1, beta_value=beta_value)
+    columns = torch.eye(D, dtype=torch.float64).expand(1, D, D)  # apply the update to the basis, v = 0
+    hk = h[:1, :1].expand(1, D, D)
+    operator = delta_update(columns, hk, torch.zeros(1, D, 1, dtype=torch.float64), beta[:1, :1].expand(1, D, 1), k_eps=0.0)[0]
+    eigenvalues = torch.linalg.eigvalsh((operator + operator.T) / 2)
+    expected = torch.tensor(sorted([1.0] * (D - 1) + [1 - beta_value]), dtype=torch.float64)
+    torch.testing.assert_close(eigenvalues, expected, rtol=0, atol=1e-12)
+    k = _unit(h[0, 0], eps=0.0)
+    torch.testing.assert_close(operator @ k, (1 - beta_value) * k, rtol=0, atol=1e-12)
+    if beta_value == 2.0:  # Householder reflection preserves norms
+        torch.testing.assert_close(operator @ operator, torch.eye(D, dtype=torch.float64), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("dv", [1, 4])
+def test_directions_orthogonal_to_k_are_untouched(dv):
+    x, h, v, beta = _inputs(dv)
+    k = _unit(h, eps=0.0)
+    out = delta_update(x, h, v, beta, k_eps=0.0)
+    basis = torch.randn(B, T, D, dtype=torch.float64)
+    u = basis - (basis * k).sum(-1, keepdim=True) * k  # u ⟂ k
+    before = torch.einsum("btd,btdv->btv", u, _state(x))
+    after = torch.einsum("btd,btdv->btv", u, _state(out))
+    torch.testing.assert_close(after, before, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("dv", [1, 4])
+def test_equals_explicit_matrix_form(dv):
+    """X_next = (I - beta k k^T) X + beta k v^T, token by token."""
+    x, h, v, beta = _inputs(dv)
+    out = _state(delta_update(x, h, v, beta))
+    for b in range(B):
+        for t in range(T):
+            k = _unit(h[b, t])[:, None]  # (d, 1)
+            a = torch.eye(D, dtype=torch.float64) - beta[b, t] * k @ k.T
+            expected = a @ _state(x)[b, t] + beta[b, t] * k @ v[b, t][None, :]
+            torch.testing.assert_close(out[b, t], expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("dv", [1, 4])
+def test_write_only_and_additive(dv):
+    x, h, v, beta = _inputs(dv)
+    k = _unit(h)
+    write_only = delta_update(x, h, v, beta, mode="write_only")
+    torch.testing.assert_close(_state(write_only), _state(x) + (beta * v).unsqueeze(-2) * k.unsqueeze(-1))
+    additive = delta_update(x, h, mode="additive")
+    torch.testing.assert_close(_state(additive), _state(x) + h.unsqueeze(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_zero_branch_output_is_finite(dtype):
+    """h = 0 gives k = 0 (no NaN from 0/0), so the update is the identity, in bf16 and fp16."""
+    x = torch.randn(B, T, D, 4).to(dtype)
+    h = torch.zeros(B, T, D, dtype=dtype)
+    out = delta_update(x, h, torch.rand(B, T, 4, dtype=dtype), torch.ones(B, T, 1))
+    assert out.dtype == dtype and torch.equal(out, x)
+    tiny = torch.full((B, T, D), 1e-4, dtype=dtype)  # |h|^2 underflows in fp16 arithmetic
+    assert torch.isfinite(delta_update(x, tiny, torch.rand(B, T, 4, dtype=dtype), torch.ones(B, T, 1))).all()
+
+
+def test_unknown_mode_is_rejected():
+    x, h, v, beta = _inputs(1)
+    with pytest.raises(ValueError, match="unknown mode 'nope'"):
+        delta_update(x, h, v, beta, mode="nope")

@@ -1,0 +1,358 @@
+"""Behaviour of DDLForCausalLM as a transformers model: parity, caching, padding, saving, training hooks."""
+
+import copy
+import math
+
+import pytest
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    DynamicCache,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
+
+from conftest import TINY, tiny_config
+from ddl import DDLConfig, DDLForCausalLM, DDLModel
+from ddl.modeling_ddl import DDLCompressor, DDLDeltaResidual, DDLEmbedConv
+
+
+def _variants():
+    yield pytest.param({"ddl_value_channels": 1, "ddl_residual": "delta"}, id="dv1-delta")
+    yield pytest.param({"ddl_value_channels": 1, "ddl_residual": "write_only"}, id="dv1-write_only")
+    yield pytest.param({"ddl_value_channels": 1, "ddl_residual": "additive"}, id="dv1-additive")
+    for compressor in ("cc", "tc"):
+        for ec in (True, False):
+            for mode in ("delta", "write_only", "additive"):
+                overrides = {"ddl_value_channels": 4, "ddl_compressor": compressor, "ddl_embed_conv": ec}
+                yield pytest.param({**overrides, "ddl_residual": mode}, id=f"dv4-{compressor}-{'ec' if ec else 'noec'}-{mode}")
+
+
+VARIANTS = list(_variants())
+
+
+def _model(seed=0, **overrides):
+    torch.manual_seed(seed)
+    model = DDLForCausalLM(tiny_config(**overrides)).eval()
+    # Move every DDL parameter off its (symmetric) initial value so that tests see gates, values and
+    # convolutions that actually vary across tokens and channels.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if any(part in name for part in ("_delta.", "_compress.", "embed_conv.", "readout.")):
+                param.add_(0.1 * torch.randn_like(param))
+    return model
+
+
+def _ids(batch=2, length=9, seed=1):
+    return torch.randint(3, TINY["vocab_size"], (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Llama parity
+
+
+def _llama_and_ddl():
+    llama_config = LlamaConfig(**TINY)
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(llama_config).eval()
+    ddl = DDLForCausalLM(DDLConfig(**TINY, ddl_value_channels=1, ddl_residual="additive")).eval()
+    ddl.load_state_dict(llama.state_dict(), strict=True)  # Llama's parameter names, nothing missing or extra
+    return llama, ddl
+
+
+def test_additive_scalar_model_is_exactly_llama():
+    llama, ddl = _llama_and_ddl()
+    assert llama.config.num_key_value_heads < llama.config.num_attention_heads  # GQA
+    ids = _ids(3, 17)
+    torch.testing.assert_close(ddl(ids).logits, llama(ids).logits, rtol=0, atol=1e-5)
+    kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(ddl.generate(ids, **kwargs), llama.generate(ids, **kwargs))
+
+
+def test_llama_state_dict_loads_by_name_into_delta_model():
+    """Shared parts keep Llama's names: a Llama state dict fills everything but the DDL branches."""
+    llama, _ = _llama_and_ddl()
+    ddl = DDLForCausalLM(tiny_config())
+    missing, unexpected = ddl.load_state_dict(llama.state_dict(), strict=False)
+    assert not unexpected
+    assert missing and all(any(p in k for p in ("_delta.", "_compress.", "embed_conv", "readout")) for k in missing)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Every variant
+
+
+@pytest.mark.parametrize("overrides", VARIANTS)
+def test_cached_decoding_equals_full_forward(overrides):
+    model = _model(**overrides)
+    ids = _ids(2, 9)
+    with torch.no_grad():
+        full = model(ids).logits
+        out = model(ids[:, :4], use_cache=True)
+        pieces, cache = [out.logits], out.cache
+        for t in range(4, 9):  # one token at a time, then check a multi-token continuation too
+            step = ids[:, t : t + 1] if t < 7 else ids[:, 7:9]
+            if t == 8:
+                break
+            out = model(step, cache=cache, use_cache=True)
+            pieces.append(out.logits)
+            cache = out.cache
+    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("overrides", VARIANTS)
+def test_greedy_with_cache_equals_without_and_beam_search_runs(overrides):
+    model = _model(**overrides)
+    ids = _ids(2, 5)
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with_cache = model.generate(ids, use_cache=True, **kwargs)
+    assert torch.equal(with_cache, model.generate(ids, use_cache=False, **kwargs))
+    beams = model.generate(ids, num_beams=3, **kwargs)
+    assert beams.shape == (2, 11)
+
+
+@pytest.mark.parametrize("overrides", VARIANTS)
+def test_left_padded_batch_equals_rows_alone(overrides):
+    model = _model(**overrides)
+    short, long = _ids(1, 4, seed=2), _ids(1, 7, seed=3)
+    # pad positions hold ordinary tokens (non-zero embeddings), so only the attention mask marks them as padding
+    batch = torch.cat([torch.cat([torch.tensor([[7, 8, 9]]), short], 1), long])
+    mask = torch.cat([torch.cat([torch.zeros(1, 3), torch.ones(1, 4)], 1), torch.ones(1, 7)]).long()
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    together = model.generate(batch, attention_mask=mask, **kwargs)
+    assert torch.equal(together[0, 3:], model.generate(short, **kwargs)[0])
+    assert torch.equal(together[1], model.generate(long, **kwargs)[0])
+    # and the logits of the real tokens of the padded row equal the row alone
+    with torch.no_grad():
+        padded = model(batch, attention_mask=mask).logits[0, 3:]
+        torch.testing.assert_close(padded, model(short).logits[0], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("overrides", VARIANTS)
+def test_gradients_reach_every_parameter(overrides):
+    model = _model(**overrides).train()
+    ids = _ids(2, 8)
+    model(ids, labels=ids).loss.backward()
+    for name, param in model.named_parameters():
+        assert param.grad is not None and param.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("overrides", VARIANTS)
+def test_save_and_load_give_identical_logits(overrides, tmp_path):
+    model = _model(**overrides)
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(reloaded) is DDLForCausalLM
+    reloaded_state = reloaded.state_dict()
+    assert all(torch.equal(value, reloaded_state[name]) for name, value in model.state_dict().items())
+    ids = _ids()
+    with torch.no_grad():  # same weights; BLAS may still round differently for differently aligned buffers
+        torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, rtol=0, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Generation modes
+
+
+GEN_VARIANTS = [
+    pytest.param({"ddl_value_channels": 1}, id="dv1"),
+    pytest.param({}, id="dv4-cc-ec"),
+    pytest.param({"ddl_compressor": "tc"}, id="dv4-tc-ec"),
+]
+
+
+@pytest.mark.parametrize("overrides", GEN_VARIANTS)
+def test_generation_modes(overrides):
+    model = _model(**overrides)
+    ids = _ids(1, 6)
+    greedy = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    static = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0, cache_implementation="static")
+    assert torch.equal(static, greedy)
+    # prompt lookup and assisted decoding verify drafts and crop the cache: the output must equal greedy
+    repetitive = torch.cat([ids, ids, ids[:, :3]], 1)
+    reference = model.generate(repetitive, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    lookup = model.generate(repetitive, max_new_tokens=8, do_sample=False, pad_token_id=0, prompt_lookup_num_tokens=3)
+    assert torch.equal(lookup, reference)
+    assistant = _model(seed=5, **overrides)
+    assisted = model.generate(repetitive, max_new_tokens=8, do_sample=False, pad_token_id=0, assistant_model=assistant)
+    assert torch.equal(assisted, reference)
+    torch.manual_seed(0)
+    sampled = model.generate(ids, max_new_tokens=8, do_sample=True, top_k=5, pad_token_id=0)
+    assert sampled.shape == (1, 14)
+    beam_cache = model.generate(ids, max_new_tokens=6, num_beams=3, do_sample=False, pad_token_id=0)
+    beam_plain = model.generate(ids, max_new_tokens=6, num_beams=3, do_sample=False, pad_token_id=0, use_cache=False)
+    assert torch.equal(beam_cache, beam_plain)
+
+
+def test_bare_dynamic_cache_gets_a_clear_error():
+    model = _model()
+    with pytest.raises(ValueError, match=r"DynamicCache\(config=model.config\)"):
+        model(_ids(), cache=DynamicCache(), use_cache=True)
+    # the scalar state has no conv histories, so a bare cache is fine there
+    _model(ddl_value_channels=1)(_ids(), cache=DynamicCache(), use_cache=True)
+
+
+@pytest.mark.parametrize("overrides", GEN_VARIANTS)
+def test_attention_backends_agree(overrides):
+    model = _model(**overrides)
+    ids = _ids()
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    outputs = {}
+    for backend in ("eager", "sdpa", "flex_attention"):
+        model.set_attn_implementation(backend)
+        with torch.no_grad():
+            outputs[backend] = model(ids, attention_mask=mask).logits[:, 2:]
+    torch.testing.assert_close(outputs["sdpa"], outputs["eager"], rtol=0, atol=1e-5)
+    torch.testing.assert_close(outputs["flex_attention"], outputs["eager"], rtol=0, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Initialisation
+
+
+def _check_init(model, beta_init):
+    config = model.config
+    expected_bias = math.log((beta_init / 2) / (1 - beta_init / 2))
+    for module in model.modules():
+        if isinstance(module, DDLDeltaResidual):
+            assert module.beta_bias.item() == pytest.approx(expected_bias, abs=1e-6)
+            assert torch.all(module.beta_weight == 0)
+            assert module.value_weight.std() > 0 and torch.all(module.value_bias == 0)
+        if isinstance(module, DDLCompressor):
+            assert torch.allclose(module.weight, torch.full_like(module.weight, 1 / config.ddl_value_channels))
+        if isinstance(module, DDLEmbedConv):
+            assert torch.all(module.weight[-1] == 1) and torch.all(module.weight[:-1] == 0)
+
+
+def test_initialisation_in_init_weights_survives_construction_loading_and_meta_device(tmp_path):
+    model = DDLForCausalLM(tiny_config(ddl_beta_init=0.5))
+    _check_init(model, 0.5)
+    beta = model.model.layers[0].attn_delta.gate(torch.randn(2, 3, TINY["hidden_size"]))
+    torch.testing.assert_close(beta, torch.full_like(beta, 0.5))
+    # a checkpoint without the DDL branches (e.g. a Llama) gets them initialised, not zeros
+    llama, _ = _llama_and_ddl()
+    llama.save_pretrained(tmp_path / "llama")
+    loaded = DDLForCausalLM.from_pretrained(tmp_path / "llama", config=tiny_config(ddl_beta_init=0.5))
+    _check_init(loaded, 0.5)
+    assert torch.equal(loaded.model.layers[1].mlp.up_proj.weight, llama.model.layers[1].mlp.up_proj.weight)
+    with torch.device("meta"):
+        meta = DDLForCausalLM(tiny_config(ddl_beta_init=0.5))
+    meta.to_empty(device="cpu")
+    meta.init_weights()
+    _check_init(meta, 0.5)
+
+
+def test_tc_compressor_initial_state_is_the_channel_average():
+    model = DDLForCausalLM(tiny_config(ddl_compressor="tc"))
+    compress = model.model.layers[0].attn_compress
+    state = torch.randn(2, 5, TINY["hidden_size"], 4)
+    torch.testing.assert_close(compress(state), state.mean(-1))
+    embeds = torch.randn(2, 5, TINY["hidden_size"])
+    torch.testing.assert_close(model.model.embed_conv(embeds), embeds.unsqueeze(-1).expand(-1, -1, -1, 4))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# transformers features
+
+
+def test_auto_classes_resolve():
+    config = AutoConfig.for_model("ddl", **TINY)
+    assert isinstance(config, DDLConfig)
+    assert type(AutoModel.from_config(config)) is DDLModel
+    assert type(AutoModelForCausalLM.from_config(config)) is DDLForCausalLM
+
+
+@pytest.mark.parametrize("overrides", GEN_VARIANTS)
+def test_gradient_checkpointing_gives_the_same_gradients(overrides):
+    model = _model(**overrides).train()
+    ids = _ids()
+    model(ids, labels=ids).loss.backward()
+    reference = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    model.gradient_checkpointing_enable()
+    assert model.is_gradient_checkpointing
+    model(ids, labels=ids).loss.backward()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, reference[name], rtol=1e-5, atol=1e-6)
+
+
+def test_tied_and_untied_embeddings(tmp_path):
+    tied = DDLForCausalLM(tiny_config(tie_word_embeddings=True))
+    assert tied.lm_head.weight.data_ptr() == tied.model.embed_tokens.weight.data_ptr()
+    untied = DDLForCausalLM(tiny_config(tie_word_embeddings=False))
+    assert untied.lm_head.weight.data_ptr() != untied.model.embed_tokens.weight.data_ptr()
+    tied.save_pretrained(tmp_path)
+    reloaded = DDLForCausalLM.from_pretrained(tmp_path)
+    assert reloaded.lm_head.weight.data_ptr() == reloaded.model.embed_tokens.weight.data_ptr()
+
+
+def test_resize_token_embeddings():
+    model = _model(tie_word_embeddings=True)
+    model.resize_token_embeddings(120)
+    assert model.config.vocab_size == 120 and model.lm_head.weight.shape == (120, TINY["hidden_size"])
+    ids = torch.randint(0, 120, (2, 6))
+    assert model(ids, labels=ids).logits.shape == (2, 6, 120)
+
+
+@pytest.mark.parametrize("dv", [1, 4])
+def test_output_hidden_states(dv):
+    model = _model(ddl_value_channels=dv)
+    out = model(_ids(2, 5), output_hidden_states=True)
+    assert len(out.hidden_states) == TINY["num_hidden_layers"] + 1
+    inner = (2, 5, TINY["hidden_size"]) + ((dv,) if dv > 1 else ())
+    assert all(h.shape == inner for h in out.hidden_states[:-1])  # the (expanded) residual state
+    assert out.hidden_states[-1].shape == (2, 5, TINY["hidden_size"])
+
+
+def test_loss_shifts_labels_ignores_minus_100_and_honours_num_items_in_batch():
+    model = _model()
+    ids = _ids(2, 8)
+    labels = ids.clone()
+    labels[:, :3] = -100
+    out = model(ids, labels=labels)
+    logits = out.logits[:, :-1].reshape(-1, TINY["vocab_size"])
+    targets = labels[:, 1:].reshape(-1)
+    expected = torch.nn.functional.cross_entropy(logits, targets, ignore_index=-100)
+    torch.testing.assert_close(out.loss, expected)
+    summed = torch.nn.functional.cross_entropy(logits, targets, ignore_index=-100, reduction="sum")
+    torch.testing.assert_close(model(ids, labels=labels, num_items_in_batch=20).loss, summed / 20)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_forward_is_finite_even_with_zero_sublayer_outputs(dtype):
+    model = _model(ddl_compressor="tc").to(dtype)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()  # attention output h = 0 exactly
+    out = model(_ids(), labels=_ids())
+    assert out.logits.dtype == dtype and torch.isfinite(out.logits).all() and torch.isfinite(out.loss)
+
+
+def test_qk_norm_uses_transformers_qwen3_attention():
+    model = _model(qk_norm=True)
+    names = {n for n, _ in model.named_parameters()}
+    assert "model.layers.0.self_attn.q_norm.weight" in names and "model.layers.0.self_attn.k_norm.weight" in names
+    ids = _ids()
+    assert model(ids, output_attentions=True, attn_implementation="eager").attentions is not None
+
+
+def test_trainer_runs_a_few_steps(tmp_path):
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    model = _model(ddl_compressor="tc").train()
+    ids = _ids(8, 16)
+    data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+        learning_rate=1e-2, report_to=[], use_cpu=True, gradient_checkpointing=True, logging_steps=1,
+    )
+    before = copy.deepcopy(model.model.layers[0].attn_delta.beta_bias.detach())
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    assert trainer.model_accepts_loss_kwargs  # so num_items_in_batch reaches the loss
+    result = trainer.train()
+    assert math.isfinite(result.training_loss)
+    assert not torch.equal(before, model.model.layers[0].attn_delta.beta_bias)
