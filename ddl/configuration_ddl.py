@@ -7,6 +7,14 @@ from transformers.models.llama.configuration_llama import LlamaConfig
 DDL_COMPRESSORS = ("cc", "tc")
 DDL_RESIDUAL_MODES = ("delta", "write_only", "additive")
 DDL_VALUE_INPUTS = ("state", "context")
+# A saved folder carries these two files; the map lets AutoConfig/AutoModel/AutoModelForCausalLM load it with
+# trust_remote_code=True for someone who never installed `ddl` (save_pretrained alone would record only the
+# class that was saved).
+AUTO_MAP = {
+    "AutoConfig": "configuration_ddl.DDLConfig",
+    "AutoModel": "modeling_ddl.DDLModel",
+    "AutoModelForCausalLM": "modeling_ddl.DDLForCausalLM",
+}
 
 
 def conv_state_slots(config) -> dict[tuple[int, str], int]:
@@ -123,6 +131,7 @@ class DDLConfig(LlamaConfig):
             self.ddl_embed_conv = self.ddl_value_channels > 1
         # The cache layout is derived, never taken from the caller (a saved config.json carries a copy of it).
         kwargs.pop("per_layer_config", None)
+        kwargs["auto_map"] = {**AUTO_MAP, **(kwargs.get("auto_map") or {})}
         slots = conv_state_slots(self)
         per_layer = {}
         for (layer_idx, _), slot in slots.items():

@@ -356,3 +356,70 @@ def test_trainer_runs_a_few_steps(tmp_path):
     result = trainer.train()
     assert math.isfinite(result.training_loss)
     assert not torch.equal(before, model.model.layers[0].attn_delta.beta_bias)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Hub: remote code in a fresh process where `ddl` is not importable, from a folder and from an offline HF cache
+
+REMOTE_SCRIPT = r"""
+import json, os, sys
+import torch
+sys.modules["ddl"] = None  # as for someone who never installed ddl: `import ddl` raises ImportError
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, pipeline
+expected = json.load(open(sys.argv[1]))
+for source, logits in expected.items():
+    model = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=True).eval()
+    assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        got = model(ids).logits[0, -1]
+    assert torch.allclose(got, torch.tensor(logits), atol=1e-5), (source, (got - torch.tensor(logits)).abs().max())
+    assert type(AutoModel.from_pretrained(source, trust_remote_code=True)).__name__ == "DDLModel"
+    assert AutoConfig.from_pretrained(source, trust_remote_code=True).model_type == "ddl"
+    tok = AutoTokenizer.from_pretrained(source, trust_remote_code=True)
+    text = pipeline("text-generation", model=model, tokenizer=tok)("To be", max_new_tokens=5, do_sample=False)
+    assert text[0]["generated_text"].startswith("To be")
+print("REMOTE-OK", len(expected))
+"""
+
+
+def test_remote_code_loading_in_a_fresh_process(tmp_path, tokenizer):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    expected = {}
+    hf_home = tmp_path / "hf_home"
+    for i, overrides in enumerate([{"ddl_value_channels": 1}, {}, {"ddl_compressor": "tc", "qk_norm": True}]):
+        model = _model(**overrides, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+        folder = tmp_path / f"model{i}"
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        with torch.no_grad():
+            logits = model(torch.tensor([[5, 6, 7, 8, 9, 10]])).logits[0, -1].tolist()
+        expected[str(folder)] = logits
+        # what a Hub download leaves on disk: hub/models--org--name/{refs/main, snapshots/<rev>/...}
+        repo = hf_home / "hub" / f"models--ddl-tests--tiny{i}"
+        revision = f"{i:040x}"
+        (repo / "refs").mkdir(parents=True)
+        (repo / "refs" / "main").write_text(revision)
+        snapshot = repo / "snapshots" / revision
+        snapshot.mkdir(parents=True)
+        for file in folder.iterdir():
+            (snapshot / file.name).write_bytes(file.read_bytes())
+        expected[f"ddl-tests/tiny{i}"] = logits
+    config = json.loads((tmp_path / "model1" / "config.json").read_text())
+    assert set(config["auto_map"]) == {"AutoConfig", "AutoModel", "AutoModelForCausalLM"}
+    assert {"model.safetensors", "configuration_ddl.py", "modeling_ddl.py", "generation_config.json"} <= {
+        p.name for p in (tmp_path / "model1").iterdir()
+    }
+    (tmp_path / "expected.json").write_text(json.dumps(expected))
+    (tmp_path / "check.py").write_text(REMOTE_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HOME=str(hf_home), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    result = subprocess.run(
+        [sys.executable, str(tmp_path / "check.py"), str(tmp_path / "expected.json")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0 and "REMOTE-OK 6" in result.stdout, result.stdout + result.stderr
