@@ -1,0 +1,565 @@
+"""Reusable pieces of `train.py`: presets, model building, data loading and packing, tokenizer training, model card.
+
+Everything here uses the public 🤗 API (datasets, tokenizers, transformers) and logs instead of printing. User
+mistakes raise `UsageError` (a `ValueError`) with a message that says what was expected and how to fix it; the
+script turns it into a one-line error and a non-zero exit.
+"""
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+from huggingface_hub.errors import StrictDataclassError
+from transformers import AutoConfig, PreTrainedTokenizerFast, Trainer
+from transformers.utils import logging
+
+from .configuration_ddl import DDLConfig
+from .modeling_ddl import DDLForCausalLM
+
+
+logger = logging.get_logger(__name__)
+
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+DATA_EXTENSIONS = {"txt": "text", "text": "text", "json": "json", "jsonl": "json", "csv": "csv"}
+
+# Model shapes. small and medium are the paper's sizes (Table 1: 12 x 768 and 24 x 1024, heads of dim 128, 124M and
+# 353M parameters with GPT-2's 50k vocabulary); tiny is a CPU demo. All follow the paper's runs: tied embeddings,
+# no biases, dropout 0, QK-norm, and the DDL defaults of DDLConfig (d_v = 4, CC compressor, EC, delta residual).
+# SwiGLU intermediate sizes give the MLP the parameter count of a 4x GELU MLP, as in the paper's GPT-2-sized models.
+_SHARED = dict(tie_word_embeddings=True, attention_bias=False, mlp_bias=False, attention_dropout=0.0, qk_norm=True)
+PRESETS: dict[str, dict] = {
+    "tiny": dict(
+        hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4, head_dim=32,
+        max_position_embeddings=1024, **_SHARED,
+    ),
+    "small": dict(
+        hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=6, head_dim=128,
+        max_position_embeddings=1024, **_SHARED,
+    ),
+    "medium": dict(
+        hidden_size=1024, intermediate_size=2752, num_hidden_layers=24, num_attention_heads=8, head_dim=128,
+        max_position_embeddings=1024, **_SHARED,
+    ),
+}
+# The paper's optimisation recipe (Section 4): AdamW (0.9, 0.95), weight decay 0.1, peak lr 1e-3 with cosine decay
+# after a linear warm-up (2000 of 100k steps), gradient clipping 1.0. These become train.py's defaults for
+# `TrainingArguments`; any flag given on the command line wins.
+PAPER_RECIPE = dict(
+    learning_rate=1e-3, adam_beta1=0.9, adam_beta2=0.95, weight_decay=0.1, lr_scheduler_type="cosine",
+    max_grad_norm=1.0,
+)
+# Per-preset run defaults. tiny is sized to train on the embedded corpus in about 6 minutes on 2 CPU cores
+# (~1.8M tokens); small/medium use the paper's context (1024) and warm-up (2000 steps) and leave the length
+# (`--max_steps` or `--num_train_epochs`) and the batch (paper: 480 x 1024 tokens per step) to the caller.
+PRESET_RUN_DEFAULTS: dict[str, dict] = {
+    "tiny": dict(
+        block_size=256, per_device_train_batch_size=16, per_device_eval_batch_size=32, max_steps=450,
+        warmup_steps=0.05, logging_steps=10, eval_steps=150, save_steps=150,
+    ),
+    "small": dict(
+        block_size=1024, per_device_train_batch_size=16, per_device_eval_batch_size=16, warmup_steps=2000,
+        logging_steps=50, eval_steps=2000, save_steps=2000,
+    ),
+    "medium": dict(
+        block_size=1024, per_device_train_batch_size=8, per_device_eval_batch_size=8, warmup_steps=2000,
+        logging_steps=50, eval_steps=2000, save_steps=2000,
+    ),
+}
+
+
+class UsageError(ValueError):
+    """A mistake in the command line or the inputs; the message says what was expected and how to fix it."""
+
+
+def config_error_message(err: StrictDataclassError) -> str:
+    """The message of the `ValueError` a `DDLConfig` validator raised (wrapped by huggingface_hub's strict check)."""
+    return str(err.__cause__ or err)
+
+
+def parse_config_overrides(overrides: str | None) -> dict:
+    """`"hidden_size=64,ddl_beta_init=0.5,qk_norm=false"` -> a dict of `DDLConfig` fields (JSON values, else str)."""
+    if not overrides:
+        return {}
+    fields = {f.name: f for f in dataclasses.fields(DDLConfig)}
+    parsed = {}
+    for item in overrides.split(","):
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise UsageError(f"--config_overrides expects 'key=value,key=value', got {item!r} in {overrides!r}.")
+        if key not in fields:
+            raise UsageError(f"--config_overrides: {key!r} is not a DDLConfig field (see ddl/configuration_ddl.py).")
+        try:
+            value = json.loads(raw.strip())
+        except json.JSONDecodeError:
+            value = raw.strip()
+        if isinstance(value, int) and not isinstance(value, bool) and isinstance(fields[key].default, float):
+            value = float(value)  # `ddl_beta_init=1` means 1.0 (the strict config rejects an int for a float field)
+        parsed[key] = value
+    return parsed
+
+
+def make_config(**kwargs) -> DDLConfig:
+    """`DDLConfig(**kwargs)`, with a validation failure turned into a `UsageError` that names the field."""
+    try:
+        return DDLConfig(**kwargs)
+    except StrictDataclassError as err:
+        raise UsageError(config_error_message(err)) from err
+
+
+def preset_config(preset: str, vocab_size: int, overrides: dict | None = None, **ddl_kwargs) -> DDLConfig:
+    """A fresh `DDLConfig` from a preset, then `--config_overrides`, then the direct `--ddl_*` flags (None = unset)."""
+    if preset not in PRESETS:
+        raise UsageError(f"Unknown preset {preset!r}; choose one of {sorted(PRESETS)}.")
+    kwargs = {**PRESETS[preset], "vocab_size": vocab_size, **(overrides or {})}
+    kwargs.update({k: v for k, v in ddl_kwargs.items() if v is not None})
+    return make_config(**kwargs)
+
+
+def ddl_config_from_llama(llama_config, overrides: dict | None = None, **ddl_kwargs) -> DDLConfig:
+    """A `DDLConfig` with every Llama field of `llama_config` plus the DDL choices (None = DDLConfig's default)."""
+    if llama_config.model_type != "llama":
+        raise UsageError(
+            f"--init_from_llama expects a Llama checkpoint (model_type 'llama'), got model_type "
+            f"{llama_config.model_type!r}."
+        )
+    skip = {"model_type", "architectures", "transformers_version", "auto_map", "layer_types"}
+    kwargs = {k: v for k, v in llama_config.to_dict().items() if k not in skip}
+    kwargs.update(overrides or {})
+    kwargs.update({k: v for k, v in ddl_kwargs.items() if v is not None})
+    return make_config(**kwargs)
+
+
+def load_ddl_checkpoint(path: str, **kwargs) -> DDLForCausalLM:
+    """Continue from a DDL checkpoint (a folder or a Hub id); a non-DDL checkpoint gets a pointer to the fix."""
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=True)
+    except (OSError, ValueError) as err:
+        raise UsageError(f"--model_name_or_path {path!r}: cannot read a model config there ({err}).") from err
+    if config.model_type != DDLConfig.model_type:
+        hint = f" Build a DDL model from it with --init_from_llama {path}." if config.model_type == "llama" else ""
+        raise UsageError(
+            f"--model_name_or_path {path!r} is a {config.model_type!r} checkpoint, not DDL (model_type 'ddl').{hint}"
+        )
+    return DDLForCausalLM.from_pretrained(path, **kwargs)
+
+
+def load_from_llama(path: str, ddl_config: DDLConfig, **kwargs) -> DDLForCausalLM:
+    """A DDL model whose shared parameters (embeddings, attention, MLP, norms, LM head) are the Llama checkpoint's.
+
+    DDL keeps Llama's parameter names, so `from_pretrained` matches them by name; the DDL-only parameters (gates,
+    values, compressors, EC) are reported missing and get `DDLPreTrainedModel._init_weights`. With
+    `ddl_residual="additive"` and `ddl_value_channels=1` the result computes exactly the Llama's function.
+    """
+    model, info = DDLForCausalLM.from_pretrained(path, config=ddl_config, output_loading_info=True, **kwargs)
+    shared_missing = [k for k in info["missing_keys"] if not _is_ddl_only(k)]
+    if shared_missing or info["unexpected_keys"] or info["mismatched_keys"]:
+        raise UsageError(
+            f"--init_from_llama {path!r}: the checkpoint does not match a Llama of this shape (missing "
+            f"{shared_missing[:5]}, unexpected {list(info['unexpected_keys'])[:5]}, mismatched "
+            f"{list(info['mismatched_keys'])[:5]})."
+        )
+    logger.info("Loaded %s from Llama %s; freshly initialised: %d DDL tensors", type(model).__name__, path,
+                len(info["missing_keys"]))
+    return model
+
+
+def _is_ddl_only(name: str) -> bool:
+    ddl_parts = ("_delta.", "_compress.", "embed_conv.", "readout.", "q_norm.", "k_norm.")
+    return any(part in name for part in ddl_parts) or name == "lm_head.weight"
+
+
+# ----------------------------------------------------------------------------------------------------------- data
+
+
+def load_raw_datasets(
+    dataset_name: str | None = None,
+    dataset_config_name: str | None = None,
+    train_file: str | None = None,
+    validation_file: str | None = None,
+    streaming: bool = False,
+    cache_dir: str | None = None,
+):
+    """Load the raw text as a `DatasetDict` (or `IterableDatasetDict` when streaming), and say how it is organised.
+
+    Returns `(raw, info)` with `info = {"name": ..., "documents": bool}`. Sources, in order: a 🤗 dataset, local
+    files (txt: one row per line, line breaks kept; json/jsonl/csv: one row per record), or the embedded Shakespeare
+    corpus with its fixed document-level validation split. `documents` says whether rows are whole documents
+    (separated by an end-of-text token when packed) or consecutive lines of one running text.
+    """
+    from datasets import Dataset, DatasetDict, load_dataset
+
+    if dataset_name and (train_file or validation_file):
+        raise UsageError("Give either --dataset_name or --train_file/--validation_file, not both.")
+    if validation_file and not train_file:
+        raise UsageError("--validation_file needs --train_file (the training text).")
+    if dataset_name:
+        try:
+            raw = load_dataset(dataset_name, dataset_config_name, streaming=streaming, cache_dir=cache_dir)
+        except Exception as err:  # datasets raises many kinds (FileNotFoundError, ConnectionError, ValueError, ...)
+            raise UsageError(f"--dataset_name {dataset_name!r}: could not load it ({type(err).__name__}: {err}).")
+        if not isinstance(raw, dict):
+            raw = {"train": raw}
+        if "train" not in raw:
+            raise UsageError(f"--dataset_name {dataset_name!r} has no 'train' split (splits: {sorted(raw)}).")
+        return raw, {"name": dataset_name + (f" ({dataset_config_name})" if dataset_config_name else ""),
+                     "documents": True}
+    if train_file:
+        files = {"train": train_file}
+        if validation_file:
+            files["validation"] = validation_file
+        extensions = set()
+        for split, path in files.items():
+            if not os.path.isfile(path):
+                raise UsageError(f"--{split if split == 'validation' else 'train'}_file {path!r} does not exist.")
+            ext = path.rsplit(".", 1)[-1].lower() if "." in os.path.basename(path) else ""
+            if ext not in DATA_EXTENSIONS:
+                raise UsageError(f"{path!r}: unsupported file type {ext!r}; use one of {sorted(DATA_EXTENSIONS)}.")
+            extensions.add(DATA_EXTENSIONS[ext])
+        if len(extensions) > 1:
+            raise UsageError(f"--train_file and --validation_file must have the same format, got {sorted(extensions)}.")
+        builder = extensions.pop()
+        kwargs = {"keep_linebreaks": True} if builder == "text" else {}
+        raw = load_dataset(builder, data_files=files, streaming=streaming, cache_dir=cache_dir, **kwargs)
+        return raw, {"name": ", ".join(os.path.basename(p) for p in files.values()), "documents": builder != "text"}
+    from .data import CORPUS_NAME, shakespeare_splits
+
+    splits = shakespeare_splits()
+    raw = DatasetDict({split: Dataset.from_dict({"text": texts}) for split, texts in splits.items()})
+    if streaming:
+        from datasets import IterableDatasetDict
+
+        raw = IterableDatasetDict({split: dataset.to_iterable_dataset() for split, dataset in raw.items()})
+    return raw, {"name": f"{CORPUS_NAME} (embedded; validation = whole works: hamlet, tempest, twelfth_night, "
+                         "sonnets)", "documents": True}
+
+
+def ensure_validation_split(raw, percentage: float, seed: int, documents: bool, streaming_examples: int = 1000):
+    """Carve a validation split out of train when there is none (a `percentage` of rows; when streaming, the
+    first `streaming_examples` rows). Rows that are lines of one running text keep their order, so the validation
+    text is the held-out tail rather than lines sprinkled through the training text."""
+    from datasets import DatasetDict, IterableDatasetDict
+
+    if "validation" in raw:
+        return raw
+    train = raw["train"]
+    if isinstance(raw, IterableDatasetDict) or not hasattr(train, "train_test_split"):
+        return IterableDatasetDict({"train": train.skip(streaming_examples),
+                                    "validation": train.take(streaming_examples)})
+    if len(train) < 2:
+        raise UsageError(
+            f"The training data has {len(train)} row(s); carving a validation split needs at least 2. Add rows or "
+            "give --validation_file."
+        )
+    split = train.train_test_split(test_size=max(percentage / 100.0, 1 / len(train)), shuffle=documents, seed=seed)
+    return DatasetDict({"train": split["train"], "validation": split["test"]})
+
+
+def text_batches(dataset, text_column: str, batch_size: int = 1000, max_rows: int | None = None) -> Iterator[list]:
+    """Lists of strings from a (possibly streaming) dataset, for tokenizer training."""
+    batch, rows = [], 0
+    for row in dataset:
+        text = row[text_column]
+        if text:
+            batch.append(text)
+        rows += 1
+        if len(batch) == batch_size:
+            yield batch
+            batch = []
+        if max_rows is not None and rows >= max_rows:
+            break
+    if batch:
+        yield batch
+
+
+def train_bpe_tokenizer(batches: Iterable[list], vocab_size: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE (GPT-2 style) trained on the text: `<|endoftext|>` is bos/eos, `<|pad|>` pads on the left."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if vocab_size < len(alphabet) + 2:
+        raise UsageError(f"--vocab_size must be at least {len(alphabet) + 2} (256 bytes + 2 special tokens), "
+                         f"got {vocab_size}.")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS_TOKEN, PAD_TOKEN], initial_alphabet=alphabet,
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(batches, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token=EOS_TOKEN, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN,
+        padding_side="left",
+    )
+
+
+def prepare_tokenizer_for_generation(tokenizer):
+    """Left padding (decoder-only batched generation) and a pad token (the eos token when the tokenizer has none)."""
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise UsageError("The tokenizer has neither a pad nor an eos token; add one (e.g. '<|endoftext|>').")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def tokenize_and_pack(
+    raw,
+    tokenizer,
+    text_column: str,
+    block_size: int,
+    add_eos: bool,
+    num_proc: int | None = None,
+    overwrite_cache: bool = False,
+):
+    """Tokenise every split and pack the token stream into `block_size` blocks (the remainder is dropped).
+
+    `add_eos` appends the end-of-text token after every row (rows are documents). Uses `datasets.map`, so
+    file-backed datasets are cached and `num_proc` parallelises; streaming datasets are mapped lazily.
+    Returns the packed splits with `input_ids` and `labels` (= input_ids; the model shifts them).
+    """
+    from datasets import IterableDatasetDict
+
+    streaming = isinstance(raw, IterableDatasetDict)
+    columns = raw["train"].column_names
+    if columns is not None and text_column not in columns:
+        raise UsageError(f"--text_column {text_column!r} is not a column of the data; columns: {columns}.")
+    eos = [tokenizer.eos_token_id] if add_eos and tokenizer.eos_token_id is not None else []
+
+    def tokenize(batch):
+        ids = tokenizer(batch[text_column], add_special_tokens=False)["input_ids"]
+        return {"input_ids": [row + eos for row in ids]}
+
+    def pack(batch):
+        stream = [token for row in batch["input_ids"] for token in row]
+        usable = len(stream) // block_size * block_size
+        blocks = [stream[i : i + block_size] for i in range(0, usable, block_size)]
+        return {"input_ids": blocks, "labels": [list(b) for b in blocks]}
+
+    packed = {}
+    for split, dataset in raw.items():
+        remove = dataset.column_names if dataset.column_names is not None else None
+        map_kwargs = {} if streaming else {
+            "num_proc": num_proc, "load_from_cache_file": not overwrite_cache, "desc": f"Tokenising {split}"
+        }
+        tokenized = dataset.map(tokenize, batched=True, remove_columns=remove, **map_kwargs)
+        if not streaming:
+            map_kwargs["desc"] = f"Packing {split} into blocks of {block_size}"
+        # Large map batches pack more rows into one stream, losing less text to the per-batch remainder.
+        packed[split] = tokenized.map(pack, batched=True, batch_size=1000, **map_kwargs)
+    if not streaming:
+        for split, dataset in packed.items():
+            if len(dataset) == 0:
+                raise UsageError(
+                    f"The {split} split has fewer than --block_size ({block_size}) tokens, so packing left nothing "
+                    f"to {'train on' if split == 'train' else 'evaluate on'}. Give more text or a smaller "
+                    "--block_size."
+                )
+    return type(raw)(packed)
+
+
+def unigram_loss(train, validation, vocab_size: int, max_blocks: int = 20_000) -> float:
+    """Cross-entropy (nats/token) of the validation blocks under the training unigram distribution (add-one
+    smoothing): the loss of a model that ignores context, the bar a language model must clearly beat."""
+    def counts(dataset):
+        ids = np.asarray(dataset.select(range(min(len(dataset), max_blocks)))["input_ids"]).ravel()
+        return np.bincount(ids, minlength=vocab_size)
+
+    train_counts, val_counts = counts(train), counts(validation)
+    log_p = np.log((train_counts + 1) / (train_counts.sum() + vocab_size))
+    return float(-(val_counts * log_p).sum() / val_counts.sum())
+
+
+# ---------------------------------------------------------------------------------------------------- results
+
+
+def loss_history(log_history: list[dict]) -> tuple[list, list]:
+    """[(step, train loss)], [(step, eval loss)] from `trainer.state.log_history`."""
+    train = [(e["step"], e["loss"]) for e in log_history if "loss" in e]
+    evals = [(e["step"], e["eval_loss"]) for e in log_history if "eval_loss" in e]
+    return train, evals
+
+
+def plot_loss_curve(log_history: list[dict], path: str, title: str = "") -> str | None:
+    """Train and validation loss against steps, as a PNG; None when nothing was logged."""
+    train, evals = loss_history(log_history)
+    if not train and not evals:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot(*zip(*train), label="train loss", lw=1)
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="validation loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def describe_variant(config: DDLConfig) -> str:
+    """A short name for the residual variant, in the paper's terms."""
+    if config.ddl_residual == "additive" and config.ddl_value_channels == 1:
+        return "baseline (additive residual: a Llama" + (" with QK-norm)" if config.qk_norm else ")")
+    mode = {"delta": "DDL", "write_only": "write-only control", "additive": "additive control"}[config.ddl_residual]
+    if config.ddl_value_channels == 1:
+        return f"{mode} d_v=1"
+    ec = "" if config.ddl_embed_conv else " w/o EC"
+    return f"{mode}-{config.ddl_compressor.upper()}{ec} (d_v={config.ddl_value_channels})"
+
+
+def model_card(
+    *,
+    repo_name: str,
+    config: DDLConfig,
+    num_parameters: int,
+    data_name: str,
+    block_size: int,
+    tokenizer_source: str,
+    train_tokens: int | None,
+    tokens_seen: int,
+    steps: int,
+    metrics: dict,
+    training_args,
+    loss_curve: str | None,
+    unigram: float | None = None,
+    sample: str | None = None,
+    prompt: str = "Romeo.\n",
+) -> str:
+    """The checkpoint's README.md: variant, sizes, data, training, results, and how to load it."""
+    variant = describe_variant(config)
+    val_loss, train_loss = metrics.get("eval_loss"), metrics.get("final_train_loss")
+
+    def fmt(x, spec=".4f"):
+        return "n/a" if x is None else format(x, spec)
+
+    ppl = lambda x: None if x is None else math.exp(min(x, 50))  # noqa: E731
+    lines = [
+        "---",
+        "library_name: transformers",
+        "pipeline_tag: text-generation",
+        "tags: [ddl, deep-delta-learning, custom_code]",
+        "---",
+        "",
+        f"# {repo_name}",
+        "",
+        f"A Deep Delta Learning language model (Zhang et al., 2026, arXiv 2601.00417): **{variant}**, trained from "
+        f"scratch with `train.py` of the `ddl` project." if not metrics.get("init_from") else
+        f"A Deep Delta Learning language model (**{variant}**), trained with `train.py` from {metrics['init_from']}.",
+        "",
+        "## Model",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| variant | {variant} (`ddl_residual={config.ddl_residual}`, `ddl_value_channels={config.ddl_value_channels}`"
+        f", `ddl_compressor={config.ddl_compressor}`, `ddl_embed_conv={config.ddl_embed_conv}`) |",
+        f"| parameters | {num_parameters:,} |",
+        f"| layers x hidden | {config.num_hidden_layers} x {config.hidden_size} (MLP {config.intermediate_size}) |",
+        f"| heads | {config.num_attention_heads} x {config.head_dim} (kv heads {config.num_key_value_heads}) |",
+        f"| vocabulary | {config.vocab_size} ({tokenizer_source}) |",
+        f"| context | trained on blocks of {block_size} tokens (max_position_embeddings "
+        f"{config.max_position_embeddings}) |",
+        f"| QK-norm / tied embeddings | {config.qk_norm} / {config.tie_word_embeddings} |",
+        "",
+        "## Data and training",
+        "",
+        f"- Data: {data_name}" + (f"; {train_tokens:,} training tokens" if train_tokens else "") + ".",
+        f"- Tokens seen: {tokens_seen:,} in {steps:,} optimizer steps "
+        f"({training_args.per_device_train_batch_size} x {training_args.gradient_accumulation_steps} "
+        f"x {training_args.world_size} blocks of {block_size} tokens per step).",
+        f"- Optimizer: AdamW (beta1 {training_args.adam_beta1}, beta2 {training_args.adam_beta2}), weight decay "
+        f"{training_args.weight_decay}, peak lr {training_args.learning_rate:g}, {training_args.lr_scheduler_type.value if hasattr(training_args.lr_scheduler_type, 'value') else training_args.lr_scheduler_type} "
+        f"schedule, warm-up {_warmup(training_args.warmup_steps)}, gradient clipping {training_args.max_grad_norm}, "
+        f"seed {training_args.seed}.",
+        "",
+        "## Results",
+        "",
+        "| | loss (nats/token) | perplexity |",
+        "|---|---|---|",
+        f"| final train loss (last logged) | {fmt(train_loss)} | {fmt(ppl(train_loss), '.2f')} |",
+        f"| validation | {fmt(val_loss)} | {fmt(ppl(val_loss), '.2f')} |",
+    ]
+    if unigram is not None:
+        lines.append(f"| unigram reference (context-free, validation) | {unigram:.4f} | {math.exp(unigram):.2f} |")
+    if loss_curve:
+        lines += ["", f"![loss curve]({os.path.basename(loss_curve)})"]
+    if sample is not None:
+        lines += ["", "A sample (sampling with the saved generation config):", "", "```text", sample.strip(), "```"]
+    lines += [
+        "",
+        "## Use",
+        "",
+        "The modeling code is stored next to the weights, so no package is needed; pass `trust_remote_code=True`:",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline",
+        "",
+        f'path = "{repo_name}"  # this folder, or its Hub id',
+        "model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)",
+        "tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=True)",
+        'generator = pipeline("text-generation", model=model, tokenizer=tokenizer)',
+        f'print(generator({prompt!r}, max_new_tokens=100)[0]["generated_text"])',
+        "```",
+        "",
+        "Fine-tune it further with `python train.py --model_name_or_path <this folder> ...`.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _warmup(warmup_steps: float) -> str:
+    return f"{warmup_steps:.0%} of the steps" if 0 < warmup_steps < 1 else f"{int(warmup_steps)} steps"
+
+
+class DDLTrainer(Trainer):
+    """`Trainer` that writes our model card (when set) instead of the generic one, e.g. on `push_to_hub`."""
+
+    ddl_model_card: str | None = None
+
+    def create_model_card(self, *args, **kwargs):
+        if self.ddl_model_card is None:
+            return super().create_model_card(*args, **kwargs)
+        if self.is_world_process_zero():
+            with open(os.path.join(self.args.output_dir, "README.md"), "w", encoding="utf-8") as f:
+                f.write(self.ddl_model_card)
+
+
+__all__ = [
+    "DDLTrainer",
+    "PAPER_RECIPE",
+    "PRESETS",
+    "PRESET_RUN_DEFAULTS",
+    "UsageError",
+    "config_error_message",
+    "ddl_config_from_llama",
+    "describe_variant",
+    "ensure_validation_split",
+    "load_ddl_checkpoint",
+    "load_from_llama",
+    "load_raw_datasets",
+    "make_config",
+    "model_card",
+    "parse_config_overrides",
+    "plot_loss_curve",
+    "prepare_tokenizer_for_generation",
+    "preset_config",
+    "text_batches",
+    "tokenize_and_pack",
+    "train_bpe_tokenizer",
+    "unigram_loss",
+]

@@ -1,0 +1,445 @@
+"""Pretrain or fine-tune a Deep Delta Learning (DDL) language model, or one of its baselines, with 🤗 Trainer.
+
+Zero arguments train a tiny DDL (d_v = 4, CC compressor, EC: the paper's default variant) on the embedded
+Shakespeare corpus in about 6 minutes on 2 CPU cores, save a complete checkpoint folder (weights, config with
+auto_map, the model's .py files, tokenizer, generation config, trainer_state.json, model card with loss curve)
+and print a sample generated from that folder:
+
+    python train.py
+
+The paper's controls are one flag away (same everything else):
+
+    python train.py --ddl_residual additive --ddl_value_channels 1   # baseline: the plain (Llama) residual
+    python train.py --ddl_value_channels 1                           # DDL d_v=1
+    python train.py --ddl_residual write_only                        # write-only control (no erase term)
+    python train.py --ddl_compressor tc --ddl_embed_conv false       # DDL-TC w/o EC
+
+Your own text, a 🤗 dataset, or a pretrained tokenizer:
+
+    python train.py --train_file corpus.txt --output_dir outputs/my-ddl            # txt/json/jsonl/csv
+    python train.py --dataset_name wikitext --dataset_config_name wikitext-103-raw-v1 --tokenizer_name gpt2
+    python train.py --dataset_name HuggingFaceFW/fineweb-edu --dataset_config_name sample-10BT --streaming \\
+        --tokenizer_name gpt2 --preset small --max_steps 100000 --output_dir outputs/ddl-small
+
+Fine-tune a DDL checkpoint, or build DDL from a Llama checkpoint (shared weights loaded by name, DDL branches
+freshly initialised; with `--ddl_residual additive --ddl_value_channels 1` it is that Llama exactly):
+
+    python train.py --model_name_or_path outputs/ddl-tiny-shakespeare --train_file my.txt --learning_rate 1e-4
+    python train.py --init_from_llama path/to/llama --train_file my.txt
+
+Resume an interrupted run (an existing output folder is never overwritten without --overwrite_output_dir):
+
+    python train.py --output_dir outputs/ddl-tiny-shakespeare --resume_from_checkpoint true
+
+Many processes (see configs/README.md; every TrainingArguments flag works, e.g. --gradient_checkpointing,
+--bf16, --report_to tensorboard, --push_to_hub --hub_model_id me/ddl-small):
+
+    torchrun --nproc_per_node 8 train.py --preset small ...                              # DDP (gloo on CPU)
+    accelerate launch --multi_gpu --num_processes 2 train.py ...                         # DDP, also on CPU
+    accelerate launch --config_file configs/fsdp.yaml train.py --preset medium ...       # FSDP on GPUs
+    accelerate launch --config_file configs/deepspeed_zero2.yaml train.py --preset medium ...
+
+Defaults: the paper's recipe (AdamW (0.9, 0.95), weight decay 0.1, lr 1e-3 cosine with warm-up, clip 1.0) plus
+per-preset run sizes (ddl/training.py: PAPER_RECIPE, PRESET_RUN_DEFAULTS); any flag you pass wins.
+"""
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+from huggingface_hub.errors import StrictDataclassError
+from transformers import (
+    AutoConfig,
+    AutoTokenizer,
+    GenerationConfig,
+    HfArgumentParser,
+    TrainingArguments,
+    default_data_collator,
+    pipeline,
+    set_seed,
+)
+from transformers.trainer_utils import get_last_checkpoint
+from transformers.utils import logging
+
+import ddl  # noqa: F401  (registers the DDL Auto classes and the code files saved with checkpoints)
+from ddl import DDLConfig, DDLForCausalLM
+from ddl.training import (
+    PAPER_RECIPE,
+    PRESET_RUN_DEFAULTS,
+    PRESETS,
+    DDLTrainer,
+    UsageError,
+    config_error_message,
+    ddl_config_from_llama,
+    describe_variant,
+    ensure_validation_split,
+    load_ddl_checkpoint,
+    load_from_llama,
+    load_raw_datasets,
+    model_card,
+    parse_config_overrides,
+    plot_loss_curve,
+    prepare_tokenizer_for_generation,
+    preset_config,
+    text_batches,
+    tokenize_and_pack,
+    train_bpe_tokenizer,
+    unigram_loss,
+)
+
+
+logger = logging.get_logger("train")
+
+
+# ---------------------------------------------------------------------------------------------- hyperparameters
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "Continue from this DDL checkpoint (folder or Hub id): fine-tuning."}
+    )
+    init_from_llama: str | None = field(
+        default=None,
+        metadata={"help": "Build DDL from this Llama checkpoint: attention, MLP, embeddings and norms loaded by name, "
+                          "DDL branches freshly initialised. The --ddl_* flags choose the variant."},
+    )
+    preset: str | None = field(
+        default=None,
+        metadata={"help": "Size of a fresh model (default tiny). small/medium are the paper's 12x768 and 24x1024.",
+                  "choices": sorted(PRESETS)},
+    )
+    config_overrides: str | None = field(
+        default=None, metadata={"help": "DDLConfig fields over the preset, e.g. 'hidden_size=256,num_hidden_layers=6'."}
+    )
+    ddl_value_channels: int | None = field(default=None, metadata={"help": "d_v (1 = scalar state; paper 4)."})
+    ddl_compressor: str | None = field(default=None, metadata={"help": "cc | tc (d_v > 1)."})
+    ddl_embed_conv: bool | None = field(default=None, metadata={"help": "EC on/off (default: on when d_v > 1)."})
+    ddl_residual: str | None = field(default=None, metadata={"help": "delta | write_only | additive."})
+    ddl_beta_init: float | None = field(default=None, metadata={"help": "Initial gate beta in [0, 2]."})
+    ddl_beta_hidden_size: int | None = field(default=None, metadata={"help": "Two-layer gate hidden size."})
+    ddl_value_input: str | None = field(default=None, metadata={"help": "state | context."})
+    ddl_state_kernel_size: int | None = field(default=None, metadata={"help": "TC kernel size."})
+    ddl_embed_kernel_size: int | None = field(default=None, metadata={"help": "EC kernel size."})
+    ddl_k_eps: float | None = field(default=None, metadata={"help": "eps_k of the direction k."})
+    ddl_v_sigmoid_scale: float | None = field(default=None, metadata={"help": "Bound of the value v."})
+    qk_norm: bool | None = field(default=None, metadata={"help": "QK-norm (presets: on, as in the paper)."})
+    tokenizer_name: str | None = field(
+        default=None, metadata={"help": "Any 🤗 tokenizer. Default: the checkpoint's, else a BPE trained here."}
+    )
+    vocab_size: int = field(default=4096, metadata={"help": "Vocabulary of the BPE trained when none is given."})
+    trust_remote_code: bool = field(default=False, metadata={"help": "Allow remote code of --tokenizer_name."})
+
+    def ddl_flags(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name.startswith("ddl_") or f.name == "qk_norm"}
+
+
+@dataclass
+class DataArguments:
+    dataset_name: str | None = field(default=None, metadata={"help": "A 🤗 dataset (default: embedded Shakespeare)."})
+    dataset_config_name: str | None = field(default=None, metadata={"help": "Its configuration."})
+    train_file: str | None = field(default=None, metadata={"help": "Training text: .txt, .json, .jsonl or .csv."})
+    validation_file: str | None = field(default=None, metadata={"help": "Validation text (same format)."})
+    text_column: str = field(default="text", metadata={"help": "Column holding the text (json/csv/datasets)."})
+    block_size: int | None = field(default=None, metadata={"help": "Tokens per training block (packed)."})
+    validation_split_percentage: float = field(
+        default=5.0, metadata={"help": "Percent of train carved out for validation when there is no split."}
+    )
+    streaming: bool = field(default=False, metadata={"help": "Stream the dataset (large sets; needs --max_steps)."})
+    streaming_validation_examples: int = field(
+        default=1000, metadata={"help": "Streaming without a validation split: rows held out from the start."}
+    )
+    tokenizer_train_rows: int = field(
+        default=200_000, metadata={"help": "Rows of training text used to train the BPE when streaming."}
+    )
+    preprocessing_num_workers: int | None = field(default=None, metadata={"help": "num_proc of datasets.map."})
+    overwrite_cache: bool = field(default=False, metadata={"help": "Redo tokenisation even if cached."})
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Evaluate on at most this many blocks."})
+    sample_prompt: str | None = field(default=None, metadata={"help": "Prompt of the final sample."})
+    sample_max_new_tokens: int = field(default=120, metadata={"help": "Length of the final sample."})
+
+
+@dataclass
+class RunArguments:
+    overwrite_output_dir: bool = field(
+        default=False, metadata={"help": "Allow writing into a non-empty --output_dir (otherwise: error, or resume)."}
+    )
+
+
+def parse_args(argv: list[str]):
+    """HfArgumentParser over our dataclasses and TrainingArguments, with the paper's recipe and the preset's run
+    sizes as defaults (set before parsing, so every explicit flag wins)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    for name in ("preset", "model_name_or_path", "init_from_llama", "dataset_name", "train_file", "output_dir"):
+        pre.add_argument(f"--{name}")
+    known, _ = pre.parse_known_args(argv)
+    preset = known.preset if known.preset in PRESETS else "tiny"
+    if known.dataset_name or known.train_file:
+        data_name = os.path.splitext(os.path.basename((known.dataset_name or known.train_file).rstrip("/")))[0]
+    else:
+        data_name = "shakespeare"
+    source = known.model_name_or_path or known.init_from_llama
+    model_name = f"ddl-{os.path.basename(source.rstrip('/'))}" if source else f"ddl-{preset}"
+    bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+    parser = HfArgumentParser((ModelArguments, DataArguments, RunArguments, TrainingArguments))
+    parser.set_defaults(
+        output_dir=os.path.join("outputs", f"{model_name}-{data_name}"),
+        do_train=True,
+        do_eval=True,
+        eval_strategy="steps",
+        save_strategy="steps",
+        save_total_limit=2,
+        logging_first_step=True,
+        report_to="tensorboard",
+        include_num_input_tokens_seen=True,
+        bf16=bf16,
+        **PAPER_RECIPE,
+        **PRESET_RUN_DEFAULTS[preset],
+    )
+    return parser.parse_args_into_dataclasses(args=argv)
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+
+
+def resolve_resume(training_args: TrainingArguments, run_args: RunArguments) -> str | None:
+    """Which checkpoint to resume from (None = start fresh), refusing to write over a non-empty output folder."""
+    out, resume = training_args.output_dir, training_args.resume_from_checkpoint
+    if resume is not None and resume.lower() in ("true", "latest", "last"):
+        resume = get_last_checkpoint(out) if os.path.isdir(out) else None
+        if resume is None:
+            raise UsageError(f"--resume_from_checkpoint {training_args.resume_from_checkpoint}: no checkpoint-* "
+                             f"folder in {out!r} to resume from.")
+    elif resume is not None and resume.lower() in ("false", "none", ""):
+        resume = None
+    if resume is not None and not os.path.isfile(os.path.join(resume, "trainer_state.json")):
+        raise UsageError(f"--resume_from_checkpoint {resume!r} is not a Trainer checkpoint folder "
+                         "(no trainer_state.json).")
+    if (resume is None and training_args.do_train and not run_args.overwrite_output_dir and os.path.isdir(out)
+            and os.listdir(out)):
+        latest = get_last_checkpoint(out)
+        hint = (f" To continue its latest run ({os.path.basename(latest)}) pass --resume_from_checkpoint true."
+                if latest else "")
+        raise UsageError(f"Output folder {out!r} exists and is not empty; refusing to overwrite it.{hint} To start "
+                         "over in it pass --overwrite_output_dir, or choose another --output_dir.")
+    return resume
+
+
+def load_tokenizer(path: str, trust_remote_code: bool):
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise UsageError(f"Cannot load a tokenizer from {path!r} ({err}). Give one with --tokenizer_name.") from err
+
+
+def get_tokenizer(model_args, data_args, training_args, raw, resume):
+    """The tokenizer: --tokenizer_name, else the checkpoint's (resume, fine-tuning, Llama), else a BPE trained on
+    the training text by the main process and saved into the output folder (the other processes load it)."""
+    if model_args.tokenizer_name:
+        tokenizer = load_tokenizer(model_args.tokenizer_name, model_args.trust_remote_code)
+        source = model_args.tokenizer_name
+    elif resume or model_args.model_name_or_path or model_args.init_from_llama:
+        path = resume or model_args.model_name_or_path or model_args.init_from_llama
+        tokenizer = load_tokenizer(path, trust_remote_code=True)
+        source = "checkpoint" if resume else path
+    else:
+        with training_args.main_process_first(desc="training the tokenizer"):
+            if training_args.process_index == 0:
+                start = time.time()
+                max_rows = data_args.tokenizer_train_rows if data_args.streaming else None
+                batches = text_batches(raw["train"], data_args.text_column, max_rows=max_rows)
+                tokenizer = train_bpe_tokenizer(batches, model_args.vocab_size)
+                os.makedirs(training_args.output_dir, exist_ok=True)
+                tokenizer.save_pretrained(training_args.output_dir)
+                logger.warning("Trained a byte-level BPE (vocab %d) in %.1fs", len(tokenizer), time.time() - start)
+            else:
+                tokenizer = AutoTokenizer.from_pretrained(training_args.output_dir)
+        source = f"byte-level BPE trained on the training text, vocab {model_args.vocab_size}"
+    return prepare_tokenizer_for_generation(tokenizer), source
+
+
+def build_model(model_args, tokenizer, resume):
+    """The model: the checkpoint's (fine-tuning), DDL from Llama, or fresh from a preset + overrides + flags."""
+    flags = {k: v for k, v in model_args.ddl_flags().items() if v is not None}
+    overrides = parse_config_overrides(model_args.config_overrides)
+    if model_args.model_name_or_path and model_args.init_from_llama:
+        raise UsageError("Give --model_name_or_path (a DDL checkpoint) or --init_from_llama (a Llama), not both.")
+    ids = dict(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+               eos_token_id=tokenizer.eos_token_id)
+    if model_args.model_name_or_path:
+        if flags or overrides or model_args.preset:
+            raise UsageError("--preset, --config_overrides and --ddl_* flags shape a fresh model; a checkpoint given "
+                             "by --model_name_or_path keeps its own architecture. Drop them.")
+        model = load_ddl_checkpoint(model_args.model_name_or_path)
+    elif model_args.init_from_llama:
+        if model_args.preset:
+            raise UsageError("--preset does not apply with --init_from_llama: the Llama checkpoint sets the sizes.")
+        try:
+            llama_config = AutoConfig.from_pretrained(model_args.init_from_llama)
+        except (OSError, ValueError) as err:
+            raise UsageError(f"--init_from_llama {model_args.init_from_llama!r}: cannot read a config ({err}).")
+        config = ddl_config_from_llama(llama_config, overrides, **flags)
+        model = load_from_llama(model_args.init_from_llama, config)
+    elif resume:
+        # The architecture is the checkpoint's; Trainer loads its weights, optimizer and scheduler.
+        config = DDLConfig.from_pretrained(resume)
+        model = DDLForCausalLM(config)
+    else:
+        config = preset_config(model_args.preset or "tiny", len(tokenizer), overrides, **flags, **ids)
+        model = DDLForCausalLM(config)
+    if len(tokenizer) > model.config.vocab_size:
+        raise UsageError(f"The tokenizer has {len(tokenizer)} tokens but the model's vocabulary is "
+                         f"{model.config.vocab_size}; use the checkpoint's tokenizer (drop --tokenizer_name).")
+    for key, value in ids.items():
+        if getattr(model.config, key) is None:
+            setattr(model.config, key, value)
+    return model
+
+
+def finalize_for_saving(model, tokenizer):
+    """What a published checkpoint needs beyond the weights: a complete auto_map, the cache back on, and sampling
+    defaults for generate()/pipeline()."""
+    model.config.use_cache = True  # Trainer turned it off (TRANSFORMERS_V5.md P13)
+    auto_map = dict(model.config.auto_map or {})
+    auto_map.update({"AutoConfig": "configuration_ddl.DDLConfig", "AutoModel": "modeling_ddl.DDLModel",
+                     "AutoModelForCausalLM": "modeling_ddl.DDLForCausalLM"})
+    model.config.auto_map = auto_map  # save_pretrained adds only AutoConfig and the saved class (P12)
+    model.generation_config = GenerationConfig(
+        do_sample=True, temperature=0.8, top_k=50, max_new_tokens=200, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+
+
+def final_train_loss(log_history) -> float | None:
+    losses = [e["loss"] for e in log_history if "loss" in e]
+    return losses[-1] if losses else None
+
+
+# ------------------------------------------------------------------------------------------------------- main
+
+
+def main(argv: list[str]) -> None:
+    model_args, data_args, run_args, training_args = parse_args(argv)
+    if training_args.should_log:
+        logging.set_verbosity_warning()
+    resume = resolve_resume(training_args, run_args)
+    with training_args.main_process_first():  # every process checks the output folder before any writes to it
+        pass
+    set_seed(training_args.seed)
+    start = time.time()
+
+    # 1. data: raw text, a validation split, the tokenizer
+    raw, data_info = load_raw_datasets(data_args.dataset_name, data_args.dataset_config_name, data_args.train_file,
+                                       data_args.validation_file, data_args.streaming)
+    raw = ensure_validation_split(raw, data_args.validation_split_percentage, training_args.seed,
+                                  data_info["documents"], data_args.streaming_validation_examples)
+    if data_args.streaming and training_args.do_train and training_args.max_steps <= 0:
+        raise UsageError("--streaming needs --max_steps (a streamed dataset has no length).")
+    tokenizer, tokenizer_source = get_tokenizer(model_args, data_args, training_args, raw, resume)
+
+    # 2. the model
+    model = build_model(model_args, tokenizer, resume)
+    config = model.config
+    block_size = data_args.block_size or min(PRESET_RUN_DEFAULTS["tiny"]["block_size"], config.max_position_embeddings)
+    if block_size > config.max_position_embeddings:
+        raise UsageError(f"--block_size {block_size} exceeds the model's context (max_position_embeddings = "
+                         f"{config.max_position_embeddings}). Lower --block_size, or for a fresh model raise it with "
+                         f"--config_overrides max_position_embeddings={block_size}.")
+    if block_size < 2:
+        raise UsageError(f"--block_size must be at least 2 (one input and one target token), got {block_size}.")
+
+    # 3. tokenise and pack
+    with training_args.main_process_first(desc="tokenising and packing"):
+        packed = tokenize_and_pack(raw, tokenizer, data_args.text_column, block_size, data_info["documents"],
+                                   data_args.preprocessing_num_workers, data_args.overwrite_cache)
+    train_dataset, eval_dataset = packed["train"], packed["validation"]
+    if data_args.max_eval_samples is not None:
+        eval_dataset = (eval_dataset.take(data_args.max_eval_samples) if data_args.streaming
+                        else eval_dataset.select(range(min(len(eval_dataset), data_args.max_eval_samples))))
+    train_tokens = None if data_args.streaming else len(train_dataset) * block_size
+    unigram = None
+    if not data_args.streaming and training_args.process_index == 0:
+        unigram = unigram_loss(train_dataset, eval_dataset, config.vocab_size)
+    n_params = model.num_parameters()
+    if training_args.process_index == 0:
+        print(f"model: {describe_variant(config)}, {n_params / 1e6:.2f}M parameters, {config.num_hidden_layers} "
+              f"layers x {config.hidden_size}; vocab {config.vocab_size}; block {block_size}")
+        print(f"data: {data_info['name']}" + (f"; {len(train_dataset):,} train blocks ({train_tokens:,} tokens), "
+              f"{len(eval_dataset):,} validation blocks; unigram validation loss {unigram:.3f}"
+              if train_tokens else " (streaming)") + f"; prepared in {time.time() - start:.1f}s")
+
+    # 4. train and evaluate
+    if tokenizer.model_max_length > config.max_position_embeddings:
+        tokenizer.model_max_length = config.max_position_embeddings  # saved with the checkpoint (after packing)
+    trainer = DDLTrainer(model=model, args=training_args, train_dataset=train_dataset if training_args.do_train
+                         else None, eval_dataset=eval_dataset,
+                         processing_class=tokenizer, data_collator=default_data_collator)
+    metrics = {}
+    if training_args.do_train:
+        result = trainer.train(resume_from_checkpoint=resume)
+        metrics.update(result.metrics)
+        trainer.log_metrics("train", result.metrics)
+    if training_args.do_eval:
+        eval_metrics = trainer.evaluate()
+        eval_metrics["eval_perplexity"] = math.exp(min(eval_metrics["eval_loss"], 50))
+        trainer.log_metrics("eval", eval_metrics)
+        metrics.update(eval_metrics)
+
+    # 5. save a complete checkpoint folder: weights, config + code, tokenizer, generation config, state, card
+    finalize_for_saving(model, tokenizer)
+    trainer.save_model()
+    trainer.save_state()
+    if not trainer.is_world_process_zero():
+        return
+    out = training_args.output_dir
+    log_history = trainer.state.log_history
+    tokens_seen = trainer.state.num_input_tokens_seen or (
+        trainer.state.global_step * training_args.per_device_train_batch_size * block_size
+        * training_args.gradient_accumulation_steps * training_args.world_size)
+    metrics.update(final_train_loss=final_train_loss(log_history), tokens_seen=tokens_seen, unigram_loss=unigram)
+    if model_args.init_from_llama or model_args.model_name_or_path:
+        metrics["init_from"] = (f"the Llama checkpoint `{model_args.init_from_llama}`" if model_args.init_from_llama
+                                else f"the DDL checkpoint `{model_args.model_name_or_path}`")
+    with open(os.path.join(out, "all_results.json"), "w") as f:
+        json.dump(metrics, f, indent=2)
+    curve = plot_loss_curve(log_history, os.path.join(out, "loss_curve.png"),
+                            title=f"{describe_variant(config)} on {data_info['name'].split(' (')[0]}")
+
+    # 6. a sample through pipeline("text-generation") from the saved folder
+    generator = pipeline("text-generation", model=out, tokenizer=out, trust_remote_code=True, device="cpu")
+    prompt = data_args.sample_prompt or ("Romeo.\n" if data_info["name"].startswith("shakespeare") else "The")
+    torch.manual_seed(training_args.seed)
+    sample = generator(prompt, max_new_tokens=data_args.sample_max_new_tokens)[0]["generated_text"]
+    card = model_card(repo_name=training_args.hub_model_id or os.path.basename(os.path.abspath(out)), config=config,
+                      num_parameters=n_params, data_name=data_info["name"], block_size=block_size,
+                      tokenizer_source=tokenizer_source, train_tokens=train_tokens, tokens_seen=tokens_seen,
+                      steps=trainer.state.global_step, metrics=metrics, training_args=training_args,
+                      loss_curve=curve, unigram=unigram, sample=sample, prompt=prompt)
+    trainer.ddl_model_card = card
+    trainer.create_model_card()
+    if training_args.push_to_hub:
+        trainer.push_to_hub(commit_message="End of training")
+    val = metrics.get("eval_loss")
+    print(f"\nsaved {out} in {time.time() - start:.0f}s: {tokens_seen:,} tokens seen; final train loss "
+          f"{metrics['final_train_loss']}; validation loss {val if val is None else f'{val:.4f}'} (perplexity "
+          f"{metrics.get('eval_perplexity', float('nan')):.2f})")
+    print(f"\n--- sample from {out} via pipeline('text-generation') ---\n{sample}")
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except UsageError as err:
+        print(f"train.py: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    except StrictDataclassError as err:  # a DDLConfig built elsewhere (e.g. a checkpoint's config) is invalid
+        print(f"train.py: error: {config_error_message(err)}", file=sys.stderr)
+        sys.exit(2)
