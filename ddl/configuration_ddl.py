@@ -7,6 +7,7 @@ from transformers.models.llama.configuration_llama import LlamaConfig
 DDL_COMPRESSORS = ("cc", "tc")
 DDL_RESIDUAL_MODES = ("delta", "write_only", "additive")
 DDL_VALUE_INPUTS = ("state", "context")
+DDL_IMPLS = ("fused", "reference")
 # A saved folder carries these two files; the map lets AutoConfig/AutoModel/AutoModelForCausalLM load it with
 # trust_remote_code=True for someone who never installed `ddl` (save_pretrained alone would record only the
 # class that was saved).
@@ -90,6 +91,10 @@ class DDLConfig(LlamaConfig):
             What the value projection reads: `"state"` = the un-normalised sublayer input x_in (the residual state for
             d_v = 1, the compressed state for d_v > 1), as in the authors' reference code that produced the paper's
             numbers, hence the default; `"context"` = the normalised context c, as written in the paper's text.
+        ddl_impl (`str`, *optional*, defaults to `"fused"`):
+            Implementation of the update: `"reference"` = the pure-PyTorch specification `delta_update` (autograd
+            keeps every intermediate); `"fused"` = `ddl.kernels.fused_delta_update`, same numbers, a custom autograd
+            function that keeps only its inputs and recomputes the rest in backward (less training memory).
         qk_norm (`bool`, *optional*, defaults to False):
             RMSNorm on queries and keys per head (the paper's runs used it; Llama does not). Uses transformers'
             Qwen3 attention, whose parameters add `self_attn.q_norm` / `self_attn.k_norm` to Llama's names.
@@ -122,6 +127,7 @@ class DDLConfig(LlamaConfig):
     ddl_k_eps: float = 1e-5
     ddl_v_sigmoid_scale: float | None = 4.0
     ddl_value_input: str = "state"
+    ddl_impl: str = "fused"
     qk_norm: bool = False
     layer_types: list[str] | None = None
     number_of_conv_states: int = 0
@@ -160,6 +166,8 @@ class DDLConfig(LlamaConfig):
             raise bad("ddl_residual", f"one of {DDL_RESIDUAL_MODES}")
         if self.ddl_value_input not in DDL_VALUE_INPUTS:
             raise bad("ddl_value_input", f"one of {DDL_VALUE_INPUTS}")
+        if self.ddl_impl not in DDL_IMPLS:
+            raise bad("ddl_impl", f"one of {DDL_IMPLS}")
         if not 0.0 <= self.ddl_beta_init <= 2.0:
             raise bad("ddl_beta_init", "in [0, 2] (0 = identity, 1 = projection, 2 = reflection)")
         for field in ("ddl_state_kernel_size", "ddl_embed_kernel_size"):

@@ -28,6 +28,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_ddl import DDLConfig, conv_state_slots
+from .kernels import fused_delta_update
 
 
 logger = logging.get_logger(__name__)
@@ -136,6 +137,8 @@ class DDLDeltaResidual(nn.Module):
         self.k_eps = config.ddl_k_eps
         self.value_input = config.ddl_value_input
         self.v_scale = config.ddl_v_sigmoid_scale
+        # The one place where the implementation of the update is chosen (same signature, same numbers).
+        self.update = fused_delta_update if config.ddl_impl == "fused" else delta_update
         if self.mode == "additive":
             return
         d, dv, hb = config.hidden_size, config.ddl_value_channels, config.ddl_beta_hidden_size
@@ -164,7 +167,7 @@ class DDLDeltaResidual(nn.Module):
         if self.mode == "additive":
             return delta_update(x, h, mode="additive")
         v = self.value(sublayer_input if self.value_input == "state" else context)
-        return delta_update(x, h, v, self.gate(context), mode=self.mode, k_eps=self.k_eps)
+        return self.update(x, h, v, self.gate(context), mode=self.mode, k_eps=self.k_eps)
 
 
 class DDLCompressor(nn.Module):
