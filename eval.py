@@ -3,6 +3,9 @@
     # perplexity on the embedded corpus's held-out works (Shakespeare validation split) + a sample generation
     python eval.py out/ddl-small
 
+    # train.py's eval_loss exactly: its block size (tiny preset: 256) and only full blocks
+    python eval.py outputs/ddl-tiny-shakespeare --block_size 256 --drop_remainder
+
     # what the delta gates do: beta regimes, e_post/e_pre against |1 - beta|, |v|, |dX|/|X| (JSON, Markdown, PNG)
     python eval.py out/ddl-small --audit
 
@@ -50,6 +53,7 @@ class EvalConfig:
     file: str | None = field(default=None, metadata={"help": "a UTF-8 text file, one document"})
     block_size: int | None = field(default=None, metadata={"help": "window length (default: the model's context)"})
     stride: int | None = field(default=None, metadata={"help": "window step; < block_size = sliding window"})
+    drop_remainder: bool = field(default=False, metadata={"help": "only full blocks, as train.py's eval set"})
     max_eval_tokens: int | None = field(default=None, metadata={"help": "evaluate only the first N tokens"})
     batch_size: int = field(default=8, metadata={"help": "windows (or lm-eval requests) per forward pass"})
     skip_perplexity: bool = field(default=False, metadata={"help": "no perplexity"})
@@ -234,7 +238,7 @@ def evaluate_checkpoint(cfg, ckpt, name, texts, text_source, writer, device, dty
     windows, ids = [], None
     if texts is not None and (not cfg.skip_perplexity or cfg.audit):
         ids = evaluation.tokenize_documents(tokenizer, texts, cfg.max_eval_tokens)
-        windows = evaluation.token_windows(ids, block_size, cfg.stride)
+        windows = evaluation.token_windows(ids, block_size, cfg.stride, cfg.drop_remainder)
         if not windows:
             message = f"the evaluation text {text_source} has fewer than two tokens: perplexity and audit skipped"
             print(f"error: {message}")

@@ -40,18 +40,15 @@ BETA_BINS = 40  # bins of width 0.05 on [0, 2]: the regime edges 0.1, 0.9, 1.0 a
 
 
 def tokenize_documents(tokenizer, texts, max_tokens=None) -> torch.Tensor:
-    """One token stream: each document tokenized on its own, documents separated by the EOS token (if any).
-
-    Empty documents are dropped. `max_tokens` truncates the stream (a quick look at a long split).
+    """One token stream: each document tokenized on its own and followed by the EOS token (if the tokenizer has
+    one), as train.py packs its validation set. Empty documents are dropped. `max_tokens` truncates the stream.
     """
-    eos = tokenizer.eos_token_id
+    eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
     stream = []
     for text in texts:
         if not text or not text.strip():
             continue
-        if stream and eos is not None:
-            stream.append(eos)
-        stream.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+        stream.extend(tokenizer(text, add_special_tokens=False)["input_ids"] + eos)
         if max_tokens is not None and len(stream) >= max_tokens:
             break
     if max_tokens is not None:
@@ -59,21 +56,24 @@ def tokenize_documents(tokenizer, texts, max_tokens=None) -> torch.Tensor:
     return torch.tensor(stream, dtype=torch.long)
 
 
-def token_windows(ids: torch.Tensor, block_size: int, stride: int | None = None):
+def token_windows(ids: torch.Tensor, block_size: int, stride: int | None = None, drop_remainder: bool = False):
     """Cut a token stream into windows of at most `block_size` tokens, starting every `stride` tokens.
 
     Returns a list of `(input_ids, labels)` 1-D tensors. Each token is scored once: labels are -100 for the tokens
     an earlier window already scored, so with `stride < block_size` every scored token sees at least
     `block_size - stride` tokens of context (the sliding window of the transformers perplexity guide). With
     `stride == block_size` (the default) the windows are the non-overlapping blocks a Trainer evaluates; as there,
-    the first token of a block is context only. Windows that score nothing are dropped.
+    the first token of a block is context only. Windows that score nothing are dropped. `drop_remainder` drops the
+    tokens after the last full block, as packing for training does (then the windows are exactly a Trainer's
+    evaluation blocks).
     """
     if block_size < 2:
         raise ValueError(f"block_size must be >= 2 (one context token and one target), got {block_size}.")
     stride = block_size if stride is None else stride
     if not 1 <= stride <= block_size:
         raise ValueError(f"stride must lie in [1, block_size={block_size}], got {stride}.")
-    windows, prev_end, n = [], 0, len(ids)
+    n = len(ids) if not drop_remainder else len(ids) // block_size * block_size
+    windows, prev_end = [], 0
     for begin in range(0, n, stride):
         end = min(begin + block_size, n)
         input_ids = ids[begin:end]

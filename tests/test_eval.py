@@ -172,8 +172,8 @@ def test_perplexity_equals_trainer_evaluate(tok, ids, tmp_path):
 
     model = tiny_ddl(tok)
     block = 16
-    blocks = ids[: len(ids) // block * block]  # equal blocks, as a Trainer's eval set is
-    windows = evaluation.token_windows(blocks, block)
+    windows = evaluation.token_windows(ids, block, drop_remainder=True)  # full blocks, as train.py packs them
+    assert len(windows) == len(ids) // block and all(len(w[0]) == block for w in windows)
     data = Dataset.from_dict({"input_ids": [w[0].tolist() for w in windows], "labels": [w[0].tolist() for w in windows]})
     args = TrainingArguments(output_dir=str(tmp_path), per_device_eval_batch_size=4, report_to=[], use_cpu=True)
     eval_loss = Trainer(model=model, args=args, eval_dataset=data).evaluate()["eval_loss"]
@@ -233,6 +233,31 @@ def test_audit_reports_and_plots(tok, ids, tmp_path):
     paths = evaluation.plot_audit(rows, str(tmp_path), "tiny")
     assert [os.path.basename(p) for p in paths] == ["audit_beta_hist.png", "audit_heatmap.png"]
     assert all(os.path.getsize(p) > 1000 for p in paths)
+
+
+def test_audit_finds_remote_code_classes(checkpoints, tmp_path):
+    """Loaded with trust_remote_code and without the ddl package, the classes live in transformers_modules...: the
+    audit finds the delta residuals by class name."""
+    import subprocess
+
+    script = f"""
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("evaluation", {os.path.join(ROOT, "ddl", "evaluation.py")!r})
+evaluation = importlib.util.module_from_spec(spec); spec.loader.exec_module(evaluation)
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained({checkpoints["write_only"]!r}, trust_remote_code=True)
+tok = AutoTokenizer.from_pretrained({checkpoints["write_only"]!r}, trust_remote_code=True)
+assert "ddl" not in sys.modules and type(model).__module__.startswith("transformers_modules"), type(model).__module__
+ids = evaluation.tokenize_documents(tok, ["To be, or not to be, that is the question."])
+rows = evaluation.audit_gates(model, evaluation.token_windows(ids, 8))
+assert [(r["layer"], r["sublayer"], r["mode"]) for r in rows] == [
+    (0, "attn", "write_only"), (0, "mlp", "write_only"), (1, "attn", "write_only"), (1, "mlp", "write_only")]
+print("ok", rows[0]["beta_mean"])
+"""
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "OMP_NUM_THREADS": "1", "PYTHONPATH": ""}
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("ok 1.0")
 
 
 # ------------------------------------------------------------------------------------------------------------- eval.py
@@ -305,7 +330,12 @@ def test_local_lm_eval_task_end_to_end(checkpoints, tmp_path, capsys):
 
 
 @pytest.mark.skipif(not HAS_LM_EVAL, reason=f"lm-eval not installed ({evaluation.LM_EVAL_INSTALL})")
-def test_unknown_task_is_reported_and_the_rest_runs(checkpoints, tmp_path, capsys):
+def test_unknown_task_is_reported_and_the_rest_runs(checkpoints, tmp_path, capsys, monkeypatch):
+    import lm_eval.tasks
+
+    # An unknown local name makes eval.py index lm-eval's ~15k task configs (7 s or more); index tasks/ only.
+    local_only = lm_eval.tasks.TaskManager
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", lambda **kw: local_only(**{**kw, "include_defaults": False}))
     code, printed = run_eval(
         [checkpoints["delta"], "--tasks", "ddl_shakespear", "--file", checkpoints["text"], "--max_new_tokens", "0",
          "--output_dir", str(tmp_path / "o")],
