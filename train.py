@@ -266,22 +266,44 @@ def get_tokenizer(model_args, data_args, training_args, raw, resume):
     return prepare_tokenizer_for_generation(tokenizer), source
 
 
+def check_model_source(model_args):
+    """Fail fast (before any data work) on a checkpoint of the wrong kind or flags that cannot apply to it."""
+    if model_args.model_name_or_path and model_args.init_from_llama:
+        raise UsageError("Give --model_name_or_path (a DDL checkpoint) or --init_from_llama (a Llama), not both.")
+    source = model_args.model_name_or_path or model_args.init_from_llama
+    if source is None:  # validate the fresh model's config now (the vocabulary is fixed later by the tokenizer)
+        flags = {k: v for k, v in model_args.ddl_flags().items() if v is not None}
+        preset_config(model_args.preset or "tiny", model_args.vocab_size,
+                      parse_config_overrides(model_args.config_overrides), **flags)
+        return
+    if model_args.preset:
+        raise UsageError("--preset shapes a fresh model; the checkpoint given sets the sizes. Drop --preset.")
+    flag = "--model_name_or_path" if model_args.model_name_or_path else "--init_from_llama"
+    try:
+        config = AutoConfig.from_pretrained(source, trust_remote_code=True)
+    except (OSError, ValueError) as err:
+        raise UsageError(f"{flag} {source!r}: cannot read a model config there ({err}).") from err
+    if model_args.model_name_or_path and config.model_type != DDLConfig.model_type:
+        hint = f" Build a DDL model from it with --init_from_llama {source}." if config.model_type == "llama" else ""
+        raise UsageError(f"--model_name_or_path {source!r} is a {config.model_type!r} checkpoint, not DDL "
+                         f"(model_type 'ddl').{hint}")
+    if model_args.init_from_llama and config.model_type != "llama":
+        raise UsageError(f"--init_from_llama {source!r} is a {config.model_type!r} checkpoint; it needs a Llama "
+                         "(model_type 'llama').")
+
+
 def build_model(model_args, tokenizer, resume):
     """The model: the checkpoint's (fine-tuning), DDL from Llama, or fresh from a preset + overrides + flags."""
     flags = {k: v for k, v in model_args.ddl_flags().items() if v is not None}
     overrides = parse_config_overrides(model_args.config_overrides)
-    if model_args.model_name_or_path and model_args.init_from_llama:
-        raise UsageError("Give --model_name_or_path (a DDL checkpoint) or --init_from_llama (a Llama), not both.")
     ids = dict(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
                eos_token_id=tokenizer.eos_token_id)
     if model_args.model_name_or_path:
-        if flags or overrides or model_args.preset:
-            raise UsageError("--preset, --config_overrides and --ddl_* flags shape a fresh model; a checkpoint given "
-                             "by --model_name_or_path keeps its own architecture. Drop them.")
+        if flags or overrides:
+            raise UsageError("--config_overrides and --ddl_* flags shape a fresh model; a checkpoint given by "
+                             "--model_name_or_path keeps its own architecture. Drop them.")
         model = load_ddl_checkpoint(model_args.model_name_or_path)
     elif model_args.init_from_llama:
-        if model_args.preset:
-            raise UsageError("--preset does not apply with --init_from_llama: the Llama checkpoint sets the sizes.")
         try:
             llama_config = AutoConfig.from_pretrained(model_args.init_from_llama)
         except (OSError, ValueError) as err:
@@ -331,6 +353,7 @@ def main(argv: list[str]) -> None:
     if training_args.should_log:
         logging.set_verbosity_warning()
     resume = resolve_resume(training_args, run_args)
+    check_model_source(model_args)
     with training_args.main_process_first():  # every process checks the output folder before any writes to it
         pass
     set_seed(training_args.seed)
@@ -434,12 +457,18 @@ def main(argv: list[str]) -> None:
     print(f"\n--- sample from {out} via pipeline('text-generation') ---\n{sample}")
 
 
-if __name__ == "__main__":
+def cli(argv: list[str]) -> int:
+    """Run `main`; a user mistake becomes one `train.py: error: ...` line on stderr and exit status 2."""
     try:
-        main(sys.argv[1:])
+        main(argv)
     except UsageError as err:
         print(f"train.py: error: {err}", file=sys.stderr)
-        sys.exit(2)
-    except StrictDataclassError as err:  # a DDLConfig built elsewhere (e.g. a checkpoint's config) is invalid
+        return 2
+    except StrictDataclassError as err:  # a DDLConfig built from a checkpoint's config.json is invalid
         print(f"train.py: error: {config_error_message(err)}", file=sys.stderr)
-        sys.exit(2)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli(sys.argv[1:]))

@@ -216,6 +216,8 @@ def load_raw_datasets(
         for split, path in files.items():
             if not os.path.isfile(path):
                 raise UsageError(f"--{split if split == 'validation' else 'train'}_file {path!r} does not exist.")
+            if os.path.getsize(path) == 0:
+                raise UsageError(f"--{split if split == 'validation' else 'train'}_file {path!r} is empty.")
             ext = path.rsplit(".", 1)[-1].lower() if "." in os.path.basename(path) else ""
             if ext not in DATA_EXTENSIONS:
                 raise UsageError(f"{path!r}: unsupported file type {ext!r}; use one of {sorted(DATA_EXTENSIONS)}.")
@@ -224,7 +226,11 @@ def load_raw_datasets(
             raise UsageError(f"--train_file and --validation_file must have the same format, got {sorted(extensions)}.")
         builder = extensions.pop()
         kwargs = {"keep_linebreaks": True} if builder == "text" else {}
-        raw = load_dataset(builder, data_files=files, streaming=streaming, cache_dir=cache_dir, **kwargs)
+        try:
+            raw = load_dataset(builder, data_files=files, streaming=streaming, cache_dir=cache_dir, **kwargs)
+        except Exception as err:  # e.g. malformed json: datasets wraps the cause in DatasetGenerationError
+            cause = err.__cause__ or err
+            raise UsageError(f"Could not read {sorted(files.values())} as {builder}: {type(cause).__name__}: {cause}")
         return raw, {"name": ", ".join(os.path.basename(p) for p in files.values()), "documents": builder != "text"}
     from .data import CORPUS_NAME, shakespeare_splits
 

@@ -1,0 +1,284 @@
+"""train.py end to end, in subprocesses, at tiny sizes (hidden 32, 2 layers, vocab 300, a few steps each).
+
+Covers: a loadable checkpoint that a fresh process without `ddl` on its path generates from (trust_remote_code);
+resume after an interruption reaches the uninterrupted loss; `--init_from_llama` with the additive residual is that
+Llama exactly; 2-process DDP under torchrun (gloo on CPU); bad inputs give one clear line and a non-zero exit.
+"""
+
+import json
+import math
+import os
+import random
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = os.path.join(ROOT, "train.py")
+sys.path.insert(0, ROOT)
+
+from ddl.training import (  # noqa: E402
+    ddl_config_from_llama,
+    ensure_validation_split,
+    load_from_llama,
+    load_raw_datasets,
+    tokenize_and_pack,
+    train_bpe_tokenizer,
+)
+
+
+TINY_MODEL = "hidden_size=32,intermediate_size=64,num_hidden_layers=2,num_attention_heads=2,head_dim=16"
+TINY_RUN = [
+    "--vocab_size", "300", "--block_size", "32", "--per_device_train_batch_size", "4",
+    "--per_device_eval_batch_size", "8", "--max_eval_samples", "8", "--logging_steps", "1",
+    "--report_to", "none", "--use_cpu", "--sample_max_new_tokens", "8", "--dataloader_num_workers", "0",
+]
+WORDS = ("the king queen lord lady crown sword night day love death heart blood fair foul speak hear go come "
+         "thou thee my our your good ill sweet bitter time world man woman fool wise").split()
+
+
+def env(**extra):
+    """The parent's environment with single-threaded torch (tests run side by side on 2 cores) and no Hub."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+            "CUDA_VISIBLE_DEVICES": "", **extra}
+
+
+def run_train(*args, check=True, timeout=300, launcher=None):
+    cmd = (launcher or [sys.executable]) + [TRAIN, *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def tiny(out, text_file, *extra):
+    return ["--train_file", str(text_file), "--output_dir", str(out), "--config_overrides", TINY_MODEL,
+            *TINY_RUN, *extra]
+
+
+def logged_losses(folder) -> dict[int, float]:
+    with open(os.path.join(folder, "trainer_state.json")) as f:
+        return {e["step"]: e["loss"] for e in json.load(f)["log_history"] if "loss" in e}
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    rng = random.Random(0)
+    lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))).capitalize() + "." for _ in range(1500)]
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, text_file):
+    out = tmp_path_factory.mktemp("run") / "ckpt"
+    proc = run_train(*tiny(out, text_file, "--max_steps", "3", "--eval_steps", "3", "--save_steps", "3"))
+    return out, proc
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory, text_file):
+    """A random tiny LlamaForCausalLM saved with a tokenizer trained here (no Hub)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("llama")
+    tokenizer = train_bpe_tokenizer([text_file.read_text().splitlines()], vocab_size=300)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                         tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_checkpoint_is_complete(trained):
+    out, proc = trained
+    for name in ("model.safetensors", "config.json", "configuration_ddl.py", "modeling_ddl.py", "tokenizer.json",
+                 "tokenizer_config.json", "generation_config.json", "trainer_state.json", "README.md",
+                 "loss_curve.png"):
+        assert (out / name).is_file(), name
+    config = json.loads((out / "config.json").read_text())
+    assert config["auto_map"] == {"AutoConfig": "configuration_ddl.DDLConfig", "AutoModel": "modeling_ddl.DDLModel",
+                                  "AutoModelForCausalLM": "modeling_ddl.DDLForCausalLM"}
+    assert config["use_cache"] is True and config["ddl_value_channels"] == 4 and config["ddl_residual"] == "delta"
+    card = (out / "README.md").read_text()
+    for needle in ("DDL-CC (d_v=4)", "trust_remote_code=True", "loss_curve.png", "validation", "Tokens seen: 384"):
+        assert needle in card, needle
+    results = json.loads((out / "all_results.json").read_text())
+    assert math.isfinite(results["eval_loss"]) and results["tokens_seen"] == 3 * 4 * 32
+    assert "sample from" in proc.stdout
+
+
+def test_reload_in_fresh_process_without_ddl(trained, tmp_path):
+    """The folder alone is enough: another cwd, no PYTHONPATH, so `import ddl` fails; remote code does the work."""
+    out, _ = trained
+    script = f"""
+import importlib.util, torch
+assert importlib.util.find_spec("ddl") is None, "ddl must not be importable here"
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, pipeline
+path = {str(out)!r}
+model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
+tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=True)
+assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+assert AutoModel.from_pretrained(path, trust_remote_code=True).config.model_type == "ddl"
+ids = tokenizer("The king", return_tensors="pt")
+torch.manual_seed(0)
+new = model.generate(**ids, max_new_tokens=6)[0, ids["input_ids"].shape[1]:]
+assert new.numel() > 0
+text = pipeline("text-generation", model=model, tokenizer=tokenizer)("The king", max_new_tokens=6)[0]
+assert text["generated_text"].startswith("The king")
+print("OK", tokenizer.decode(new))
+"""
+    environment = env(HF_HOME=str(tmp_path / "hf"))
+    environment.pop("PYTHONPATH", None)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=environment, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "OK" in proc.stdout
+
+
+def test_resume_reaches_the_uninterrupted_loss(tmp_path, text_file):
+    """Run A trains 2N steps. Run B is an interrupted run: an output folder holding only A's checkpoint at step N
+    (what a run killed after its step-N save leaves behind). Resumed, B must log A's loss at step 2N."""
+    n = 3
+    full, interrupted = tmp_path / "full", tmp_path / "interrupted"
+    run_train(*tiny(full, text_file, "--max_steps", str(2 * n), "--save_steps", str(n), "--eval_steps", "100"))
+    interrupted.mkdir()
+    shutil.copytree(full / f"checkpoint-{n}", interrupted / f"checkpoint-{n}")
+    args = tiny(interrupted, text_file, "--max_steps", str(2 * n), "--save_steps", str(n), "--eval_steps", "100")
+    refused = run_train(*args, check=False)
+    assert refused.returncode != 0 and "--resume_from_checkpoint true" in refused.stderr
+    run_train(*args, "--resume_from_checkpoint", "true")
+    expected, resumed = logged_losses(full), logged_losses(interrupted)
+    assert min(resumed) <= n + 1 and 2 * n in resumed
+    assert resumed[2 * n] == pytest.approx(expected[2 * n], rel=1e-5, abs=1e-6)
+    assert resumed[n + 1] == pytest.approx(expected[n + 1], rel=1e-5, abs=1e-6)
+
+
+def test_from_llama_additive_is_that_llama(llama_dir):
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    llama = LlamaForCausalLM.from_pretrained(llama_dir)
+    config = ddl_config_from_llama(AutoConfig.from_pretrained(llama_dir), ddl_residual="additive",
+                                   ddl_value_channels=1)
+    model = load_from_llama(str(llama_dir), config)
+    ids = torch.randint(0, llama.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected, got = llama(input_ids=ids, labels=ids), model(input_ids=ids, labels=ids)
+    assert torch.equal(got.logits, expected.logits)
+    assert got.loss.item() == expected.loss.item()
+
+
+def test_from_llama_initialises_the_ddl_branches(llama_dir):
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    llama = LlamaForCausalLM.from_pretrained(llama_dir)
+    config = ddl_config_from_llama(AutoConfig.from_pretrained(llama_dir), ddl_beta_init=0.5)  # d_v=4 CC + EC
+    model = load_from_llama(str(llama_dir), config)
+    llama_state = llama.state_dict()
+    for name, tensor in model.state_dict().items():
+        if name in llama_state:
+            assert torch.equal(tensor, llama_state[name]), name
+    layer = model.model.layers[0]
+    assert torch.allclose(layer.attn_delta.beta_bias, torch.tensor([math.log(0.25 / 0.75)]))
+    assert torch.count_nonzero(layer.attn_delta.beta_weight) == 0
+    assert 0.005 < layer.mlp_delta.value_weight.std().item() < 0.05  # normal(0, initializer_range)
+    assert torch.all(layer.attn_compress.weight == 0.25) and torch.all(model.model.readout.weight == 0.25)
+    taps = model.model.embed_conv.weight
+    assert torch.all(taps[-1] == 1) and torch.all(taps[:-1] == 0)
+
+
+def test_cli_from_llama_additive_gives_the_llama_loss(tmp_path, llama_dir, text_file):
+    """Evaluation only (`--do_train false`): the DDL built from the Llama scores the Llama's loss on the same blocks."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    out = tmp_path / "from_llama"
+    run_train("--init_from_llama", str(llama_dir), "--ddl_residual", "additive", "--ddl_value_channels", "1",
+              "--train_file", str(text_file), "--output_dir", str(out), "--do_train", "false", *TINY_RUN)
+    got = json.loads((out / "all_results.json").read_text())["eval_loss"]
+
+    tokenizer = AutoTokenizer.from_pretrained(llama_dir)
+    raw, info = load_raw_datasets(train_file=str(text_file))
+    raw = ensure_validation_split(raw, 5.0, 42, info["documents"])
+    blocks = tokenize_and_pack(raw, tokenizer, "text", 32, info["documents"])["validation"].select(range(8))
+    ids = torch.tensor(blocks["input_ids"])
+    with torch.no_grad():
+        expected = LlamaForCausalLM.from_pretrained(llama_dir)(input_ids=ids, labels=ids).loss.item()
+    assert got == pytest.approx(expected, rel=1e-6, abs=1e-6)
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None and not os.path.exists(
+    os.path.join(os.path.dirname(sys.executable), "torchrun")), reason="torchrun is not available")
+def test_ddp_two_processes(tmp_path, text_file):
+    out = tmp_path / "ddp"
+    torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
+    proc = run_train(*tiny(out, text_file, "--max_steps", "3", "--eval_steps", "3", "--save_steps", "3"),
+                     launcher=[torchrun, "--nproc_per_node", "2", "--master_port", "29531"])
+    results = json.loads((out / "all_results.json").read_text())
+    assert results["tokens_seen"] == 3 * 4 * 32 * 2  # both processes' batches counted
+    assert "x 2 blocks of 32 tokens" in (out / "README.md").read_text()
+    assert proc.stdout.count("sample from") == 1  # only the main process saves and samples
+
+
+BAD_INPUTS = {
+    "missing-file": (["--train_file", "{tmp}/nope.txt"], "does not exist"),
+    "empty-file": (["--train_file", "{empty}"], "is empty"),
+    "too-little-text": (["--block_size", "900"], "fewer than --block_size"),
+    "block-above-context": (["--block_size", "2048"], "max_position_embeddings"),
+    "unknown-preset": (["--preset", "huge"], "invalid choice"),
+    "bad-residual": (["--ddl_residual", "additve"], "ddl_residual must be one of"),
+    "bad-value-channels": (["--ddl_value_channels", "0"], "ddl_value_channels must be"),
+    "bad-override": (["--config_overrides", "hiden_size=64"], "not a DDLConfig field"),
+    "not-ddl-checkpoint": (["--model_name_or_path", "{llama}"], "--init_from_llama"),
+    "non-empty-output": (["--output_dir", "{nonempty}"], "refusing to overwrite"),
+}
+
+
+@pytest.fixture
+def bad_input_args(tmp_path, text_file, llama_dir):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "nonempty").mkdir()
+    (tmp_path / "nonempty" / "keep.txt").write_text("precious")
+    small = tmp_path / "small.txt"
+    small.write_text(text_file.read_text()[:3000])
+    fill = dict(tmp=tmp_path, empty=tmp_path / "empty.txt", llama=llama_dir, nonempty=tmp_path / "nonempty")
+
+    def make(case):
+        args, message = BAD_INPUTS[case]
+        base = ["--train_file", str(small), "--output_dir", str(tmp_path / "out"), "--report_to", "none",
+                "--use_cpu", "--max_steps", "1", "--vocab_size", "300"]
+        return base + [a.format(**fill) for a in args], message  # later flags win
+
+    yield make
+    assert (tmp_path / "nonempty" / "keep.txt").read_text() == "precious"
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_is_rejected_clearly(case, bad_input_args, capsys):
+    """In process (an interpreter start costs seconds): `train.cli` is what `python train.py` runs."""
+    import train
+
+    args, message = bad_input_args(case)
+    try:
+        status = train.cli(args)
+    except SystemExit as exit_:  # argparse's own errors (unknown choice)
+        status = exit_.code
+    err = capsys.readouterr().err
+    assert status == 2
+    assert message in err and "error:" in err, err[-3000:]
+    assert "Traceback" not in err
+
+
+def test_bad_input_exits_non_zero_without_traceback(bad_input_args):
+    """The same through a real `python train.py` process: exit status 2, one message, no traceback."""
+    args, message = bad_input_args("bad-residual")
+    proc = run_train(*args, check=False)
+    assert proc.returncode == 2
+    assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
