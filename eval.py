@@ -266,9 +266,10 @@ def evaluate_checkpoint(cfg, ckpt, name, texts, text_source, writer, device, dty
                 scores = evaluation.run_lm_eval(
                     model, tokenizer, task_names, cfg.num_fewshot, cfg.batch_size, cfg.limit, block_size
                 )
-            except ValueError as err:
-                print(f"error: {err}")
-                result["errors"].append(str(err))
+            except (ValueError, KeyError, OSError, RuntimeError) as err:  # e.g. an unknown task, data not reachable
+                message = f"lm-eval: {type(err).__name__}: {err}"
+                print(f"error: {message}")
+                result["errors"].append(message)
             else:
                 result["tasks"] = {k: v for k, v in scores.items() if not k.startswith("_")}
                 writer.json(os.path.join(name, "lm_eval.json"), scores["_raw"])

@@ -48,7 +48,7 @@ def tokenize_documents(tokenizer, texts, max_tokens=None) -> torch.Tensor:
     for text in texts:
         if not text or not text.strip():
             continue
-        stream.extend(tokenizer(text, add_special_tokens=False)["input_ids"] + eos)
+        stream.extend(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"] + eos)
         if max_tokens is not None and len(stream) >= max_tokens:
             break
     if max_tokens is not None:
@@ -425,7 +425,7 @@ def audit_paragraph(rows) -> str:
     text = (
         f"Over {tokens} tokens, the {len(gated)} {mode} gates ({len(gated) // max(len({r['layer'] for r in gated}), 1)}"
         f" per layer) {habit}: {overwrite:.0%} of gate values are near 1 (overwrite), {skip:.0%} below 0.1 (skip) and "
-        f"{over:.0%} above 1 (over-relaxed). Attention gates average beta = {_mean(attn, 'beta_mean'):.2f} and MLP "
+        f"{over:.0%} above 1 (over-relaxed; values in (1, 1.1] count in both). Attention gates average beta = {_mean(attn, 'beta_mean'):.2f} and MLP "
         f"gates {_mean(mlp, 'beta_mean'):.2f}"
     )
     if high["beta_mean"] - low["beta_mean"] < 0.01:

@@ -312,6 +312,27 @@ def test_default_text_is_the_embedded_validation_split(checkpoints, tmp_path, ca
     assert "perplexity on shakespeare:validation" in printed
 
 
+def test_text_from_a_datasets_folder(checkpoints, tmp_path, capsys):
+    data_dir = tmp_path / "corpus"
+    data_dir.mkdir()
+    (data_dir / "test.txt").write_text(TEXT * 3, encoding="utf-8")  # the `text` builder: one row per line
+    code, printed = run_eval(
+        [checkpoints["delta"], "--dataset_name", str(data_dir), "--split", "test", "--max_new_tokens", "0",
+         "--output_dir", str(tmp_path / "o")],
+        capsys,
+    )  # fmt: skip
+    assert code == 0, printed
+    result = json.loads((tmp_path / "o" / "delta" / "results.json").read_text())
+    assert result["perplexity"]["text"] == f"{data_dir}/:test" and result["perplexity"]["tokens"] > 0
+
+    code, printed = run_eval(
+        [checkpoints["delta"], "--dataset_name", str(data_dir), "--split", "test", "--text_column", "body",
+         "--max_new_tokens", "0", "--output_dir", str(tmp_path / "o2")],
+        capsys,
+    )  # fmt: skip
+    assert code == 1 and "has no column 'body'" in printed
+
+
 @pytest.mark.skipif(not HAS_LM_EVAL, reason=f"lm-eval not installed ({evaluation.LM_EVAL_INSTALL})")
 def test_local_lm_eval_task_end_to_end(checkpoints, tmp_path, capsys):
     out = tmp_path / "tasks"
@@ -342,7 +363,7 @@ def test_unknown_task_is_reported_and_the_rest_runs(checkpoints, tmp_path, capsy
         capsys,
     )  # fmt: skip
     assert code == 1
-    assert "does not know the task(s) 'ddl_shakespear': did you mean ['ddl_shakespeare']" in printed
+    assert "lm-eval: ValueError: lm-eval does not know the task(s) 'ddl_shakespear': did you mean ['ddl_shakespeare']" in printed
     assert "perplexity on" in printed
 
 
