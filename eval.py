@@ -1,4 +1,4 @@
-"""Evaluate causal-LM checkpoints (DDL or not): perplexity, lm-evaluation-harness tasks, a gate audit, a sample.
+r"""Evaluate causal-LM checkpoints (DDL or not): perplexity, lm-evaluation-harness tasks, a gate audit, a sample.
 
     # perplexity on the embedded corpus's held-out works (Shakespeare validation split) + a sample generation
     python eval.py out/ddl-small

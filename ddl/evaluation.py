@@ -612,6 +612,8 @@ def comparison_markdown(rows) -> str:
     task_columns = sorted({key for row in rows for key in row if "/" in key})
     columns = [(key, label) for key, label in COMPARISON_COLUMNS if any(key in row for row in rows)]
     columns += [(key, key) for key in task_columns]
+    if any(row.get("errors") for row in rows):
+        columns.append(("errors", "errors"))
     specs = {"parameters": ",d", "tokens": ",d", "tokens_per_second": ",.0f", "perplexity": ".2f", "mean_nll": ".4f"}
     share_keys = {"share_skip", "share_overwrite", "share_over_relaxed", "update_share"}
     lines = [
@@ -622,6 +624,9 @@ def comparison_markdown(rows) -> str:
         cells = []
         for key, _ in columns:
             value = row.get(key)
+            if key == "errors":
+                cells.append((value or "")[:80].replace("|", "/") + ("…" if value and len(value) > 80 else ""))
+                continue
             if key in share_keys:
                 spec = ".1%"
             else:
