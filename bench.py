@@ -54,7 +54,7 @@ VARIANTS = {
 }
 
 
-def build(variant, size, device, dtype):
+def build(variant, size, device, dtype, impl="fused"):
     dims = dict(
         hidden_size=size.hidden_size,
         num_hidden_layers=size.num_hidden_layers,
@@ -71,7 +71,9 @@ def build(variant, size, device, dtype):
     )
     torch.manual_seed(0)
     overrides = VARIANTS[variant]
-    model = LlamaForCausalLM(LlamaConfig(**dims)) if overrides is None else DDLForCausalLM(DDLConfig(**dims, **overrides))
+    model = LlamaForCausalLM(LlamaConfig(**dims)) if overrides is None else DDLForCausalLM(
+        DDLConfig(**dims, **overrides, ddl_impl=impl)
+    )
     return model.to(device=device, dtype=dtype)
 
 
@@ -201,6 +203,7 @@ def main(argv=None):
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument("--impl", choices=["fused", "reference"], default="fused", help="DDL's update path")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model for training and prefill")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--train_steps", type=int, default=2, help="timed training steps per repeat")
@@ -210,7 +213,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     device, dtype, size = torch.device(args.device), getattr(torch, args.dtype), SIZES[args.size]
-    runners = [Runner(v, build(v, size, device, dtype), size, device, args.compile) for v in args.variants]
+    runners = [Runner(v, build(v, size, device, dtype, args.impl), size, device, args.compile) for v in args.variants]
     for runner in runners:  # warm-up: allocations, optimizer state, compilation
         runner.train_step()
         runner.time_prefill(1)
@@ -231,7 +234,7 @@ def main(argv=None):
     rows = summarise(runners)
     header = (
         f"### bench.py --size {args.size} ({size}), device {args.device}, {args.dtype}"
-        f"{', compiled' if args.compile else ''}, {args.repeats} repeats, torch {torch.__version__}"
+        f", ddl_impl={args.impl}{', compiled' if args.compile else ''}, {args.repeats} repeats, torch {torch.__version__}"
     )
     print(markdown(rows, header))
     if args.json:

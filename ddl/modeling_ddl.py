@@ -4,7 +4,7 @@ Llama's architecture with one change: each of the two residual additions of a de
 update of the residual state. Attention, MLP, RMSNorm and rotary embeddings are transformers' own Llama modules
 (Qwen3's attention when `qk_norm=True`), so parameter names, attention backends and caches are Llama's.
 
-Reading order: the delta update (the method, one function), the token-axis convolution used by EC and TC, the
+Reading order: the delta update (the method, one function), the token-axis convolutions of EC and TC, the
 DDL modules (delta residual, compressor, embedding convolution), the decoder layer, the models.
 """
 
@@ -75,23 +75,41 @@ def delta_update(x, h, v=None, beta=None, mode="delta", k_eps=1e-5):
 
 
 def causal_token_conv(x, weight, history=None):
-    r"""Depthwise causal convolution over the token axis, used by EC and the TC compressor.
+    r"""EC: depthwise causal convolution over the token axis, from d input features to d x d_v channels.
 
-        y[t, i, j] = sum_s weight[s, i, j] * x[t - (K - 1) + s, i(, j)]
+        y[t, i, j] = sum_s weight[s, i, j] * x[t - (K - 1) + s, i]
 
-    x: `(B, T, d)` (EC: every feature feeds d_v output channels) or `(B, T, d, d_v)` (TC). weight: `(K, d, d_v)`,
-    tap K-1 is the current token. history: `(B, K-1, ...)` inputs before x (zeros at the start of a sequence).
-    Returns `(B, T, d, d_v)`.
+    x: `(B, T, d)`; weight: `(K, d, d_v)`, tap K-1 is the current token; history: `(B, K-1, d)`, the inputs
+    before x (zeros at the start of a sequence). Returns `(B, T, d, d_v)`.
     """
     kernel, seq_len = weight.shape[0], x.shape[1]
     if history is None:
-        history = x.new_zeros(x.shape[0], kernel - 1, *x.shape[2:])
-    full = torch.cat([history, x], dim=1)  # (B, K-1+T, ...)
-    if full.dim() == 3:
-        full = full.unsqueeze(-1)  # (B, K-1+T, d, 1)
+        history = x.new_zeros(x.shape[0], kernel - 1, x.shape[2])
+    full = torch.cat([history, x], dim=1).unsqueeze(-1)  # (B, K-1+T, d, 1)
     out = full[:, kernel - 1 :] * weight[kernel - 1]
     for s in range(kernel - 1):
         out = out + full[:, s : s + seq_len] * weight[s]
+    return out
+
+
+def causal_token_readout(x, weight, history=None):
+    r"""TC: a causal depthwise token convolution of the state and the read over its d_v channels, in one step.
+
+        y[t, i] = sum_j sum_s weight[s, i, j] * x[t - (K - 1) + s, i, j]      (weight = conv taps c * read r)
+
+    x: `(B, T, d, d_v)`; weight: `(K, d, d_v)`; history: `(B, K-1, d, d_v)` or None (zeros). Returns `(B, T, d)`.
+    Each lag reads a slice (a view) of x, so autograd keeps no shifted copy of the big state.
+    """
+    kernel, seq_len = weight.shape[0], x.shape[1]
+    out = (x * weight[kernel - 1]).sum(-1)
+    for lag in range(1, kernel):
+        tap = weight[kernel - 1 - lag]
+        if seq_len > lag:  # tokens t >= lag read x[t - lag]
+            out = out + F.pad((x[:, : seq_len - lag] * tap).sum(-1), (0, 0, lag, 0))
+        if history is not None:  # tokens t < lag read the history
+            n = min(lag, seq_len)
+            past = (history[:, kernel - 1 - lag : kernel - 1 - lag + n] * tap).sum(-1)
+            out = out + F.pad(past, (0, 0, 0, seq_len - n))
     return out
 
 
@@ -190,10 +208,10 @@ class DDLCompressor(nn.Module):
 
     def forward(self, state, cache=None, pad_mask=None):
         if self.kind == "cc":
-            return torch.einsum("btdv,dv->btd", state, self.weight)
+            return (state * self.weight).sum(-1)  # keeps no copy of the state for backward, unlike einsum
         state = _mask_padding(state, pad_mask)
         history = token_history(state, self.conv_weight.shape[0], cache, self.layer_idx, self.cache_slot)
-        return causal_token_conv(state, self.conv_weight, history) @ self.read  # (B, T, d)
+        return causal_token_readout(state, self.conv_weight * self.read, history)  # (B, T, d)
 
 
 class DDLEmbedConv(nn.Module):

@@ -423,3 +423,24 @@ def test_remote_code_loading_in_a_fresh_process(tmp_path, tokenizer):
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0 and "REMOTE-OK 6" in result.stdout, result.stdout + result.stderr
+
+
+def test_token_convolutions_match_conv1d():
+    """EC and TC against torch's own depthwise Conv1d with causal (left) zero padding."""
+    from ddl.modeling_ddl import causal_token_conv, causal_token_readout
+
+    g = torch.Generator().manual_seed(0)
+    B, T, d, dv, K = 2, 7, 5, 3, 4
+    weight = torch.randn(K, d, dv, generator=g, dtype=torch.float64)
+    conv_weight = weight.permute(1, 2, 0).reshape(d * dv, 1, K)  # channel (i, j), taps in time order
+    x = torch.randn(B, T, d, generator=g, dtype=torch.float64)
+    ec_in = x.unsqueeze(-1).expand(B, T, d, dv).reshape(B, T, d * dv).transpose(1, 2)
+    ec = torch.nn.functional.conv1d(torch.nn.functional.pad(ec_in, (K - 1, 0)), conv_weight, groups=d * dv)
+    torch.testing.assert_close(causal_token_conv(x, weight), ec.transpose(1, 2).reshape(B, T, d, dv))
+    state = torch.randn(B, T, d, dv, generator=g, dtype=torch.float64)
+    tc_in = torch.nn.functional.pad(state.reshape(B, T, d * dv).transpose(1, 2), (K - 1, 0))
+    tc = torch.nn.functional.conv1d(tc_in, conv_weight, groups=d * dv).transpose(1, 2).reshape(B, T, d, dv).sum(-1)
+    torch.testing.assert_close(causal_token_readout(state, weight), tc)
+    # with history: the last K-1 tokens of a longer sequence see the same result as the whole sequence
+    torch.testing.assert_close(causal_token_readout(state[:, 4:], weight, history=state[:, 1:4]), tc[:, 4:])
+    torch.testing.assert_close(causal_token_conv(x[:, 4:], weight, history=x[:, 1:4]), causal_token_conv(x, weight)[:, 4:])
