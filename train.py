@@ -201,6 +201,7 @@ def parse_args(argv: list[str]):
         report_to="tensorboard",
         include_num_input_tokens_seen=True,
         bf16=bf16,
+        dataloader_pin_memory=torch.cuda.is_available(),
         **PAPER_RECIPE,
         **PRESET_RUN_DEFAULTS[preset],
     )
@@ -411,7 +412,11 @@ def main(argv: list[str]) -> None:
         metrics.update(result.metrics)
         trainer.log_metrics("train", result.metrics)
     if training_args.do_eval:
-        eval_metrics = trainer.evaluate()
+        last = [e for e in trainer.state.log_history if "eval_loss" in e]
+        if last and last[-1]["step"] == trainer.state.global_step:  # the last step was just evaluated
+            eval_metrics = {k: v for k, v in last[-1].items() if k.startswith("eval_") or k == "epoch"}
+        else:
+            eval_metrics = trainer.evaluate()
         eval_metrics["eval_perplexity"] = math.exp(min(eval_metrics["eval_loss"], 50))
         trainer.log_metrics("eval", eval_metrics)
         metrics.update(eval_metrics)

@@ -53,12 +53,12 @@ PAPER_RECIPE = dict(
     max_grad_norm=1.0,
 )
 # Per-preset run defaults. tiny is sized to train on the embedded corpus in about 6 minutes on 2 CPU cores
-# (~1.8M tokens); small/medium use the paper's context (1024) and warm-up (2000 steps) and leave the length
+# (1.6M tokens); small/medium use the paper's context (1024) and warm-up (2000 steps) and leave the length
 # (`--max_steps` or `--num_train_epochs`) and the batch (paper: 480 x 1024 tokens per step) to the caller.
 PRESET_RUN_DEFAULTS: dict[str, dict] = {
     "tiny": dict(
-        block_size=256, per_device_train_batch_size=16, per_device_eval_batch_size=32, max_steps=450,
-        warmup_steps=0.05, logging_steps=10, eval_steps=150, save_steps=150,
+        block_size=256, per_device_train_batch_size=16, per_device_eval_batch_size=32, max_steps=400,
+        warmup_steps=0.05, logging_steps=10, eval_steps=200, save_steps=200,
     ),
     "small": dict(
         block_size=1024, per_device_train_batch_size=16, per_device_eval_batch_size=16, warmup_steps=2000,
