@@ -432,14 +432,17 @@ def main(argv: list[str]) -> None:
     tokens_seen = trainer.state.num_input_tokens_seen or (
         trainer.state.global_step * training_args.per_device_train_batch_size * block_size
         * training_args.gradient_accumulation_steps * training_args.world_size)
-    metrics.update(final_train_loss=final_train_loss(log_history), tokens_seen=tokens_seen, unigram_loss=unigram)
+    device = (torch.cuda.get_device_name() if training_args.device.type == "cuda"
+              else f"CPU, {torch.get_num_threads()} torch threads")
+    metrics.update(final_train_loss=final_train_loss(log_history), tokens_seen=tokens_seen, unigram_loss=unigram,
+                   device=device)
     if model_args.init_from_llama or model_args.model_name_or_path:
         metrics["init_from"] = (f"the Llama checkpoint `{model_args.init_from_llama}`" if model_args.init_from_llama
                                 else f"the DDL checkpoint `{model_args.model_name_or_path}`")
     with open(os.path.join(out, "all_results.json"), "w") as f:
         json.dump(metrics, f, indent=2)
     curve = plot_loss_curve(log_history, os.path.join(out, "loss_curve.png"),
-                            title=f"{describe_variant(config)} on {data_info['name'].split(' (')[0]}")
+                            title=f"{describe_variant(config)} on {data_info['name'].split(' (')[0]}", unigram=unigram)
 
     # 6. a sample through pipeline("text-generation") from the saved folder
     generator = pipeline("text-generation", model=out, tokenizer=out, trust_remote_code=True, device="cpu")
