@@ -48,6 +48,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -94,8 +95,6 @@ from ddl.training import (
 )
 
 
-logger = logging.get_logger("train")
-
 
 # ---------------------------------------------------------------------------------------------- hyperparameters
 
@@ -134,7 +133,10 @@ class ModelArguments:
         default=None, metadata={"help": "Any 🤗 tokenizer. Default: the checkpoint's, else a BPE trained here."}
     )
     vocab_size: int = field(default=4096, metadata={"help": "Vocabulary of the BPE trained when none is given."})
-    trust_remote_code: bool = field(default=False, metadata={"help": "Allow remote code of --tokenizer_name."})
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "Allow remote code of a non-DDL --tokenizer_name / checkpoint (DDL's own "
+                                         "code is imported locally and needs no permission)."}
+    )
 
     def ddl_flags(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
@@ -177,16 +179,22 @@ def parse_args(argv: list[str]):
     """HfArgumentParser over our dataclasses and TrainingArguments, with the paper's recipe and the preset's run
     sizes as defaults (set before parsing, so every explicit flag wins)."""
     pre = argparse.ArgumentParser(add_help=False)
-    for name in ("preset", "model_name_or_path", "init_from_llama", "dataset_name", "train_file", "output_dir"):
+    for name in ("preset", "model_name_or_path", "init_from_llama", "dataset_name", "train_file", "output_dir",
+                 "ddl_residual", "ddl_value_channels", "ddl_compressor", "ddl_embed_conv"):
         pre.add_argument(f"--{name}")
     known, _ = pre.parse_known_args(argv)
+    # The default folder names the variant, so `python train.py --ddl_residual additive` does not collide with
+    # the default DDL run.
+    variant = "".join(f"-{prefix}{value}" for prefix, value in (
+        ("", known.ddl_residual), ("dv", known.ddl_value_channels), ("", known.ddl_compressor),
+        ("ec-", known.ddl_embed_conv)) if value is not None)
     preset = known.preset if known.preset in PRESETS else "tiny"
     if known.dataset_name or known.train_file:
         data_name = os.path.splitext(os.path.basename((known.dataset_name or known.train_file).rstrip("/")))[0]
     else:
         data_name = "shakespeare"
     source = known.model_name_or_path or known.init_from_llama
-    model_name = f"ddl-{os.path.basename(source.rstrip('/'))}" if source else f"ddl-{preset}"
+    model_name = (f"ddl-{os.path.basename(source.rstrip('/'))}" if source else f"ddl-{preset}") + variant
     bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
 
     parser = HfArgumentParser((ModelArguments, DataArguments, RunArguments, TrainingArguments))
@@ -224,13 +232,18 @@ def resolve_resume(training_args: TrainingArguments, run_args: RunArguments) -> 
     if resume is not None and not os.path.isfile(os.path.join(resume, "trainer_state.json")):
         raise UsageError(f"--resume_from_checkpoint {resume!r} is not a Trainer checkpoint folder "
                          "(no trainer_state.json).")
-    if (resume is None and training_args.do_train and not run_args.overwrite_output_dir and os.path.isdir(out)
-            and os.listdir(out)):
+    if resume is not None and not training_args.do_train:
+        raise UsageError("--resume_from_checkpoint continues training; it cannot be combined with --do_train false.")
+    if resume is None and not run_args.overwrite_output_dir and os.path.isdir(out) and os.listdir(out):
         latest = get_last_checkpoint(out)
         hint = (f" To continue its latest run ({os.path.basename(latest)}) pass --resume_from_checkpoint true."
                 if latest else "")
         raise UsageError(f"Output folder {out!r} exists and is not empty; refusing to overwrite it.{hint} To start "
                          "over in it pass --overwrite_output_dir, or choose another --output_dir.")
+    if resume is None and run_args.overwrite_output_dir and os.path.isdir(out) and training_args.process_index == 0:
+        for name in os.listdir(out):  # a later --resume_from_checkpoint true must not pick up the old run's state
+            if name.startswith("checkpoint-") and os.path.isdir(os.path.join(out, name)):
+                shutil.rmtree(os.path.join(out, name))
     return resume
 
 
@@ -249,7 +262,7 @@ def get_tokenizer(model_args, data_args, training_args, raw, resume):
         source = model_args.tokenizer_name
     elif resume or model_args.model_name_or_path or model_args.init_from_llama:
         path = resume or model_args.model_name_or_path or model_args.init_from_llama
-        tokenizer = load_tokenizer(path, trust_remote_code=True)
+        tokenizer = load_tokenizer(path, model_args.trust_remote_code)  # `import ddl` resolves DDL configs
         source = "checkpoint" if resume else path
     else:
         with training_args.main_process_first(desc="training the tokenizer"):
@@ -260,7 +273,7 @@ def get_tokenizer(model_args, data_args, training_args, raw, resume):
                 tokenizer = train_bpe_tokenizer(batches, model_args.vocab_size)
                 os.makedirs(training_args.output_dir, exist_ok=True)
                 tokenizer.save_pretrained(training_args.output_dir)
-                logger.warning("Trained a byte-level BPE (vocab %d) in %.1fs", len(tokenizer), time.time() - start)
+                print(f"tokenizer: trained a byte-level BPE (vocab {len(tokenizer)}) in {time.time() - start:.1f}s")
             else:
                 tokenizer = AutoTokenizer.from_pretrained(training_args.output_dir)
         source = f"byte-level BPE trained on the training text, vocab {model_args.vocab_size}"
@@ -281,7 +294,7 @@ def check_model_source(model_args):
         raise UsageError("--preset shapes a fresh model; the checkpoint given sets the sizes. Drop --preset.")
     flag = "--model_name_or_path" if model_args.model_name_or_path else "--init_from_llama"
     try:
-        config = AutoConfig.from_pretrained(source, trust_remote_code=True)
+        config = AutoConfig.from_pretrained(source, trust_remote_code=model_args.trust_remote_code)
     except (OSError, ValueError) as err:
         raise UsageError(f"{flag} {source!r}: cannot read a model config there ({err}).") from err
     if model_args.model_name_or_path and config.model_type != DDLConfig.model_type:

@@ -144,6 +144,18 @@ print("OK", tokenizer.decode(new))
     assert "OK" in proc.stdout
 
 
+def test_fine_tune_from_the_checkpoint(trained, tmp_path, text_file):
+    """--model_name_or_path continues from a DDL folder with its own tokenizer and architecture."""
+    checkpoint, _ = trained
+    out = tmp_path / "finetuned"
+    run_train("--model_name_or_path", str(checkpoint), "--train_file", str(text_file), "--output_dir", str(out),
+              *TINY_RUN, "--max_steps", "2", "--eval_steps", "2", "--save_steps", "2", "--learning_rate", "1e-4")
+    before, after = (json.loads((d / "config.json").read_text()) for d in (checkpoint, out))
+    assert {k: v for k, v in after.items() if k != "use_cache"} == {k: v for k, v in before.items() if k != "use_cache"}
+    assert (out / "tokenizer.json").read_text() == (checkpoint / "tokenizer.json").read_text()
+    assert "from the DDL checkpoint" in (out / "README.md").read_text()
+
+
 def test_resume_reaches_the_uninterrupted_loss(tmp_path, text_file):
     """Run A trains 2N steps. Run B is an interrupted run: an output folder holding only A's checkpoint at step N
     (what a run killed after its step-N save leaves behind). Resumed, B must log A's loss at step 2N."""
