@@ -333,8 +333,16 @@ def tokenize_and_pack(
     from datasets import IterableDatasetDict
 
     streaming = isinstance(raw, IterableDatasetDict)
-    columns = raw["train"].column_names
-    if columns is not None and text_column not in columns:
+
+    def column_names(dataset):  # unknown for some streamed datasets (e.g. after skip/take): read one row
+        if dataset.column_names is not None:
+            return dataset.column_names
+        for row in dataset:
+            return list(row.keys())
+        raise UsageError("A streamed split is empty; check the dataset and --streaming_validation_examples.")
+
+    columns = column_names(raw["train"])
+    if text_column not in columns:
         raise UsageError(f"--text_column {text_column!r} is not a column of the data; columns: {columns}.")
     eos = [tokenizer.eos_token_id] if add_eos and tokenizer.eos_token_id is not None else []
 
@@ -350,7 +358,7 @@ def tokenize_and_pack(
 
     packed = {}
     for split, dataset in raw.items():
-        remove = dataset.column_names if dataset.column_names is not None else None
+        remove = column_names(dataset)
         map_kwargs = {} if streaming else {
             "num_proc": num_proc, "load_from_cache_file": not overwrite_cache, "desc": f"Tokenising {split}"
         }

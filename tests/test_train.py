@@ -156,6 +156,16 @@ def test_fine_tune_from_the_checkpoint(trained, tmp_path, text_file):
     assert "from the DDL checkpoint" in (out / "README.md").read_text()
 
 
+def test_streaming_with_gradient_checkpointing(tmp_path, text_file):
+    """A streamed dataset (validation carved from its start) and gradient checkpointing, a few steps."""
+    out = tmp_path / "streamed"
+    run_train(*tiny(out, text_file, "--streaming", "--streaming_validation_examples", "200", "--max_steps", "2",
+                    "--eval_steps", "2", "--save_steps", "2", "--gradient_checkpointing"))
+    results = json.loads((out / "all_results.json").read_text())
+    assert math.isfinite(results["eval_loss"]) and results["tokens_seen"] == 2 * 4 * 32
+    assert (out / "model.safetensors").is_file()
+
+
 def test_resume_reaches_the_uninterrupted_loss(tmp_path, text_file):
     """Run A trains 2N steps. Run B is an interrupted run: an output folder holding only A's checkpoint at step N
     (what a run killed after its step-N save leaves behind). Resumed, B must log A's loss at step 2N."""
