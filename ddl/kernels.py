@@ -16,70 +16,71 @@ from transformers.utils import logging
 logger = logging.get_logger(__name__)
 
 
-def _dot_k(k, state, scalar_state):
-    """k^T X over the features: `(B, T)` for the scalar state, `(B, T, d_v)` otherwise."""
+def _dot_h(h, state, scalar_state):
+    """h^T X over the features, `(B, T, d_v)`: a fused multiply-reduce for the scalar state (einsum would go through
+    a batched matmul), batched matrix-vector products otherwise."""
     if scalar_state:
-        return torch.linalg.vecdot(k, state)  # a fused multiply-reduce; einsum would go through a batched matmul
-    return (k.unsqueeze(-2) @ state).squeeze(-2)
+        return torch.linalg.vecdot(h, state).unsqueeze(-1)
+    return (h.unsqueeze(-2) @ state).squeeze(-2)
 
 
-def _dot_channels(grad, coef, scalar_state):
-    """sum_j G[..., j] c[j]: `(B, T, d)`."""
+def _combine(state, coef, scalar_state):
+    """sum_j X[..., j] c[j]: `(B, T, d)`."""
     if scalar_state:
-        return grad * coef.unsqueeze(-1)
-    return (grad @ coef.unsqueeze(-1)).squeeze(-1)
+        return state * coef
+    return (state @ coef.unsqueeze(-1)).squeeze(-1)
 
 
-def _outer(k, coef, scalar_state):
-    """The rank-1 factors k (x) c, shaped to broadcast against the state."""
-    return (k, coef.unsqueeze(-1)) if scalar_state else (k.unsqueeze(-1), coef.unsqueeze(-2))
+def _rank1(h, coef, scalar_state):
+    """The factors of the rank-1 write h (x) c, shaped to broadcast against the state."""
+    return (h, coef) if scalar_state else (h.unsqueeze(-1), coef.unsqueeze(-2))
 
 
 class _DeltaUpdate(torch.autograd.Function):
-    """X_next = X + beta k (v - k^T X) (erase) or X + beta k v (write-only). Inputs v: `(B, T, d_v)`, beta:
-    `(B, T, 1)`. Internally the scalar state uses `(B, T)` coefficients and elementwise products."""
+    """X_next = X + beta k (v - k^T X) (erase) or X + beta k v (write-only), with k = s h, s = 1/sqrt(|h|^2+eps^2).
+
+    Written in terms of h and per-token scalars so that k is never materialised: the forward reads h and X a
+    few times and writes X_next once; it keeps X, h (both (B, T, d[, d_v])) and the small s, t, beta, h^T X for
+    backward, whose gradients are linear combinations of G, X and h with per-token coefficients:
+        t = v - s h^T X,   b = h^T G,   c_g = s b  (= k^T G)
+        dX = G - h (x) (beta s c_g),   dv = beta c_g,   dbeta = c_g . t
+        dh = G (s beta t) - X (s beta c_g) - h s^3 beta (b . t - (h^T X) . c_g)
+    """
 
     @staticmethod
     def forward(ctx, x, h, v, beta, k_eps, erase):
         acc = torch.promote_types(x.dtype, torch.float32)
         scalar_state = x.dim() == h.dim()
-        if scalar_state:
-            v, beta = v.squeeze(-1), beta.squeeze(-1)
-        h32 = h.to(acc)
-        k = h32 * torch.rsqrt(torch.linalg.vecdot(h32, h32) + k_eps**2).unsqueeze(-1)
-        coef = v.to(acc)
+        h_acc, x_acc = h.to(acc), x.to(acc)  # no copies in fp32; bf16/fp16 read out in fp32
+        inv_norm = torch.rsqrt(torch.linalg.vecdot(h_acc, h_acc) + k_eps**2).unsqueeze(-1)  # s: (B, T, 1)
+        target = v.to(acc)
+        h_dot_x = _dot_h(h_acc, x_acc, scalar_state) if erase else None  # h^T X: (B, T, d_v)
         if erase:
-            coef = coef - _dot_k(k, x.to(acc), scalar_state)
-        coef = beta * coef
-        left, right = _outer(k.to(x.dtype), coef.to(x.dtype), scalar_state)
-        ctx.save_for_backward(x, h, v, beta)
-        ctx.k_eps, ctx.erase, ctx.scalar_state = k_eps, erase, scalar_state
-        return torch.addcmul(x, left, right)
+            target = target - inv_norm * h_dot_x  # v - k^T X
+        scale = beta * inv_norm * target  # (B, T, d_v): X_next = X + h (x) scale
+        ctx.save_for_backward(x, h, inv_norm, target, beta, h_dot_x)
+        ctx.erase, ctx.scalar_state, ctx.v_dtype = erase, scalar_state, v.dtype
+        return torch.addcmul(x, *_rank1(h, scale.to(x.dtype), scalar_state))
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, h, v, beta = ctx.saved_tensors
+        x, h, inv_norm, target, beta, h_dot_x = ctx.saved_tensors
         scalar = ctx.scalar_state
-        acc = torch.promote_types(x.dtype, torch.float32)
-        state, grad = x.to(acc), grad_out.to(acc)
-        h32 = h.to(acc)
-        inv_norm = torch.rsqrt(torch.linalg.vecdot(h32, h32) + ctx.k_eps**2).unsqueeze(-1)
-        k = h32 * inv_norm
-        target = v.to(acc)
-        if ctx.erase:
-            target = target - _dot_k(k, state, scalar)  # v - k^T X
-        grad_coef = _dot_k(k, grad, scalar)  # k^T G
-        grad_k = _dot_channels(grad, beta * target, scalar)
+        acc = target.dtype
+        state, grad, h_acc = x.to(acc), grad_out.to(acc), h.to(acc)
+        b = _dot_h(h_acc, grad, scalar)  # h^T G: (B, T, d_v)
+        grad_coef = inv_norm * b  # k^T G
+        grad_h = _combine(grad, inv_norm * beta * target, scalar)
+        h_dot_grad_k = (b * target).sum(-1, keepdim=True)
         grad_x = grad
         if ctx.erase:
-            grad_k = grad_k - _dot_channels(state, beta * grad_coef, scalar)
-            grad_x = torch.addcmul(grad, *_outer(k, -beta * grad_coef, scalar))
-        grad_h = inv_norm * torch.addcmul(grad_k, k, -torch.linalg.vecdot(k, grad_k).unsqueeze(-1))  # k = h/|h|_eps
+            grad_h = grad_h - _combine(state, inv_norm * beta * grad_coef, scalar)
+            h_dot_grad_k = h_dot_grad_k - (h_dot_x * grad_coef).sum(-1, keepdim=True)
+            grad_x = torch.addcmul(grad, *_rank1(h_acc, -inv_norm * beta * grad_coef, scalar))
+        grad_h = torch.addcmul(grad_h, h_acc, -(inv_norm**3) * beta * h_dot_grad_k)
         grad_v = beta * grad_coef
-        grad_beta = (grad_coef * target).sum(-1, keepdim=True) if not scalar else grad_coef * target
-        if scalar:
-            grad_v, grad_beta = grad_v.unsqueeze(-1), grad_beta.unsqueeze(-1)
-        return grad_x.to(x.dtype), grad_h.to(h.dtype), grad_v.to(v.dtype), grad_beta.to(beta.dtype), None, None
+        grad_beta = (grad_coef * target).sum(-1, keepdim=True)
+        return grad_x.to(x.dtype), grad_h.to(h.dtype), grad_v.to(ctx.v_dtype), grad_beta.to(beta.dtype), None, None
 
 
 def fused_delta_update(x, h, v=None, beta=None, mode="delta", k_eps=1e-5):
