@@ -36,6 +36,21 @@ def _rank1(h, coef, scalar_state):
     return (h, coef) if scalar_state else (h.unsqueeze(-1), coef.unsqueeze(-2))
 
 
+def _delta_forward(x, h, v, beta, k_eps, erase):
+    """X_next and the per-token scalars (s, t, beta, h^T X) that the backward needs."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    scalar_state = x.dim() == h.dim()
+    h_acc, x_acc = h.to(acc), x.to(acc)  # no copies in fp32; bf16/fp16 read out in fp32
+    inv_norm = torch.rsqrt(torch.linalg.vecdot(h_acc, h_acc) + k_eps**2).unsqueeze(-1)  # s: (B, T, 1)
+    target = v.to(acc)
+    h_dot_x = _dot_h(h_acc, x_acc, scalar_state) if erase else None  # h^T X: (B, T, d_v)
+    if erase:
+        target = target - inv_norm * h_dot_x  # v - k^T X
+    scale = beta * inv_norm * target  # (B, T, d_v): X_next = X + h (x) scale
+    out = torch.addcmul(x, *_rank1(h, scale.to(x.dtype), scalar_state))
+    return out, (inv_norm, target, beta, h_dot_x)
+
+
 class _DeltaUpdate(torch.autograd.Function):
     """X_next = X + beta k (v - k^T X) (erase) or X + beta k v (write-only), with k = s h, s = 1/sqrt(|h|^2+eps^2).
 
@@ -49,18 +64,10 @@ class _DeltaUpdate(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, h, v, beta, k_eps, erase):
-        acc = torch.promote_types(x.dtype, torch.float32)
-        scalar_state = x.dim() == h.dim()
-        h_acc, x_acc = h.to(acc), x.to(acc)  # no copies in fp32; bf16/fp16 read out in fp32
-        inv_norm = torch.rsqrt(torch.linalg.vecdot(h_acc, h_acc) + k_eps**2).unsqueeze(-1)  # s: (B, T, 1)
-        target = v.to(acc)
-        h_dot_x = _dot_h(h_acc, x_acc, scalar_state) if erase else None  # h^T X: (B, T, d_v)
-        if erase:
-            target = target - inv_norm * h_dot_x  # v - k^T X
-        scale = beta * inv_norm * target  # (B, T, d_v): X_next = X + h (x) scale
-        ctx.save_for_backward(x, h, inv_norm, target, beta, h_dot_x)
-        ctx.erase, ctx.scalar_state, ctx.v_dtype = erase, scalar_state, v.dtype
-        return torch.addcmul(x, *_rank1(h, scale.to(x.dtype), scalar_state))
+        out, saved = _delta_forward(x, h, v, beta, k_eps, erase)
+        ctx.save_for_backward(x, h, *saved)
+        ctx.erase, ctx.scalar_state, ctx.v_dtype = erase, x.dim() == h.dim(), v.dtype
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -94,6 +101,8 @@ def fused_delta_update(x, h, v=None, beta=None, mode="delta", k_eps=1e-5):
 
         logger.info_once("DDL: delta update through the Triton kernels.")
         return triton_delta_update(x, h, v, beta, k_eps, mode == "delta")
+    if not torch.is_grad_enabled():  # inference (e.g. each decoding step): no autograd bookkeeping at all
+        return _delta_forward(x, h, v, beta, k_eps, mode == "delta")[0]
     return _DeltaUpdate.apply(x, h, v, beta, k_eps, mode == "delta")
 
 
