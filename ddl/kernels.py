@@ -46,8 +46,11 @@ def _delta_forward(x, h, v, beta, k_eps, erase):
     h_dot_x = _dot_h(h_acc, x_acc, scalar_state) if erase else None  # h^T X: (B, T, d_v)
     if erase:
         target = target - inv_norm * h_dot_x  # v - k^T X
-    scale = beta * inv_norm * target  # (B, T, d_v): X_next = X + h (x) scale
-    out = torch.addcmul(x, *_rank1(h, scale.to(x.dtype), scalar_state))
+    if x.dtype == acc:  # fold 1/|h| into the per-token scale: X_next = X + h (x) (beta s t)
+        out = torch.addcmul(x, *_rank1(h, beta * inv_norm * target, scalar_state))
+    else:  # fp16 would overflow on s = 1/|h| for tiny h: write k = s h (|k| < 1) in the model dtype instead
+        k = (h_acc * inv_norm).to(x.dtype)
+        out = torch.addcmul(x, *_rank1(k, (beta * target).to(x.dtype), scalar_state))
     return out, (inv_norm, target, beta, h_dot_x)
 
 

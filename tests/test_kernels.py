@@ -98,3 +98,20 @@ def test_triton_kernels_match_reference(dv, mode, dtype, tol):
     (out * weight).sum().backward()
     for name, a, b in zip("x h v beta".split(), ref_inputs, tri_inputs):
         torch.testing.assert_close(b.grad, a.grad, rtol=tol, atol=tol, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dv", [1, 4], ids=["dv1", "dv4"])
+def test_fused_low_precision_tiny_or_zero_h_is_finite(dtype, dv):
+    x, h, v, beta = (t.detach() for t in _inputs(dv, dtype))
+    for scale in (0.0, 1e-4):
+        hh = (h * scale).requires_grad_()
+        xx = x.clone().requires_grad_()
+        out = fused_delta_update(xx, hh, v, beta)
+        assert torch.isfinite(out).all()
+        out.float().sum().backward()
+        assert torch.isfinite(xx.grad).all()
+        # dk/dh = I/eps_k at h = 0 (1e5): finite in bf16's range, not in fp16's (as for the reference path)
+        assert dtype == torch.float16 or torch.isfinite(hh.grad).all()
+        with torch.no_grad():
+            assert torch.isfinite(fused_delta_update(x, h * scale, v, beta)).all()
