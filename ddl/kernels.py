@@ -9,6 +9,9 @@ of autograd keeping every intermediate (k, the fp32 copies, the readout, the ran
 anyway by the next norm or compressor, so the extra memory of a sublayer is h alone.
 """
 
+import functools
+import importlib.util
+
 import torch
 from transformers.utils import logging
 
@@ -109,12 +112,10 @@ def fused_delta_update(x, h, v=None, beta=None, mode="delta", k_eps=1e-5):
     return _DeltaUpdate.apply(x, h, v, beta, k_eps, mode == "delta")
 
 
+@functools.cache
 def _triton_available():
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Looked up once, not on every update of every decoding step."""
+    return importlib.util.find_spec("triton") is not None
 
 
 __all__ = ["fused_delta_update"]

@@ -136,7 +136,7 @@ def _mask_padding(x, pad_mask):
     """Zero padded positions before a token-axis convolution, so pads never leak into real tokens."""
     if pad_mask is None:
         return x
-    return x * pad_mask.view(*pad_mask.shape, *([1] * (x.dim() - 2))).to(x.dtype)
+    return x * pad_mask.view(*pad_mask.shape, *([1] * (x.dim() - 2)))  # (B, T) -> (B, T, 1[, 1])
 
 
 class DDLDeltaResidual(nn.Module):
@@ -364,8 +364,10 @@ class DDLModel(DDLPreTrainedModel):
         return embeds.unsqueeze(-1).expand(*embeds.shape, self.config.ddl_value_channels)
 
     def _check_cache(self, cache):
-        if "hybrid" in self.config.layer_types and not any(
-            isinstance(layer, LinearAttentionCacheLayerMixin) for layer in cache.layers
+        # When any layer keeps conv histories, layer 0 does (EC lives there, TC is in every layer): one O(1) check
+        # per forward, also on each decoding step.
+        if self.config.layer_types[0] == "hybrid" and not (
+            cache.layers and isinstance(cache.layers[0], LinearAttentionCacheLayerMixin)
         ):
             raise ValueError(
                 "This DDL variant keeps token-convolution histories in the cache, which a bare `DynamicCache()` "
@@ -409,6 +411,8 @@ class DDLModel(DDLPreTrainedModel):
                 position_ids=position_ids,
             )
             pad_mask = create_recurrent_attention_mask(self.config, inputs_embeds, attention_mask, cache)
+        if pad_mask is not None:
+            pad_mask = pad_mask.to(inputs_embeds.dtype)  # once here, not in every token convolution
 
         hidden_states = self.expand(inputs_embeds, cache, pad_mask)  # X_0: (B, T, d) or (B, T, d, d_v)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
