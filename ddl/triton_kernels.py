@@ -20,33 +20,11 @@ except ImportError:  # pragma: no cover - the PyTorch fused path is used instead
 if triton is not None:
 
     @triton.jit
-    def _delta_fwd_kernel(
-        x_ptr, h_ptr, v_ptr, beta_ptr, out_ptr, d, dv, k_eps_sq,
+    def _load_token(
+        x_ptr, h_ptr, v_ptr, beta_ptr, token, d, dv, k_eps_sq,
         ERASE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
     ):
-        token = tl.program_id(0).to(tl.int64)
-        rows = tl.arange(0, BLOCK_D)
-        cols = tl.arange(0, BLOCK_V)
-        row_ok = rows < d
-        col_ok = cols < dv
-        tile = rows[:, None] * dv + cols[None, :]
-        tile_ok = row_ok[:, None] & col_ok[None, :]
-        h = tl.load(h_ptr + token * d + rows, mask=row_ok, other=0.0).to(tl.float32)
-        k = h * tl.rsqrt(tl.sum(h * h, axis=0) + k_eps_sq)  # (BLOCK_D,)
-        x = tl.load(x_ptr + token * d * dv + tile, mask=tile_ok, other=0.0).to(tl.float32)
-        coef = tl.load(v_ptr + token * dv + cols, mask=col_ok, other=0.0).to(tl.float32)
-        if ERASE:
-            coef = coef - tl.sum(k[:, None] * x, axis=0)  # v - k^T X
-        coef = coef * tl.load(beta_ptr + token).to(tl.float32)
-        out = x + k[:, None] * coef[None, :]
-        tl.store(out_ptr + token * d * dv + tile, out.to(out_ptr.dtype.element_ty), mask=tile_ok)
-
-    @triton.jit
-    def _delta_bwd_kernel(
-        x_ptr, h_ptr, v_ptr, beta_ptr, grad_ptr, gx_ptr, gh_ptr, gv_ptr, gbeta_ptr, d, dv, k_eps_sq,
-        ERASE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
-    ):
-        token = tl.program_id(0).to(tl.int64)
+        """One token's X tile (fp32), k, s = 1/|h|_eps, the target t (v - k^T X, or v) and beta."""
         rows = tl.arange(0, BLOCK_D)
         cols = tl.arange(0, BLOCK_V)
         row_ok = rows < d
@@ -55,13 +33,36 @@ if triton is not None:
         tile_ok = row_ok[:, None] & col_ok[None, :]
         h = tl.load(h_ptr + token * d + rows, mask=row_ok, other=0.0).to(tl.float32)
         inv_norm = tl.rsqrt(tl.sum(h * h, axis=0) + k_eps_sq)
-        k = h * inv_norm
+        k = h * inv_norm  # (BLOCK_D,)
         x = tl.load(x_ptr + token * d * dv + tile, mask=tile_ok, other=0.0).to(tl.float32)
-        g = tl.load(grad_ptr + token * d * dv + tile, mask=tile_ok, other=0.0).to(tl.float32)
-        beta = tl.load(beta_ptr + token).to(tl.float32)
         target = tl.load(v_ptr + token * dv + cols, mask=col_ok, other=0.0).to(tl.float32)
         if ERASE:
-            target = target - tl.sum(k[:, None] * x, axis=0)
+            target = target - tl.sum(k[:, None] * x, axis=0)  # v - k^T X
+        beta = tl.load(beta_ptr + token).to(tl.float32)
+        return rows, row_ok, cols, col_ok, tile, tile_ok, x, k, inv_norm, target, beta
+
+    @triton.jit
+    def _delta_fwd_kernel(
+        x_ptr, h_ptr, v_ptr, beta_ptr, out_ptr, d, dv, k_eps_sq,
+        ERASE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+    ):
+        token = tl.program_id(0).to(tl.int64)
+        rows, row_ok, cols, col_ok, tile, tile_ok, x, k, inv_norm, target, beta = _load_token(
+            x_ptr, h_ptr, v_ptr, beta_ptr, token, d, dv, k_eps_sq, ERASE, BLOCK_D, BLOCK_V
+        )
+        out = x + k[:, None] * (beta * target)[None, :]
+        tl.store(out_ptr + token * d * dv + tile, out.to(out_ptr.dtype.element_ty), mask=tile_ok)
+
+    @triton.jit
+    def _delta_bwd_kernel(
+        x_ptr, h_ptr, v_ptr, beta_ptr, grad_ptr, gx_ptr, gh_ptr, gv_ptr, gbeta_ptr, d, dv, k_eps_sq,
+        ERASE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+    ):
+        token = tl.program_id(0).to(tl.int64)
+        rows, row_ok, cols, col_ok, tile, tile_ok, x, k, inv_norm, target, beta = _load_token(
+            x_ptr, h_ptr, v_ptr, beta_ptr, token, d, dv, k_eps_sq, ERASE, BLOCK_D, BLOCK_V
+        )
+        g = tl.load(grad_ptr + token * d * dv + tile, mask=tile_ok, other=0.0).to(tl.float32)
         grad_coef = tl.sum(k[:, None] * g, axis=0)  # k^T G
         grad_k = tl.sum(g * (beta * target)[None, :], axis=1)
         gx = g
