@@ -532,11 +532,7 @@ def plot_audit(rows, output_dir, title="") -> list[str]:
     fig.supxlabel("β (0 = skip, 1 = overwrite, 2 = reflect)", fontsize=9)
     fig.supylabel("share of tokens", fontsize=9)
     fig.suptitle(f"β per layer {title}".strip(), fontsize=10)
-    fig.tight_layout()
-    path = os.path.join(output_dir, "audit_beta_hist.png")
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    paths.append(path)
+    paths.append(_save_figure(fig, output_dir, "audit_beta_hist.png"))
 
     panels = [
         ("beta_mean", "mean β", (0.0, 2.0), "coolwarm"),
@@ -553,17 +549,24 @@ def plot_audit(rows, output_dir, title="") -> list[str]:
         ax.set_yticks(range(len(layers)), [str(layer) for layer in layers])
         ax.set_ylabel("layer")
         ax.set_title(label, fontsize=10)
-        for (i, j), value in ((ij, grid[ij].item()) for ij in [(i, j) for i in range(len(layers)) for j in range(2)]):
-            if not math.isnan(value):
-                ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7, path_effects=outline)
+        for i in range(len(layers)):
+            for j in range(len(sublayers)):
+                if not math.isnan(value := grid[i, j].item()):
+                    ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7, path_effects=outline)
         fig.colorbar(image, ax=ax, fraction=0.046)
     fig.suptitle(f"gates by layer × sublayer {title}".strip(), fontsize=10)
+    paths.append(_save_figure(fig, output_dir, "audit_heatmap.png"))
+    return paths
+
+
+def _save_figure(fig, output_dir, filename):
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
-    path = os.path.join(output_dir, "audit_heatmap.png")
+    path = os.path.join(output_dir, filename)
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    paths.append(path)
-    return paths
+    return path
 
 
 COMPARISON_COLUMNS = [
