@@ -27,11 +27,16 @@ def _dot_h(h, state, scalar_state):
     return (h.unsqueeze(-2) @ state).squeeze(-2)
 
 
-def _combine(state, coef, scalar_state):
-    """sum_j X[..., j] c[j]: `(B, T, d)`."""
+def _combine(state, coef, scalar_state, out=None, alpha=1.0):
+    """sum_j X[..., j] c[j], `(B, T, d)`; with `out`, accumulated into it in place: out += alpha * sum_j X[..., j] c[j]
+    (one pass, no temporary: these run on every sublayer's backward)."""
+    if out is None:
+        return state * coef if scalar_state else (state @ coef.unsqueeze(-1)).squeeze(-1)
     if scalar_state:
-        return state * coef
-    return (state @ coef.unsqueeze(-1)).squeeze(-1)
+        return out.addcmul_(state, coef, value=alpha)
+    out.view(-1, out.shape[-1], 1).baddbmm_(state.reshape(-1, *state.shape[-2:]), coef.reshape(-1, coef.shape[-1], 1),
+                                             alpha=alpha)
+    return out
 
 
 def _rank1(h, coef, scalar_state):
@@ -83,14 +88,17 @@ class _DeltaUpdate(torch.autograd.Function):
         state, grad, h_acc = x.to(acc), grad_out.to(acc), h.to(acc)
         b = _dot_h(h_acc, grad, scalar)  # h^T G: (B, T, d_v)
         grad_coef = inv_norm * b  # k^T G
-        grad_h = _combine(grad, inv_norm * beta * target, scalar)
         h_dot_grad_k = (b * target).sum(-1, keepdim=True)
+        if ctx.erase:
+            h_dot_grad_k = h_dot_grad_k - (h_dot_x * grad_coef).sum(-1, keepdim=True)
+        # dh = G (s beta t) - X (s beta c_g) - h s^3 beta (...): one new tensor, the other terms added in place
+        grad_h = _combine(grad, inv_norm * beta * target, scalar)
+        if ctx.erase:
+            _combine(state, inv_norm * beta * grad_coef, scalar, out=grad_h, alpha=-1.0)
+        grad_h.addcmul_(h_acc, -(inv_norm**3) * beta * h_dot_grad_k)
         grad_x = grad
         if ctx.erase:
-            grad_h = grad_h - _combine(state, inv_norm * beta * grad_coef, scalar)
-            h_dot_grad_k = h_dot_grad_k - (h_dot_x * grad_coef).sum(-1, keepdim=True)
             grad_x = torch.addcmul(grad, *_rank1(h_acc, -inv_norm * beta * grad_coef, scalar))
-        grad_h = torch.addcmul(grad_h, h_acc, -(inv_norm**3) * beta * h_dot_grad_k)
         grad_v = beta * grad_coef
         grad_beta = (grad_coef * target).sum(-1, keepdim=True)
         return grad_x.to(x.dtype), grad_h.to(h.dtype), grad_v.to(ctx.v_dtype), grad_beta.to(beta.dtype), None, None
