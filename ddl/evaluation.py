@@ -356,8 +356,8 @@ class GateAudit:
             bound = signature.bind(*args, **kwargs).arguments
             x, h, context = bound["x"], bound["h"], bound["context"]
             state, next_state = x.float(), output.float()
-            if state.dim() == 3:  # d_v = 1: (B, T, d) -> (B, T, d, 1)
-                state, next_state = state.unsqueeze(-1), next_state.unsqueeze(-1)
+            if state.dim() == 3:  # d_v = 1: (B, T, d) -> (B, T, 1, d)
+                state, next_state = state.unsqueeze(-2), next_state.unsqueeze(-2)
             update_share = (next_state - state).flatten(2).norm(dim=-1) / state.flatten(2).norm(dim=-1).clamp_min(
                 1e-12
             )  # (B, T)
@@ -369,8 +369,8 @@ class GateAudit:
             v = module.value(u).float()  # (B, T, d_v)
             h32 = h.float()
             k = h32 * torch.rsqrt(h32.pow(2).sum(-1, keepdim=True) + module.k_eps**2)  # (B, T, d)
-            e_pre = torch.einsum("btd,btdv->btv", k, state) - v  # (B, T, d_v)
-            e_post = torch.einsum("btd,btdv->btv", k, next_state) - v
+            e_pre = torch.einsum("btd,btvd->btv", k, state) - v  # (B, T, d_v)
+            e_post = torch.einsum("btd,btvd->btv", k, next_state) - v
             stats.add(
                 beta=beta.flatten(),
                 e_pre=e_pre.abs().mean(-1).flatten(),

@@ -20,28 +20,27 @@ logger = logging.get_logger(__name__)
 
 
 def _dot_h(h, state, scalar_state):
-    """h^T X over the features, `(B, T, d_v)`: a fused multiply-reduce for the scalar state (einsum would go through
-    a batched matmul), batched matrix-vector products otherwise."""
+    """h^T X over the features, `(B, T, d_v)` (the state is `(B, T, d)` or `(B, T, d_v, d)`)."""
     if scalar_state:
         return torch.linalg.vecdot(h, state).unsqueeze(-1)
-    return (h.unsqueeze(-2) @ state).squeeze(-2)
+    return (state @ h.unsqueeze(-1)).squeeze(-1)
 
 
 def _combine(state, coef, scalar_state, out=None, alpha=1.0):
     """sum_j X[..., j] c[j], `(B, T, d)`; with `out`, accumulated into it in place: out += alpha * sum_j X[..., j] c[j]
     (one pass, no temporary: these run on every sublayer's backward)."""
     if out is None:
-        return state * coef if scalar_state else (state @ coef.unsqueeze(-1)).squeeze(-1)
+        return state * coef if scalar_state else (coef.unsqueeze(-2) @ state).squeeze(-2)
     if scalar_state:
         return out.addcmul_(state, coef, value=alpha)
-    out.view(-1, out.shape[-1], 1).baddbmm_(state.reshape(-1, *state.shape[-2:]), coef.reshape(-1, coef.shape[-1], 1),
+    out.view(-1, 1, out.shape[-1]).baddbmm_(coef.reshape(-1, 1, coef.shape[-1]), state.reshape(-1, *state.shape[-2:]),
                                              alpha=alpha)
     return out
 
 
 def _rank1(h, coef, scalar_state):
-    """The factors of the rank-1 write h (x) c, shaped to broadcast against the state."""
-    return (h, coef) if scalar_state else (h.unsqueeze(-1), coef.unsqueeze(-2))
+    """The factors of the rank-1 write h (x) c, shaped to broadcast against the state `(B, T, d_v, d)`."""
+    return (h, coef) if scalar_state else (h.unsqueeze(-2), coef.unsqueeze(-1))
 
 
 def _delta_forward(x, h, v, beta, k_eps, erase):
@@ -107,7 +106,7 @@ class _DeltaUpdate(torch.autograd.Function):
 def fused_delta_update(x, h, v=None, beta=None, mode="delta", k_eps=1e-5):
     """Same contract as `modeling_ddl.delta_update`; less memory in training."""
     if mode == "additive":
-        return x + (h if x.dim() == h.dim() else h.unsqueeze(-1))
+        return x + (h if x.dim() == h.dim() else h.unsqueeze(-2))
     if mode not in ("delta", "write_only"):
         raise ValueError(f"delta_update: unknown mode {mode!r}; expected 'delta', 'write_only' or 'additive'.")
     if x.is_cuda and _triton_available():

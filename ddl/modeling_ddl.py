@@ -47,7 +47,8 @@ def delta_update(x, h, v=None, beta=None, mode="delta", k_eps=1e-5):
     with the direction k = h / sqrt(|h|^2 + k_eps^2), the sublayer output normalised (zero when h = 0).
 
     Args:
-        x: the residual state X, `(B, T, d)` for d_v = 1 or `(B, T, d, d_v)` for the expanded state.
+        x: the residual state X, `(B, T, d)` for d_v = 1 or `(B, T, d_v, d)` for the expanded state (its d_v
+            columns of length d stored one after another, so every per-token operation runs along contiguous d).
         h: `(B, T, d)`, the sublayer output F(c) that gives the direction k.
         v: `(B, T, d_v)`, the target value (unused by `additive`).
         beta: `(B, T, 1)`, the gate in [0, 2] (unused by `additive`).
@@ -58,34 +59,35 @@ def delta_update(x, h, v=None, beta=None, mode="delta", k_eps=1e-5):
     """
     scalar_state = x.dim() == h.dim()
     if mode == "additive":
-        return x + (h if scalar_state else h.unsqueeze(-1))
+        return x + (h if scalar_state else h.unsqueeze(-2))
     acc = torch.promote_types(x.dtype, torch.float32)  # fp32 at least (fp64 stays fp64)
     h32 = h.to(acc)
     k = h32 * torch.rsqrt(h32.pow(2).sum(-1, keepdim=True) + k_eps**2)  # (B, T, d), |k| < 1
-    state = x.unsqueeze(-1) if scalar_state else x  # (B, T, d, d_v)
+    state = x.unsqueeze(-2) if scalar_state else x  # (B, T, d_v, d)
     if mode == "delta":
-        readout = torch.einsum("btd,btdv->btv", k, state.to(acc))  # k^T X: (B, T, d_v)
+        readout = torch.einsum("btd,btvd->btv", k, state.to(acc))  # k^T X: (B, T, d_v)
         coef = beta * (v.to(acc) - readout)  # (B, T, d_v)
     elif mode == "write_only":
         coef = beta * v.to(acc)
     else:
         raise ValueError(f"delta_update: unknown mode {mode!r}; expected 'delta', 'write_only' or 'additive'.")
-    out = state + k.to(x.dtype).unsqueeze(-1) * coef.to(x.dtype).unsqueeze(-2)  # rank-1 write along k
-    return out.squeeze(-1) if scalar_state else out
+    out = state + coef.to(x.dtype).unsqueeze(-1) * k.to(x.dtype).unsqueeze(-2)  # rank-1 write along k
+    return out.squeeze(-2) if scalar_state else out
 
 
 def causal_token_conv(x, weight, history=None):
     r"""EC: depthwise causal convolution over the token axis, from d input features to d x d_v channels.
 
-        y[t, i, j] = sum_s weight[s, i, j] * x[t - (K - 1) + s, i]
+        y[t, j, i] = sum_s weight[s, i, j] * x[t - (K - 1) + s, i]
 
     x: `(B, T, d)`; weight: `(K, d, d_v)`, tap K-1 is the current token; history: `(B, K-1, d)`, the inputs
-    before x (zeros at the start of a sequence). Returns `(B, T, d, d_v)`.
+    before x (zeros at the start of a sequence). Returns the state layout `(B, T, d_v, d)`.
     """
     kernel, seq_len = weight.shape[0], x.shape[1]
     if history is None:
         history = x.new_zeros(x.shape[0], kernel - 1, x.shape[2])
-    full = torch.cat([history, x], dim=1).unsqueeze(-1)  # (B, K-1+T, d, 1)
+    full = torch.cat([history, x], dim=1).unsqueeze(-2)  # (B, K-1+T, 1, d)
+    weight = weight.transpose(1, 2).contiguous()  # (K, d_v, d): a tiny copy, so every product runs along d
     out = full[:, kernel - 1 :] * weight[kernel - 1]
     for s in range(kernel - 1):
         out = out + full[:, s : s + seq_len] * weight[s]
@@ -95,20 +97,21 @@ def causal_token_conv(x, weight, history=None):
 def causal_token_readout(x, weight, history=None):
     r"""TC: a causal depthwise token convolution of the state and the read over its d_v channels, in one step.
 
-        y[t, i] = sum_j sum_s weight[s, i, j] * x[t - (K - 1) + s, i, j]      (weight = conv taps c * read r)
+        y[t, i] = sum_j sum_s weight[s, i, j] * x[t - (K - 1) + s, j, i]      (weight = conv taps c * read r)
 
-    x: `(B, T, d, d_v)`; weight: `(K, d, d_v)`; history: `(B, K-1, d, d_v)` or None (zeros). Returns `(B, T, d)`.
+    x: `(B, T, d_v, d)`; weight: `(K, d, d_v)`; history: `(B, K-1, d_v, d)` or None (zeros). Returns `(B, T, d)`.
     Each lag reads a slice (a view) of x, so autograd keeps no shifted copy of the big state.
     """
     kernel, seq_len = weight.shape[0], x.shape[1]
-    out = (x * weight[kernel - 1]).sum(-1)
+    weight = weight.transpose(1, 2).contiguous()  # (K, d_v, d), like the state
+    out = (x * weight[kernel - 1]).sum(-2)
     for lag in range(1, kernel):
         tap = weight[kernel - 1 - lag]
         if seq_len > lag:  # tokens t >= lag read x[t - lag]
-            out = out + F.pad((x[:, : seq_len - lag] * tap).sum(-1), (0, 0, lag, 0))
+            out = out + F.pad((x[:, : seq_len - lag] * tap).sum(-2), (0, 0, lag, 0))
         if history is not None:  # tokens t < lag read the history
             n = min(lag, seq_len)
-            past = (history[:, kernel - 1 - lag : kernel - 1 - lag + n] * tap).sum(-1)
+            past = (history[:, kernel - 1 - lag : kernel - 1 - lag + n] * tap).sum(-2)
             out = out + F.pad(past, (0, 0, 0, seq_len - n))
     return out
 
@@ -189,10 +192,10 @@ class DDLDeltaResidual(nn.Module):
 
 
 class DDLCompressor(nn.Module):
-    r"""Compress the expanded state X `(B, T, d, d_v)` to a width-d vector (sublayer input or final readout).
+    r"""Compress the expanded state X `(B, T, d_v, d)` to a width-d vector (sublayer input or final readout).
 
-        CC:  x_in[t, i] = sum_j w[i, j] X[t, i, j]                                 (w initialised to 1/d_v)
-        TC:  x_in[t, i] = sum_j r_j sum_s c[s, i, j] X[t - (K-1) + s, i, j]         (c = identity, r = 1/d_v)
+        CC:  x_in[t, i] = sum_j w[i, j] X[t, j, i]                                 (w initialised to 1/d_v)
+        TC:  x_in[t, i] = sum_j r_j sum_s c[s, i, j] X[t - (K-1) + s, j, i]         (c = identity, r = 1/d_v)
     """
 
     def __init__(self, config: DDLConfig, layer_idx: int, cache_slot: int | None):
@@ -208,7 +211,7 @@ class DDLCompressor(nn.Module):
 
     def forward(self, state, cache=None, pad_mask=None):
         if self.kind == "cc":
-            return (state * self.weight).sum(-1)  # keeps no copy of the state for backward, unlike einsum
+            return (state * self.weight.t().contiguous()).sum(-2)  # keeps no copy of the state for backward
         state = _mask_padding(state, pad_mask)
         history = token_history(state, self.conv_weight.shape[0], cache, self.layer_idx, self.cache_slot)
         return causal_token_readout(state, self.conv_weight * self.read, history)  # (B, T, d)
@@ -227,7 +230,7 @@ class DDLEmbedConv(nn.Module):
     def forward(self, embeds, cache=None, pad_mask=None):
         embeds = _mask_padding(embeds, pad_mask)
         history = token_history(embeds, self.weight.shape[0], cache, 0, self.cache_slot)
-        return causal_token_conv(embeds, self.weight, history)  # (B, T, d, d_v)
+        return causal_token_conv(embeds, self.weight, history)  # (B, T, d_v, d)
 
 
 class DDLDecoderLayer(GradientCheckpointingLayer):
@@ -297,7 +300,7 @@ class DDLPreTrainedModel(PreTrainedModel):
     _supports_attention_backend = True
     _can_compile_fullgraph = True
     _can_record_outputs = {
-        # For d_v > 1 the inner entries are the expanded state (B, T, d, d_v); the last is last_hidden_state (B, T, d).
+        # For d_v > 1 the inner entries are the expanded state (B, T, d_v, d); the last is last_hidden_state (B, T, d).
         "hidden_states": DDLDecoderLayer,
         "attentions": OutputRecorder((LlamaAttention, Qwen3Attention), index=1),
     }
@@ -361,7 +364,7 @@ class DDLModel(DDLPreTrainedModel):
             return self.embed_conv(embeds, cache, pad_mask)
         if self.config.ddl_value_channels == 1:
             return embeds
-        return embeds.unsqueeze(-1).expand(*embeds.shape, self.config.ddl_value_channels)
+        return embeds.unsqueeze(-2).expand(*embeds.shape[:2], self.config.ddl_value_channels, embeds.shape[-1])
 
     def _check_cache(self, cache):
         # When any layer keeps conv histories, layer 0 does (EC lives there, TC is in every layer): one O(1) check
@@ -414,7 +417,7 @@ class DDLModel(DDLPreTrainedModel):
         if pad_mask is not None:
             pad_mask = pad_mask.to(inputs_embeds.dtype)  # once here, not in every token convolution
 
-        hidden_states = self.expand(inputs_embeds, cache, pad_mask)  # X_0: (B, T, d) or (B, T, d, d_v)
+        hidden_states = self.expand(inputs_embeds, cache, pad_mask)  # X_0: (B, T, d) or (B, T, d_v, d)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
             hidden_states = decoder_layer(

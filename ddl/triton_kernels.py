@@ -1,6 +1,6 @@
 """Triton kernels for the delta update (CUDA). Optional: `ddl.kernels` imports this lazily, only for CUDA tensors.
 
-One program handles one token: it loads h (d), the state X (d x d_v), v (d_v) and beta, and writes X_next; the
+One program handles one token: it loads h (d), the state X (d_v x d, stored column after column), v (d_v) and beta, and writes X_next; the
 backward program recomputes k, k^T X and the coefficient from the same inputs, so nothing else is stored. The
 same kernels serve d_v = 1 and every d_v > 1 variant (CC, TC, with or without EC: the compressors and EC run
 before and after the update and stay in PyTorch). Accumulation is in fp32 whatever the storage dtype.
@@ -29,7 +29,7 @@ if triton is not None:
         cols = tl.arange(0, BLOCK_V)
         row_ok = rows < d
         col_ok = cols < dv
-        tile = rows[:, None] * dv + cols[None, :]
+        tile = cols[None, :] * d + rows[:, None]  # the state is (d_v, d) per token
         tile_ok = row_ok[:, None] & col_ok[None, :]
         h = tl.load(h_ptr + token * d + rows, mask=row_ok, other=0.0).to(tl.float32)
         inv_norm = tl.rsqrt(tl.sum(h * h, axis=0) + k_eps_sq)

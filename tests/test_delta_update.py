@@ -13,7 +13,7 @@ def _inputs(dv, beta_value=None, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(B, T, D, dtype=torch.float64, generator=g)
     if dv > 1:
-        x = torch.randn(B, T, D, dv, dtype=torch.float64, generator=g)
+        x = torch.randn(B, T, dv, D, dtype=torch.float64, generator=g)  # d_v columns of length d
     h = torch.randn(B, T, D, dtype=torch.float64, generator=g) * 3
     v = torch.randn(B, T, dv, dtype=torch.float64, generator=g)
     if beta_value is None:
@@ -28,7 +28,8 @@ def _unit(h, eps=1e-5):
 
 
 def _state(x):
-    return x.unsqueeze(-1) if x.dim() == 3 else x
+    """The state as the paper's d x d_v matrix per token: `(B, T, d, d_v)`."""
+    return x.unsqueeze(-1) if x.dim() == 3 else x.transpose(-1, -2)
 
 
 @pytest.mark.parametrize("dv", [1, 4])
@@ -109,7 +110,7 @@ def test_write_only_and_additive(dv):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_zero_branch_output_is_finite(dtype):
     """h = 0 gives k = 0 (no NaN from 0/0), so the update is the identity, in bf16 and fp16."""
-    x = torch.randn(B, T, D, 4).to(dtype)
+    x = torch.randn(B, T, 4, D).to(dtype)
     h = torch.zeros(B, T, D, dtype=dtype)
     out = delta_update(x, h, torch.rand(B, T, 4, dtype=dtype), torch.ones(B, T, 1))
     assert out.dtype == dtype and torch.equal(out, x)

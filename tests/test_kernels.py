@@ -11,7 +11,7 @@ from ddl.modeling_ddl import delta_update
 
 def _inputs(dv, dtype, seed=0, zero_h=False):
     g = torch.Generator().manual_seed(seed)
-    shape = (2, 3, 6) + ((dv,) if dv > 1 else ())
+    shape = (2, 3) + ((dv,) if dv > 1 else ()) + (6,)  # the state: (B, T, d) or (B, T, d_v, d)
     x = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
     h = torch.randn(2, 3, 6, generator=g, dtype=torch.float64)
     h = (h * 0 if zero_h else h).to(dtype).requires_grad_()

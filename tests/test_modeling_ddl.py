@@ -248,10 +248,10 @@ def test_initialisation_in_init_weights_survives_construction_loading_and_meta_d
 def test_tc_compressor_initial_state_is_the_channel_average():
     model = DDLForCausalLM(tiny_config(ddl_compressor="tc"))
     compress = model.model.layers[0].attn_compress
-    state = torch.randn(2, 5, TINY["hidden_size"], 4)
-    torch.testing.assert_close(compress(state), state.mean(-1))
+    state = torch.randn(2, 5, 4, TINY["hidden_size"])  # (B, T, d_v, d)
+    torch.testing.assert_close(compress(state), state.mean(-2))
     embeds = torch.randn(2, 5, TINY["hidden_size"])
-    torch.testing.assert_close(model.model.embed_conv(embeds), embeds.unsqueeze(-1).expand(-1, -1, -1, 4))
+    torch.testing.assert_close(model.model.embed_conv(embeds), embeds.unsqueeze(-2).expand(-1, -1, 4, -1))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -302,7 +302,7 @@ def test_output_hidden_states(dv):
     model = _model(ddl_value_channels=dv)
     out = model(_ids(2, 5), output_hidden_states=True)
     assert len(out.hidden_states) == TINY["num_hidden_layers"] + 1
-    inner = (2, 5, TINY["hidden_size"]) + ((dv,) if dv > 1 else ())
+    inner = (2, 5) + ((dv,) if dv > 1 else ()) + (TINY["hidden_size"],)
     assert all(h.shape == inner for h in out.hidden_states[:-1])  # the (expanded) residual state
     assert out.hidden_states[-1].shape == (2, 5, TINY["hidden_size"])
 
@@ -436,9 +436,10 @@ def test_token_convolutions_match_conv1d():
     x = torch.randn(B, T, d, generator=g, dtype=torch.float64)
     ec_in = x.unsqueeze(-1).expand(B, T, d, dv).reshape(B, T, d * dv).transpose(1, 2)
     ec = torch.nn.functional.conv1d(torch.nn.functional.pad(ec_in, (K - 1, 0)), conv_weight, groups=d * dv)
-    torch.testing.assert_close(causal_token_conv(x, weight), ec.transpose(1, 2).reshape(B, T, d, dv))
-    state = torch.randn(B, T, d, dv, generator=g, dtype=torch.float64)
-    tc_in = torch.nn.functional.pad(state.reshape(B, T, d * dv).transpose(1, 2), (K - 1, 0))
+    ec = ec.transpose(1, 2).reshape(B, T, d, dv).transpose(-1, -2)  # the state layout (B, T, d_v, d)
+    torch.testing.assert_close(causal_token_conv(x, weight), ec)
+    state = torch.randn(B, T, dv, d, generator=g, dtype=torch.float64)
+    tc_in = torch.nn.functional.pad(state.transpose(-1, -2).reshape(B, T, d * dv).transpose(1, 2), (K - 1, 0))
     tc = torch.nn.functional.conv1d(tc_in, conv_weight, groups=d * dv).transpose(1, 2).reshape(B, T, d, dv).sum(-1)
     torch.testing.assert_close(causal_token_readout(state, weight), tc)
     # with history: the last K-1 tokens of a longer sequence see the same result as the whole sequence
