@@ -119,10 +119,66 @@ def fused_delta_update(x, h, v=None, beta=None, mode="delta", k_eps=1e-5):
     return _DeltaUpdate.apply(x, h, v, beta, k_eps, mode == "delta")
 
 
+def _readout_forward(x, taps):
+    """y[t] = sum_s sum_j taps[s, j] * x[t - (K-1) + s, j] (zero before the first token), accumulated in place
+    along contiguous d: K * d_v fused multiply-adds into one `(B, T, d)` tensor, no state-sized temporary."""
+    kernel, seq_len = taps.shape[0], x.shape[1]
+    out = x.new_zeros(x.shape[0], seq_len, x.shape[-1])
+    for lag in range(min(kernel, seq_len)):
+        rows = out[:, lag:]
+        for j in range(x.shape[2]):
+            rows.addcmul_(x[:, : seq_len - lag, j], taps[kernel - 1 - lag, j])
+    return out
+
+
+class _TokenReadout(torch.autograd.Function):
+    """The TC/CC readout with a hand-written backward (autograd would zero-fill and copy a state-sized gradient
+    for every lag's slice). With G the gradient of y:
+        dX[t] = sum_s taps[s] * G[t + (K-1) - s]          (in place into one state-sized tensor)
+        dtaps[s, j] = sum over tokens of X[t, j] * G[t + (K-1) - s]   (fp32, one sequence chunk at a time)
+    """
+
+    @staticmethod
+    def forward(ctx, x, taps):
+        ctx.save_for_backward(x, taps)
+        return _readout_forward(x, taps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, taps = ctx.saved_tensors
+        kernel, seq_len = taps.shape[0], x.shape[1]
+        lags = range(min(kernel, seq_len))
+        grad = grad.to(x.dtype)
+        grad_x = grad_taps = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.mul(grad.unsqueeze(-2), taps[kernel - 1].to(x.dtype))
+            for lag in lags[1:]:
+                grad_x[:, : seq_len - lag].addcmul_(grad[:, lag:].unsqueeze(-2), taps[kernel - 1 - lag].to(x.dtype))
+        if ctx.needs_input_grad[1]:
+            acc = torch.zeros(taps.shape, dtype=torch.promote_types(taps.dtype, torch.float32), device=taps.device)
+            chunk = -(-x.shape[0] // 8)  # at most 8 chunks of sequences: the products stay cache-sized
+            for xs, gs in zip(x.split(chunk), grad.split(chunk)):
+                for lag in lags:
+                    prod = xs[:, : seq_len - lag] * gs[:, lag:].unsqueeze(-2)
+                    acc[kernel - 1 - lag] += prod.sum((0, 1), dtype=acc.dtype)
+            grad_taps = acc.to(taps.dtype)
+        return grad_x, grad_taps
+
+
+def fused_token_readout(x, weight, history=None):
+    """Same contract as `modeling_ddl.causal_token_readout`; faster, and no state-sized temporaries."""
+    kernel = weight.shape[0]
+    taps = weight.transpose(1, 2).contiguous()  # (K, d_v, d), like the state
+    if history is not None:  # the cached inputs before x: read them as the first K-1 tokens, drop their outputs
+        x = torch.cat([history, x], dim=1)
+    out = _readout_forward(x, taps) if not torch.is_grad_enabled() else _TokenReadout.apply(x, taps)
+    return out if history is None else out[:, kernel - 1 :]
+
+
 @functools.cache
 def _triton_available():
     """Looked up once, not on every update of every decoding step."""
     return importlib.util.find_spec("triton") is not None
 
 
-__all__ = ["fused_delta_update"]
+__all__ = ["fused_delta_update", "fused_token_readout"]

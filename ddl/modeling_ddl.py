@@ -28,7 +28,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_ddl import DDLConfig, conv_state_slots
-from .kernels import fused_delta_update
+from .kernels import fused_delta_update, fused_token_readout
 
 
 logger = logging.get_logger(__name__)
@@ -90,7 +90,7 @@ def causal_token_conv(x, weight, history=None):
     weight = weight.transpose(1, 2).contiguous()  # (K, d_v, d): a tiny copy, so every product runs along d
     out = full[:, kernel - 1 :] * weight[kernel - 1]
     for s in range(kernel - 1):
-        out = out + full[:, s : s + seq_len] * weight[s]
+        out.addcmul_(full[:, s : s + seq_len], weight[s])  # in place: no new state-sized tensor per tap
     return out
 
 
@@ -100,7 +100,8 @@ def causal_token_readout(x, weight, history=None):
         y[t, i] = sum_j sum_s weight[s, i, j] * x[t - (K - 1) + s, j, i]      (weight = conv taps c * read r)
 
     x: `(B, T, d_v, d)`; weight: `(K, d, d_v)`; history: `(B, K-1, d_v, d)` or None (zeros). Returns `(B, T, d)`.
-    Each lag reads a slice (a view) of x, so autograd keeps no shifted copy of the big state.
+    CC is the one-tap case (K = 1, weight = w). This is the specification; `ddl.kernels.fused_token_readout` is
+    the same function with a hand-written backward (the default).
     """
     kernel, seq_len = weight.shape[0], x.shape[1]
     weight = weight.transpose(1, 2).contiguous()  # (K, d_v, d), like the state
@@ -196,12 +197,15 @@ class DDLCompressor(nn.Module):
 
         CC:  x_in[t, i] = sum_j w[i, j] X[t, j, i]                                 (w initialised to 1/d_v)
         TC:  x_in[t, i] = sum_j r_j sum_s c[s, i, j] X[t - (K-1) + s, j, i]         (c = identity, r = 1/d_v)
+
+    Both are `causal_token_readout` (CC with one tap), through the implementation chosen by `ddl_impl`.
     """
 
     def __init__(self, config: DDLConfig, layer_idx: int, cache_slot: int | None):
         super().__init__()
         self.kind = config.ddl_compressor
         self.layer_idx, self.cache_slot = layer_idx, cache_slot
+        self.readout = fused_token_readout if config.ddl_impl == "fused" else causal_token_readout
         d, dv = config.hidden_size, config.ddl_value_channels
         if self.kind == "cc":
             self.weight = nn.Parameter(torch.empty(d, dv))
@@ -211,10 +215,10 @@ class DDLCompressor(nn.Module):
 
     def forward(self, state, cache=None, pad_mask=None):
         if self.kind == "cc":
-            return (state * self.weight.t().contiguous()).sum(-2)  # keeps no copy of the state for backward
+            return self.readout(state, self.weight.unsqueeze(0))  # (B, T, d)
         state = _mask_padding(state, pad_mask)
         history = token_history(state, self.conv_weight.shape[0], cache, self.layer_idx, self.cache_slot)
-        return causal_token_readout(state, self.conv_weight * self.read, history)  # (B, T, d)
+        return self.readout(state, self.conv_weight * self.read, history)  # (B, T, d)
 
 
 class DDLEmbedConv(nn.Module):

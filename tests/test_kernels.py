@@ -5,8 +5,8 @@ import torch
 
 from conftest import tiny_config
 from ddl import DDLForCausalLM
-from ddl.kernels import fused_delta_update
-from ddl.modeling_ddl import delta_update
+from ddl.kernels import fused_delta_update, fused_token_readout
+from ddl.modeling_ddl import causal_token_readout, delta_update
 
 
 def _inputs(dv, dtype, seed=0, zero_h=False):
@@ -54,7 +54,8 @@ def test_zero_branch_output_gives_finite_gradients():
     assert all(torch.isfinite(t.grad).all() for t in inputs)
 
 
-@pytest.mark.parametrize("overrides", [{"ddl_value_channels": 1}, {}, {"ddl_compressor": "tc", "ddl_residual": "write_only"}])
+@pytest.mark.parametrize("overrides", [{"ddl_value_channels": 1}, {}, {"ddl_compressor": "tc", "ddl_residual": "write_only"},
+                                       {"ddl_compressor": "tc"}])
 def test_models_with_either_implementation_agree(overrides):
     models = {}
     for impl in ("reference", "fused"):
@@ -68,6 +69,41 @@ def test_models_with_either_implementation_agree(overrides):
     reference = dict(models["reference"].named_parameters())
     for name, param in models["fused"].named_parameters():
         torch.testing.assert_close(param.grad, reference[name].grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The token readout (TC; CC is its one-tap case)
+
+
+def _readout_inputs(kernel, seq_len, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, seq_len, 2, 5, generator=g, dtype=torch.float64).to(dtype).requires_grad_()  # (B, T, d_v, d)
+    weight = torch.randn(kernel, 5, 2, generator=g, dtype=torch.float64).to(dtype).requires_grad_()  # (K, d, d_v)
+    return x, weight
+
+
+@pytest.mark.parametrize("kernel, seq_len", [(1, 4), (3, 5), (4, 2)], ids=["cc", "tc", "tc-short"])
+def test_token_readout_gradcheck_float64(kernel, seq_len):
+    x, weight = _readout_inputs(kernel, seq_len)
+    assert torch.autograd.gradcheck(fused_token_readout, (x, weight))
+    history = torch.randn(3, kernel - 1, 2, 5, dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda a, w: fused_token_readout(a, w, history), (x, weight))
+
+
+@pytest.mark.parametrize("with_history", [False, True])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
+def test_token_readout_matches_reference(with_history, dtype, tol):
+    ref_x, ref_w = _readout_inputs(4, 9, dtype)
+    x, w = (t.detach().clone().requires_grad_() for t in (ref_x, ref_w))
+    history = torch.randn(3, 3, 2, 5).to(dtype) if with_history else None
+    ref, out = causal_token_readout(ref_x, ref_w, history), fused_token_readout(x, w, history)
+    assert out.dtype == ref.dtype and out.shape == ref.shape == (3, 9, 5)
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    weight = torch.randn(ref.shape, generator=torch.Generator().manual_seed(3)).to(dtype)
+    (ref * weight).sum().backward()
+    (out * weight).sum().backward()
+    torch.testing.assert_close(x.grad, ref_x.grad, rtol=tol, atol=tol)
+    torch.testing.assert_close(w.grad, ref_w.grad, rtol=tol, atol=tol * 4)  # sums over all tokens
 
 
 # ---------------------------------------------------------------------------------------------------------------
