@@ -20,10 +20,10 @@ logger = logging.get_logger(__name__)
 
 
 def _dot_h(h, state, scalar_state):
-    """h^T X over the features, `(B, T, d_v)` (the state is `(B, T, d)` or `(B, T, d_v, d)`)."""
+    """h^T X over the features, `(B, T, d_v)` (the state is `(B, T, d)` or `(B, T, d_v, d)`); in h's dtype (fp32)."""
     if scalar_state:
-        return torch.linalg.vecdot(h, state).unsqueeze(-1)
-    return (state @ h.unsqueeze(-1)).squeeze(-1)
+        return (h * state).sum(-1, keepdim=True)  # twice as fast as linalg.vecdot on CPU (which adds a copy)
+    return (state.to(h.dtype) @ h.unsqueeze(-1)).squeeze(-1)
 
 
 def _combine(state, coef, scalar_state, out=None, alpha=1.0):
@@ -45,16 +45,18 @@ def _rank1(h, coef, scalar_state):
 
 def _delta_forward(x, h, v, beta, k_eps, erase):
     """X_next and the per-token scalars (s, t, beta, h^T X) that the backward needs."""
+    # Few, fused operations: this also runs once per sublayer for every decoded token.
     acc = torch.promote_types(x.dtype, torch.float32)
     scalar_state = x.dim() == h.dim()
-    h_acc, x_acc = h.to(acc), x.to(acc)  # no copies in fp32; bf16/fp16 read out in fp32
-    inv_norm = torch.rsqrt(torch.linalg.vecdot(h_acc, h_acc) + k_eps**2).unsqueeze(-1)  # s: (B, T, 1)
-    target = v.to(acc)
-    h_dot_x = _dot_h(h_acc, x_acc, scalar_state) if erase else None  # h^T X: (B, T, d_v)
+    h_acc = h if h.dtype == acc else h.to(acc)  # bf16/fp16 are read out in fp32
+    norm = torch.linalg.vector_norm(h_acc, dim=-1, keepdim=True)  # one fused reduction, no temporary
+    inv_norm = norm.square_().add_(k_eps**2).rsqrt_()  # s = 1/sqrt(|h|^2 + eps^2): (B, T, 1), in place
+    target = v if v.dtype == acc else v.to(acc)
+    h_dot_x = _dot_h(h_acc, x, scalar_state) if erase else None  # h^T X: (B, T, d_v)
     if erase:
-        target = target - inv_norm * h_dot_x  # v - k^T X
+        target = torch.addcmul(target, inv_norm, h_dot_x, value=-1.0)  # v - k^T X
     if x.dtype == acc:  # fold 1/|h| into the per-token scale: X_next = X + h (x) (beta s t)
-        out = torch.addcmul(x, *_rank1(h, beta * inv_norm * target, scalar_state))
+        out = torch.addcmul(x, *_rank1(h, (beta * inv_norm) * target, scalar_state))
     else:  # fp16 would overflow on s = 1/|h| for tiny h: write k = s h (|k| < 1) in the model dtype instead
         k = (h_acc * inv_norm).to(x.dtype)
         out = torch.addcmul(x, *_rank1(k, (beta * target).to(x.dtype), scalar_state))

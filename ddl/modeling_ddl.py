@@ -136,6 +136,11 @@ def token_history(x, kernel_size, cache, layer_idx, slot):
     return past.transpose(1, 2).reshape(batch, kernel_size - 1, *x.shape[2:])
 
 
+def _fp32(t):
+    """t in fp32 (no call at all when it already is: the gate runs once per sublayer for every decoded token)."""
+    return t if t.dtype == torch.float32 else t.float()
+
+
 def _mask_padding(x, pad_mask):
     """Zero padded positions before a token-axis convolution, so pads never leak into real tokens."""
     if pad_mask is None:
@@ -174,10 +179,10 @@ class DDLDeltaResidual(nn.Module):
 
     def gate(self, c):
         """beta: `(B, T, 1)` in fp32 (only the gate logit is computed in fp32, for stability)."""
-        c = c.float()
+        c = _fp32(c)
         if hasattr(self, "beta_hidden_weight"):
-            c = torch.tanh(F.linear(c, self.beta_hidden_weight.float(), self.beta_hidden_bias.float()))
-        return 2.0 * torch.sigmoid(F.linear(c, self.beta_weight.float().unsqueeze(0), self.beta_bias.float()))
+            c = torch.tanh(F.linear(c, _fp32(self.beta_hidden_weight), _fp32(self.beta_hidden_bias)))
+        return 2.0 * torch.sigmoid(F.linear(c, _fp32(self.beta_weight)[None], _fp32(self.beta_bias)))
 
     def value(self, u):
         """v: `(B, T, d_v)`."""
