@@ -23,7 +23,8 @@ def _dot_h(h, state, scalar_state):
     """h^T X over the features, `(B, T, d_v)` (the state is `(B, T, d)` or `(B, T, d_v, d)`); in h's dtype (fp32)."""
     if scalar_state:
         return (h * state).sum(-1, keepdim=True)  # twice as fast as linalg.vecdot on CPU (which adds a copy)
-    return (state.to(h.dtype) @ h.unsqueeze(-1)).squeeze(-1)
+    # As a row vector times X^T: 8x faster on CPU than X @ h (a batched matrix-vector product) at d=512, d_v=4.
+    return (h.unsqueeze(-2) @ state.to(h.dtype).transpose(-1, -2)).squeeze(-2)
 
 
 def _combine(state, coef, scalar_state, out=None, alpha=1.0):
