@@ -106,6 +106,16 @@ def test_token_readout_matches_reference(with_history, dtype, tol):
     torch.testing.assert_close(w.grad, ref_w.grad, rtol=tol, atol=tol * 4)  # sums over all tokens
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("seq_len", [1, 2, 6], ids=["decode-step", "two-tokens", "prefill"])
+def test_token_readout_inference_paths_match_reference(seq_len):
+    """Without autograd the readout takes other routes (one decoding step is a single product and sum)."""
+    x, weight = (t.detach() for t in _readout_inputs(4, seq_len))
+    history = torch.randn(3, 3, 2, 5, dtype=torch.float64)
+    for past in (None, history):
+        torch.testing.assert_close(fused_token_readout(x, weight, past), causal_token_readout(x, weight, past))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Triton kernels: on CPU through the interpreter (conftest sets TRITON_INTERPRET=1), on CUDA when there is one.
 
