@@ -218,16 +218,21 @@ def main(argv=None):
     for runner in runners:  # warm-up: allocations, optimizer state, compilation
         runner.train_step()
         runner.time_prefill(1)
-    for repeat in range(args.repeats):
-        for runner in runners:  # interleaved: every model sees the same machine conditions
-            if "train" not in args.skip:
-                runner.record("train_tok_s", runner.time_train(args.train_steps))
-            if "prefill" not in args.skip:
-                runner.record("prefill_tok_s", runner.time_prefill(args.train_steps))
-            if "decode" not in args.skip:
-                runner.record("decode_b1_tok_s", runner.time_decode(1, args.new_tokens))
-                runner.record("decode_b8_tok_s", runner.time_decode(min(8, size.batch_size), args.new_tokens))
-        print(f"repeat {repeat + 1}/{args.repeats} done", flush=True)
+    measurements = {
+        "train_tok_s": ("train", lambda r: r.time_train(args.train_steps)),
+        "prefill_tok_s": ("prefill", lambda r: r.time_prefill(args.train_steps)),
+        "decode_b1_tok_s": ("decode", lambda r: r.time_decode(1, args.new_tokens)),
+        "decode_b8_tok_s": ("decode", lambda r: r.time_decode(min(8, size.batch_size), args.new_tokens)),
+    }
+    # One measurement at a time (so that decoding never disturbs the allocator state of training), and within it
+    # the models interleaved, A B C A B C ...: every model sees the same machine conditions.
+    for key, (group, measure) in measurements.items():
+        if group in args.skip:
+            continue
+        for repeat in range(args.repeats):
+            for runner in runners:
+                runner.record(key, measure(runner))
+        print(f"{key}: {args.repeats} repeats done", flush=True)
     if "memory" not in args.skip:
         for runner in runners:
             runner.record("peak_train_mem_MB", runner.peak_train_memory() / 2**20)
