@@ -102,7 +102,7 @@ class Runner:
         self.optimizer.zero_grad(set_to_none=True)
 
     def time_train(self, steps):
-        self.train_step()  # untimed: the other models' decoding ran in between; time the steady state, as in training
+        self.train_step()  # untimed: the other models ran in between; time this model's steady state, as in training
         sync(self.device)
         start = time.perf_counter()
         for _ in range(steps):

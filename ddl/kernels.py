@@ -87,7 +87,8 @@ class _DeltaUpdate(torch.autograd.Function):
         x, h, inv_norm, target, beta, h_dot_x = ctx.saved_tensors
         scalar = ctx.scalar_state
         acc = target.dtype
-        state, grad, h_acc = x.to(acc), grad_out.to(acc), h.to(acc)
+        grad, h_acc = grad_out.to(acc), h.to(acc)
+        state = x.to(acc) if ctx.erase else None  # write-only never reads the state in backward
         b = _dot_h(h_acc, grad, scalar)  # h^T G: (B, T, d_v)
         grad_coef = inv_norm * b  # k^T G
         h_dot_grad_k = (b * target).sum(-1, keepdim=True)
@@ -126,12 +127,13 @@ def _readout_forward(x, taps):
     """y[t] = sum_s sum_j taps[s, j] * x[t - (K-1) + s, j] (zero before the first token), accumulated in place
     along contiguous d: K * d_v fused multiply-adds into one `(B, T, d)` tensor, no state-sized temporary."""
     kernel, seq_len = taps.shape[0], x.shape[1]
-    out = x.new_zeros(x.shape[0], seq_len, x.shape[-1])
-    for lag in range(min(kernel, seq_len)):
+    dtype = torch.promote_types(x.dtype, taps.dtype)
+    out = x.new_zeros(x.shape[0], seq_len, x.shape[-1], dtype=torch.promote_types(dtype, torch.float32))
+    for lag in range(min(kernel, seq_len)):  # fp32 accumulation (a (B, T, d) buffer): bf16 would round K*d_v times
         rows = out[:, lag:]
         for j in range(x.shape[2]):
             rows.addcmul_(x[:, : seq_len - lag, j], taps[kernel - 1 - lag, j])
-    return out
+    return out.to(dtype)
 
 
 class _TokenReadout(torch.autograd.Function):
@@ -174,8 +176,10 @@ def fused_token_readout(x, weight, history=None):
     taps = weight.transpose(1, 2).contiguous()  # (K, d_v, d), like the state
     if history is not None:  # the cached inputs before x: read them as the first K-1 tokens, drop their outputs
         x = torch.cat([history, x], dim=1)
-        if x.shape[1] == kernel and not torch.is_grad_enabled():  # one decoding step: two operations in all
-            return (x * taps).sum((1, 2)).unsqueeze(1)
+        if x.shape[1] == kernel and not torch.is_grad_enabled():  # one decoding step: a product and a sum
+            dtype = torch.promote_types(x.dtype, taps.dtype)
+            acc = torch.promote_types(dtype, torch.float32)  # summed in fp32 like the prefill, so the two agree
+            return (x.to(acc) * taps.to(acc)).sum((1, 2)).to(dtype).unsqueeze(1)
     out = _readout_forward(x, taps) if not torch.is_grad_enabled() else _TokenReadout.apply(x, taps)
     return out if history is None else out[:, kernel - 1 :]
 

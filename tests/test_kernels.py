@@ -116,6 +116,21 @@ def test_token_readout_inference_paths_match_reference(seq_len):
         torch.testing.assert_close(fused_token_readout(x, weight, past), causal_token_readout(x, weight, past))
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_token_readout_low_precision_decoding_equals_prefill(dtype):
+    """Token by token from the cache gives what the whole sequence gives (both accumulate in fp32)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 12, 4, 64, generator=g).to(dtype)
+    weight = torch.randn(4, 64, 4, generator=g).to(dtype)
+    prefill = fused_token_readout(x, weight)
+    padded = torch.cat([x.new_zeros(2, 3, 4, 64), x], dim=1)
+    steps = torch.cat([fused_token_readout(x[:, t : t + 1], weight, padded[:, t : t + 3]) for t in range(12)], dim=1)
+    torch.testing.assert_close(steps, prefill, rtol=2**-7, atol=1e-3)
+    exact = causal_token_readout(x.double(), weight.double())
+    torch.testing.assert_close(prefill.double(), exact, rtol=2**-7, atol=1e-2)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Triton kernels: on CPU through the interpreter (conftest sets TRITON_INTERPRET=1), on CUDA when there is one.
 
