@@ -1,4 +1,5 @@
-"""Fast paths for `delta_update`, with its exact signature. The reference in modeling_ddl.py is the spec.
+"""Fast paths for `delta_update` and `causal_token_readout`, with their exact signatures; the references in
+modeling_ddl.py are the specs, and `ddl_impl` chooses between the two sets (`modeling_ddl._IMPLEMENTATIONS`).
 
 On CUDA tensors with triton installed, `fused_delta_update` runs the Triton kernels of `ddl.triton_kernels`
 (imported lazily, never required); elsewhere (CPU, Apple, no triton) it runs the PyTorch function below.
@@ -49,10 +50,10 @@ def _delta_forward(x, h, v, beta, k_eps, erase):
     # Few, fused operations: this also runs once per sublayer for every decoded token.
     acc = torch.promote_types(x.dtype, torch.float32)
     scalar_state = x.dim() == h.dim()
-    h_acc = h if h.dtype == acc else h.to(acc)  # bf16/fp16 are read out in fp32
+    h_acc = h.to(acc)  # bf16/fp16 are read out in fp32
     norm = torch.linalg.vector_norm(h_acc, dim=-1, keepdim=True)  # one fused reduction, no temporary
     inv_norm = norm.square_().add_(k_eps**2).rsqrt_()  # s = 1/sqrt(|h|^2 + eps^2): (B, T, 1), in place
-    target = v if v.dtype == acc else v.to(acc)
+    target = v.to(acc)
     h_dot_x = _dot_h(h_acc, x, scalar_state) if erase else None  # h^T X: (B, T, d_v)
     if erase:
         target = torch.addcmul(target, inv_norm, h_dot_x, value=-1.0)  # v - k^T X

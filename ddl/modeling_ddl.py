@@ -75,6 +75,13 @@ def delta_update(x, h, v=None, beta=None, mode="delta", k_eps=1e-5):
     return out.squeeze(-2) if scalar_state else out
 
 
+def _causal_window(x, kernel, history):
+    """x with the K-1 inputs before it prepended (the cached history, or zeros at the start of a sequence)."""
+    if history is None:
+        history = x.new_zeros(x.shape[0], kernel - 1, *x.shape[2:])
+    return torch.cat([history, x], dim=1)
+
+
 def causal_token_conv(x, weight, history=None):
     r"""EC: depthwise causal convolution over the token axis, from d input features to d x d_v channels.
 
@@ -84,9 +91,7 @@ def causal_token_conv(x, weight, history=None):
     before x (zeros at the start of a sequence). Returns the state layout `(B, T, d_v, d)`.
     """
     kernel, seq_len = weight.shape[0], x.shape[1]
-    if history is None:
-        history = x.new_zeros(x.shape[0], kernel - 1, x.shape[2])
-    full = torch.cat([history, x], dim=1).unsqueeze(-2)  # (B, K-1+T, 1, d)
+    full = _causal_window(x, kernel, history).unsqueeze(-2)  # (B, K-1+T, 1, d)
     weight = weight.transpose(1, 2).contiguous()  # (K, d_v, d): a tiny copy, so every product runs along d
     out = full[:, kernel - 1 :] * weight[kernel - 1]
     for s in range(kernel - 1):
@@ -104,17 +109,9 @@ def causal_token_readout(x, weight, history=None):
     the same function with a hand-written backward (the default).
     """
     kernel, seq_len = weight.shape[0], x.shape[1]
+    full = _causal_window(x, kernel, history)  # (B, K-1+T, d_v, d)
     weight = weight.transpose(1, 2).contiguous()  # (K, d_v, d), like the state
-    out = (x * weight[kernel - 1]).sum(-2)
-    for lag in range(1, kernel):
-        tap = weight[kernel - 1 - lag]
-        if seq_len > lag:  # tokens t >= lag read x[t - lag]
-            out = out + F.pad((x[:, : seq_len - lag] * tap).sum(-2), (0, 0, lag, 0))
-        if history is not None:  # tokens t < lag read the history
-            n = min(lag, seq_len)
-            past = (history[:, kernel - 1 - lag : kernel - 1 - lag + n] * tap).sum(-2)
-            out = out + F.pad(past, (0, 0, 0, seq_len - n))
-    return out
+    return sum((full[:, s : s + seq_len] * weight[s]).sum(-2) for s in range(kernel))
 
 
 def token_history(x, kernel_size, cache, layer_idx, slot):
@@ -136,16 +133,18 @@ def token_history(x, kernel_size, cache, layer_idx, slot):
     return past.transpose(1, 2).reshape(batch, kernel_size - 1, *x.shape[2:])
 
 
-def _fp32(t):
-    """t in fp32 (no call at all when it already is: the gate runs once per sublayer for every decoded token)."""
-    return t if t.dtype == torch.float32 else t.float()
-
-
 def _mask_padding(x, pad_mask):
     """Zero padded positions before a token-axis convolution, so pads never leak into real tokens."""
     if pad_mask is None:
         return x
     return x * pad_mask.view(*pad_mask.shape, *([1] * (x.dim() - 2)))  # (B, T) -> (B, T, 1[, 1])
+
+
+# The one place where `ddl_impl` chooses the implementations (same signatures, same numbers; tested against each other).
+_IMPLEMENTATIONS = {
+    "fused": {"update": fused_delta_update, "readout": fused_token_readout},
+    "reference": {"update": delta_update, "readout": causal_token_readout},
+}
 
 
 class DDLDeltaResidual(nn.Module):
@@ -164,8 +163,7 @@ class DDLDeltaResidual(nn.Module):
         self.k_eps = config.ddl_k_eps
         self.value_input = config.ddl_value_input
         self.v_scale = config.ddl_v_sigmoid_scale
-        # The one place where the implementation of the update is chosen (same signature, same numbers).
-        self.update = fused_delta_update if config.ddl_impl == "fused" else delta_update
+        self.update = _IMPLEMENTATIONS[config.ddl_impl]["update"]
         if self.mode == "additive":
             return
         d, dv, hb = config.hidden_size, config.ddl_value_channels, config.ddl_beta_hidden_size
@@ -179,10 +177,10 @@ class DDLDeltaResidual(nn.Module):
 
     def gate(self, c):
         """beta: `(B, T, 1)` in fp32 (only the gate logit is computed in fp32, for stability)."""
-        c = _fp32(c)
+        c = c.float()
         if hasattr(self, "beta_hidden_weight"):
-            c = torch.tanh(F.linear(c, _fp32(self.beta_hidden_weight), _fp32(self.beta_hidden_bias)))
-        return 2.0 * torch.sigmoid(F.linear(c, _fp32(self.beta_weight)[None], _fp32(self.beta_bias)))
+            c = torch.tanh(F.linear(c, self.beta_hidden_weight.float(), self.beta_hidden_bias.float()))
+        return 2.0 * torch.sigmoid(F.linear(c, self.beta_weight.float().unsqueeze(0), self.beta_bias.float()))
 
     def value(self, u):
         """v: `(B, T, d_v)`."""
@@ -210,7 +208,7 @@ class DDLCompressor(nn.Module):
         super().__init__()
         self.kind = config.ddl_compressor
         self.layer_idx, self.cache_slot = layer_idx, cache_slot
-        self.readout = fused_token_readout if config.ddl_impl == "fused" else causal_token_readout
+        self.readout = _IMPLEMENTATIONS[config.ddl_impl]["readout"]
         d, dv = config.hidden_size, config.ddl_value_channels
         if self.kind == "cc":
             self.weight = nn.Parameter(torch.empty(d, dv))
