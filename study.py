@@ -41,30 +41,33 @@ import time
 from dataclasses import asdict, dataclass, field
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-QUICK_TOKENS = 16 * 16 * 256  # 16 steps of the tiny preset's batch
+DEFAULT_TOKENS = 1_048_576  # per run; see "Default budget" above
+QUICK_STEPS = 16  # --quick: 16 steps of the preset's batch
 
 
 @dataclass
 class StudySettings:
+    """What a study folder remembers (built by `parse_args`, which owns the defaults)."""
+
     variants: list[str]
     seeds: list[int]
-    preset: str = "tiny"
-    max_tokens: int = 1_048_576
-    per_device_train_batch_size: int = 16
-    gradient_accumulation_steps: int = 1
-    world_size: int = 1  # processes the launcher starts (tokens per step = batch x accumulation x world x block)
-    block_size: int = 256
-    dataset_name: str | None = None
-    dataset_config_name: str | None = None
-    train_file: str | None = None
-    validation_file: str | None = None
-    streaming: bool = False
-    tokenizer_name: str | None = None
-    vocab_size: int = 4096
-    eval_split: str = "validation"
-    eval_tokens: int | None = None  # None: the whole validation text
-    audit_tokens: int = 16384
-    launcher: str = ""
+    preset: str
+    max_tokens: int
+    per_device_train_batch_size: int
+    gradient_accumulation_steps: int
+    world_size: int  # processes the launcher starts (tokens per step = batch x accumulation x world x block)
+    block_size: int
+    dataset_name: str | None
+    dataset_config_name: str | None
+    train_file: str | None
+    validation_file: str | None
+    streaming: bool
+    tokenizer_name: str | None
+    vocab_size: int
+    eval_split: str
+    eval_tokens: int | None  # None: the whole validation text
+    audit_tokens: int
+    launcher: str
     train_args: list[str] = field(default_factory=list)
 
     @property
@@ -80,6 +83,8 @@ class StudySettings:
 
 def parse_args(argv):
     from ddl.study import DEFAULT_SEEDS, DEFAULT_VARIANTS
+    from ddl.training import PRESET_RUN_DEFAULTS, PRESETS
+    from train import ModelArguments
 
     train_args = []
     if "--" in argv:
@@ -89,19 +94,19 @@ def parse_args(argv):
     p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS),
                    help="<delta|write_only|additive>-dv<N>[-cc|-tc][-ec]; the first additive-dv1 is the baseline")
     p.add_argument("--seeds", nargs="*", type=int, default=list(DEFAULT_SEEDS))
-    p.add_argument("--preset", default="tiny", choices=["tiny", "small", "medium"])
-    p.add_argument("--max_tokens", type=lambda s: int(s.replace("_", "")), default=None,
-                   help="training tokens per run (default 1,048,576; --quick 65,536)")
-    p.add_argument("--per_device_train_batch_size", type=int, default=16)
+    p.add_argument("--preset", default="tiny", choices=list(PRESETS))
+    p.add_argument("--max_tokens", type=int, default=None,
+                   help=f"training tokens per run (default {DEFAULT_TOKENS:,}; --quick {QUICK_STEPS} steps)")
+    p.add_argument("--per_device_train_batch_size", type=int, default=None, help="default: the preset's")
     p.add_argument("--gradient_accumulation_steps", type=int, default=1)
     p.add_argument("--world_size", type=int, default=1, help="processes per run started by --launcher")
-    p.add_argument("--block_size", type=int, default=None, help="default: 256 (tiny), 1024 (small/medium)")
+    p.add_argument("--block_size", type=int, default=None, help="default: the preset's")
     for name in ("dataset_name", "dataset_config_name", "train_file", "validation_file", "tokenizer_name"):
         p.add_argument(f"--{name}")
     p.add_argument("--streaming", action="store_true")
-    p.add_argument("--vocab_size", type=int, default=4096, help="of the BPE trained once for all runs")
+    p.add_argument("--vocab_size", type=int, default=ModelArguments.vocab_size, help="of the BPE trained once for all runs")
     p.add_argument("--eval_split", default="validation", help="split of --dataset_name for the validation loss")
-    p.add_argument("--eval_tokens", type=lambda s: int(s.replace("_", "")), default=None,
+    p.add_argument("--eval_tokens", type=int, default=None,
                    help="validation tokens (default: all of the validation text)")
     p.add_argument("--audit_tokens", type=int, default=16384)
     p.add_argument("--launcher", default="", help='e.g. "accelerate launch --num_processes 8" (default: python)')
@@ -110,9 +115,14 @@ def parse_args(argv):
     p.add_argument("--quick", action="store_true", help="5-minute smoke test: all variants, one seed, 16 steps")
     p.add_argument("--report_only", action="store_true", help="only rebuild the report from finished runs")
     args = p.parse_args(argv)
+    run_defaults = PRESET_RUN_DEFAULTS[args.preset]
+    args.per_device_train_batch_size = args.per_device_train_batch_size or run_defaults["per_device_train_batch_size"]
+    args.block_size = args.block_size or run_defaults["block_size"]
+    tokens_per_step = (args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+                       * args.block_size)
     if args.quick:
         args.seeds = args.seeds if "--seeds" in argv else [0]
-        args.max_tokens = args.max_tokens or QUICK_TOKENS
+        args.max_tokens = args.max_tokens or QUICK_STEPS * tokens_per_step
         args.eval_tokens = args.eval_tokens or 8192
         args.audit_tokens = 4096 if "--audit_tokens" not in argv else args.audit_tokens
     args.study_dir = args.study_dir or os.path.join("outputs", "study-quick" if args.quick else "study")
@@ -121,10 +131,10 @@ def parse_args(argv):
     if args.train_file and not args.validation_file:
         p.error("--train_file needs --validation_file: every run must be evaluated on the same fixed text.")
     settings = StudySettings(
-        variants=args.variants, seeds=args.seeds, preset=args.preset, max_tokens=args.max_tokens or 1_048_576,
+        variants=args.variants, seeds=args.seeds, preset=args.preset, max_tokens=args.max_tokens or DEFAULT_TOKENS,
         per_device_train_batch_size=args.per_device_train_batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps, world_size=args.world_size,
-        block_size=args.block_size or (256 if args.preset == "tiny" else 1024), dataset_name=args.dataset_name,
+        block_size=args.block_size, dataset_name=args.dataset_name,
         dataset_config_name=args.dataset_config_name, train_file=args.train_file,
         validation_file=args.validation_file, streaming=args.streaming, tokenizer_name=args.tokenizer_name,
         vocab_size=args.vocab_size, eval_split=args.eval_split, eval_tokens=args.eval_tokens,
@@ -137,8 +147,8 @@ def parse_args(argv):
 
 
 def train_command(settings: StudySettings, variant: str, seed: int, out: str, stats_path: str, tokenizer: str):
-    """The command line of one training run: train.py's flags, run through this file's child entry (which adds a
-    wall-clock stamp to every log and records peak memory)."""
+    """The command line of one training run: train.py's flags, run through this file's child entry (which records
+    peak memory). No evaluation during training: the study evaluates every run afterwards on the same blocks."""
     from ddl.study import variant_flags
 
     steps = settings.max_steps
@@ -146,8 +156,8 @@ def train_command(settings: StudySettings, variant: str, seed: int, out: str, st
         "output_dir": out, "overwrite_output_dir": "true", "seed": seed, "preset": settings.preset,
         "max_steps": steps, "per_device_train_batch_size": settings.per_device_train_batch_size,
         "gradient_accumulation_steps": settings.gradient_accumulation_steps, "block_size": settings.block_size,
-        "tokenizer_name": tokenizer, "report_to": "none", "save_strategy": "no", "eval_strategy": "steps",
-        "eval_steps": max(1, steps // 4), "max_eval_samples": 32, "logging_steps": max(1, min(10, steps // 20)),
+        "tokenizer_name": tokenizer, "report_to": "none", "save_strategy": "no", "eval_strategy": "no",
+        "max_eval_samples": 32, "logging_steps": max(1, min(10, steps // 20)),
         "sample_max_new_tokens": 16,
         **{k: str(v).lower() if isinstance(v, bool) else v for k, v in variant_flags(variant).items()},
     }
@@ -162,27 +172,11 @@ def train_command(settings: StudySettings, variant: str, seed: int, out: str, st
 
 
 def train_child(stats_path: str, argv: list[str]) -> int:
-    """Run `train.cli(argv)` with a callback that stamps every log entry with seconds since training began, then
-    record the process's peak memory (rank 0 only)."""
-    sys.path.insert(0, ROOT)
+    """Run `train.cli(argv)`, then record the process's peak memory (rank 0 only). (Every training log entry already
+    carries `train_runtime`, the seconds since training began: the wall-clock axis of the report.)"""
     import torch
     import train
-    from transformers import TrainerCallback
 
-    class WallClock(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kwargs):
-            self.start = time.perf_counter()
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if state.log_history and hasattr(self, "start"):
-                state.log_history[-1]["wall_s"] = time.perf_counter() - self.start
-
-    class StudyTrainer(train.DDLTrainer):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            self.add_callback(WallClock())
-
-    train.DDLTrainer = StudyTrainer
     code = train.cli(argv)
     if int(os.environ.get("RANK", "0")) == 0:
         stats = {"max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # Linux: KiB
@@ -300,9 +294,7 @@ def make_launcher(settings: StudySettings, study_dir: str, first_seed: int):
             "memory_kind": "peak GPU memory allocated" if cuda is not None else "process max RSS (CPU)",
             "final_train_loss": metrics.get("final_train_loss"), "device": metrics.get("device"),
             "history": [{"step": e["step"], "tokens": e.get("num_input_tokens_seen", e["step"] * settings.tokens_per_step),
-                         "train_loss": e["loss"], "wall_s": e.get("wall_s")} for e in log_history if "loss" in e],
-            "eval_history": [{"step": e["step"], "eval_loss_subset": e["eval_loss"], "wall_s": e.get("wall_s")}
-                             for e in log_history if "eval_loss" in e],
+                         "train_loss": e["loss"], "wall_s": e["train_runtime"]} for e in log_history if "loss" in e],
         }
         result.update(evaluator(out, audit=spec.seed == first_seed))
         return result
