@@ -245,7 +245,7 @@ def main(argv=None):
     print(markdown(rows, header))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "size": size.__dict__, "rows": rows}, f, indent=2)
+            json.dump({"args": vars(args), "size": size.__dict__, "torch": torch.__version__, "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

