@@ -40,12 +40,6 @@ DEFAULT_VARIANTS = (
 )
 DEFAULT_SEEDS = (0, 1, 2)
 _VARIANT_RE = re.compile(r"^(delta|write_only|additive)-dv(\d+)(?:-(cc|tc))?(-ec)?$")
-# Two-sided 95% quantiles t_{0.975, df} for df = 1..30 (used when scipy is not installed).
-_T975 = (
-    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
-    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
-    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
-)
 
 
 # ----------------------------------------------------------------------------------------------------------- grid
@@ -208,20 +202,18 @@ def load_results(study_dir: str) -> list[dict]:
 
 
 def t_quantile(df: float) -> float:
-    """Two-sided 95% Student-t quantile t_{0.975, df}: scipy when installed, else the table (df > 30: df = 30,
-    slightly wide)."""
+    """Two-sided 95% Student-t quantile t_{0.975, df} (scipy's)."""
+    from scipy import stats
+
     if df < 1:
         raise ValueError(f"degrees of freedom must be >= 1, got {df}.")
-    try:
-        from scipy import stats
-    except ImportError:
-        return _T975[min(int(df), 30) - 1]
     return float(stats.t.ppf(0.975, df))
 
 
 @dataclass
 class Estimate:
-    """Mean with a 95% confidence interval; `std` is the sample std (n - 1), NaN (no interval) when n < 2."""
+    """Mean with a 95% confidence interval; `std` is the sample std (n - 1) of the values (for a Welch difference:
+    its standard error), NaN (no interval) when n < 2."""
 
     mean: float
     std: float

@@ -190,13 +190,14 @@ def test_summarize_mean_sample_std_and_t_interval():
         study.summarize([])
 
 
-def test_t_table_matches_scipy_and_is_used_without_it(monkeypatch):
-    stats = pytest.importorskip("scipy.stats")
-    for df in range(1, 31):
-        assert study._T975[df - 1] == pytest.approx(stats.t.ppf(0.975, df), abs=1e-3)
-    monkeypatch.setitem(sys.modules, "scipy", None)  # `from scipy import stats` now raises ImportError
-    assert study.t_quantile(2) == 4.303 and study.t_quantile(100) == 2.042
-    assert study.summarize([1.0, 2.0, 3.0]).half_width == pytest.approx(4.303 * 1.0 / math.sqrt(3))
+def test_interval_matches_scipy():
+    from scipy import stats
+
+    values = [5.31, 5.27, 5.36, 5.29]
+    low, high = stats.ttest_1samp(values, 0.0).confidence_interval()
+    est = study.summarize(values)
+    assert (est.ci_low, est.ci_high) == (pytest.approx(low), pytest.approx(high))
+    assert est.std == pytest.approx(stats.tstd(values))
 
 
 def test_difference_is_paired_by_seed():
