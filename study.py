@@ -252,11 +252,13 @@ def shared_tokenizer(settings: StudySettings, study_dir: str) -> str:
         return path
     from ddl.training import (ensure_validation_split, load_raw_datasets, prepare_tokenizer_for_generation,
                               text_batches, train_bpe_tokenizer)
+    from train import DataArguments  # train.py's defaults: the same split and tokenizer rows as a training run
 
     raw, info = load_raw_datasets(settings.dataset_name, settings.dataset_config_name, settings.train_file,
                                   settings.validation_file, settings.streaming)
-    raw = ensure_validation_split(raw, 5.0, 0, info["documents"])
-    batches = text_batches(raw["train"], "text", max_rows=200_000 if settings.streaming else None)
+    raw = ensure_validation_split(raw, DataArguments.validation_split_percentage, 0, info["documents"])
+    rows = DataArguments.tokenizer_train_rows if settings.streaming else None
+    batches = text_batches(raw["train"], "text", max_rows=rows)
     tokenizer = prepare_tokenizer_for_generation(train_bpe_tokenizer(batches, settings.vocab_size))
     tmp = path + ".tmp"
     tokenizer.save_pretrained(tmp)

@@ -640,9 +640,12 @@ def comparison_markdown(rows) -> str:
 
 
 def write_json(path, obj):
-    with open(path, "w", encoding="utf-8") as f:
+    """Atomically (a temporary file, then a rename): a reader never sees half a file, e.g. a study's result.json."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=2, default=_json_default)
         f.write("\n")
+    os.replace(tmp, path)
 
 
 def _json_default(obj):

@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass
 
 from transformers.utils import logging
 
+from .evaluation import write_json
+
 
 logger = logging.get_logger(__name__)
 
@@ -113,20 +115,6 @@ def run_status(path: str) -> str:
     return "crashed" if os.path.isdir(path) else "missing"
 
 
-def write_json_atomic(path: str, obj) -> None:
-    """Write JSON to a temporary file, then `os.replace` it: readers see the old file or the whole new one."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, default=_json_default)
-    os.replace(tmp, path)
-
-
-def _json_default(obj):
-    if hasattr(obj, "item"):
-        return obj.item()
-    raise TypeError(f"not JSON serializable: {type(obj).__name__}")
-
-
 def check_study_config(study_dir: str, config: dict) -> None:
     """Record the study's configuration in `study.json`, or check that an existing study has the same one (runs
     made with other settings are not comparable and must not be mixed)."""
@@ -134,7 +122,7 @@ def check_study_config(study_dir: str, config: dict) -> None:
     if os.path.isfile(path):
         with open(path, encoding="utf-8") as f:
             previous = json.load(f)
-        if previous != json.loads(json.dumps(config, default=_json_default)):
+        if previous != json.loads(json.dumps(config)):
             changed = sorted(k for k in set(previous) | set(config) if previous.get(k) != config.get(k))
             raise ValueError(
                 f"{study_dir!r} holds a study with another configuration (differs in: {', '.join(changed)}). "
@@ -145,7 +133,7 @@ def check_study_config(study_dir: str, config: dict) -> None:
         raise ValueError(f"{study_dir!r} exists and is not a study folder (no {STUDY_FILE}); choose another "
                          "--study_dir.")
     os.makedirs(study_dir, exist_ok=True)
-    write_json_atomic(path, config)
+    write_json(path, config)
 
 
 def run_study(study_dir: str, grid: Sequence[RunSpec], launch: Callable[[RunSpec, str], dict],
@@ -180,7 +168,7 @@ def run_study(study_dir: str, grid: Sequence[RunSpec], launch: Callable[[RunSpec
             notify("failed", spec, {"error": str(err)})
             continue
         result = {"variant": spec.variant, "seed": spec.seed, **result}
-        write_json_atomic(os.path.join(path, RESULT_FILE), result)
+        write_json(os.path.join(path, RESULT_FILE), result)
         summary["done"].append(spec.name)
         notify("done", spec, result)
     return summary
@@ -517,7 +505,7 @@ def write_report(results: list[dict], report_dir: str, settings: dict, failed: d
     summary = [{**{k: v for k, v in row.items() if not isinstance(v, Estimate)},
                 **{k: asdict(v) for k, v in row.items() if isinstance(v, Estimate)}}
                for row in summary_rows(results, baseline, order)]
-    write_json_atomic(os.path.join(report_dir, "summary.json"), summary)
+    write_json(os.path.join(report_dir, "summary.json"), summary)
     return path
 
 
@@ -543,6 +531,5 @@ __all__ = [
     "summary_rows",
     "t_quantile",
     "variant_flags",
-    "write_json_atomic",
     "write_report",
 ]
