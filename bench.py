@@ -24,6 +24,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ddl import DDLConfig, DDLForCausalLM
+from ddl.training import PAPER_RECIPE
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,11 @@ class Runner:
 
     def __init__(self, name, model, size, device, compile_model):
         self.name, self.model, self.size, self.device = name, model, size, device
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+        recipe = PAPER_RECIPE  # train.py's optimizer settings (the update's cost does not depend on their values)
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=recipe["learning_rate"],
+                                           betas=(recipe["adam_beta1"], recipe["adam_beta2"]),
+                                           weight_decay=recipe["weight_decay"])
+        self.max_grad_norm = recipe["max_grad_norm"]
         self.step_fn = torch.compile(model) if compile_model else model
         g = torch.Generator().manual_seed(1)
         self.batch = torch.randint(3, size.vocab_size, (size.batch_size, size.seq_len), generator=g).to(device)
@@ -97,7 +102,7 @@ class Runner:
         self.model.train()
         loss = self.step_fn(input_ids=self.batch, labels=self.batch).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 

@@ -104,7 +104,8 @@ def parse_args(argv):
     for name in ("dataset_name", "dataset_config_name", "train_file", "validation_file", "tokenizer_name"):
         p.add_argument(f"--{name}")
     p.add_argument("--streaming", action="store_true")
-    p.add_argument("--vocab_size", type=int, default=ModelArguments.vocab_size, help="of the BPE trained once for all runs")
+    p.add_argument("--vocab_size", type=int, default=ModelArguments.vocab_size,
+                   help="of the BPE trained once for all runs")
     p.add_argument("--eval_split", default="validation", help="split of --dataset_name for the validation loss")
     p.add_argument("--eval_tokens", type=int, default=None,
                    help="validation tokens (default: all of the validation text)")

@@ -53,8 +53,9 @@ PAPER_RECIPE = dict(
     max_grad_norm=1.0,
 )
 # Per-preset run defaults. tiny is sized to train on the embedded corpus in about 5 minutes (320 s measured) on 2
-# idle CPU cores (2M tokens, 1.4 epochs); small/medium use the paper's context (1024) and warm-up (2000 steps) and leave the length
-# (`--max_steps` or `--num_train_epochs`) and the batch (paper: 480 x 1024 tokens per step) to the caller.
+# idle CPU cores (2M tokens, 1.4 epochs); small/medium use the paper's context (1024) and warm-up (2000 steps) and
+# leave the length (`--max_steps` or `--num_train_epochs`) and the batch (paper: 480 x 1024 tokens per step) to the
+# caller.
 PRESET_RUN_DEFAULTS: dict[str, dict] = {
     "tiny": dict(
         block_size=256, per_device_train_batch_size=16, per_device_eval_batch_size=32, max_steps=500,
