@@ -28,7 +28,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_ddl import DDLConfig, conv_state_slots
-from .kernels import fused_delta_update, fused_token_readout
+from .kernels import fused_delta_update, fused_token_readout, is_one_token_cpu_step, one_token_residual
 
 
 logger = logging.get_logger(__name__)
@@ -142,8 +142,8 @@ def _mask_padding(x, pad_mask):
 
 # The one place where `ddl_impl` chooses the implementations (same signatures, same numbers; tested against each other).
 _IMPLEMENTATIONS = {
-    "fused": {"update": fused_delta_update, "readout": fused_token_readout},
-    "reference": {"update": delta_update, "readout": causal_token_readout},
+    "fused": {"update": fused_delta_update, "readout": fused_token_readout, "one_token": one_token_residual},
+    "reference": {"update": delta_update, "readout": causal_token_readout, "one_token": None},
 }
 
 
@@ -167,6 +167,8 @@ class DDLDeltaResidual(nn.Module):
         if self.mode == "additive":
             return
         d, dv, hb = config.hidden_size, config.ddl_value_channels, config.ddl_beta_hidden_size
+        # decoding one sequence on CPU: the whole seam in one function (for the single-linear gate)
+        self.one_token = _IMPLEMENTATIONS[config.ddl_impl]["one_token"] if hb is None else None
         if hb is not None:
             self.beta_hidden_weight = nn.Parameter(torch.empty(hb, d))
             self.beta_hidden_bias = nn.Parameter(torch.empty(hb))
@@ -191,8 +193,13 @@ class DDLDeltaResidual(nn.Module):
         """x: state X; h: sublayer output (gives k); context: c = RMSNorm(x_in); sublayer_input: x_in."""
         if self.mode == "additive":
             return delta_update(x, h, mode="additive")
-        v = self.value(sublayer_input if self.value_input == "state" else context)
-        return self.update(x, h, v, self.gate(context), mode=self.mode, k_eps=self.k_eps)
+        u = sublayer_input if self.value_input == "state" else context
+        if self.one_token is not None and is_one_token_cpu_step(x):
+            return self.one_token(
+                x, h, context, u, self.beta_weight, self.beta_bias, self.value_weight, self.value_bias,
+                self.v_scale, self.k_eps, erase=self.mode == "delta",
+            )
+        return self.update(x, h, self.value(u), self.gate(context), mode=self.mode, k_eps=self.k_eps)
 
 
 class DDLCompressor(nn.Module):

@@ -5,8 +5,8 @@ import torch
 
 from conftest import tiny_config
 from ddl import DDLForCausalLM
-from ddl.kernels import fused_delta_update, fused_token_readout
-from ddl.modeling_ddl import causal_token_readout, delta_update
+from ddl.kernels import fused_delta_update, fused_token_readout, is_one_token_cpu_step, one_token_residual
+from ddl.modeling_ddl import DDLDeltaResidual, causal_token_readout, delta_update
 
 
 def _inputs(dv, dtype, seed=0, zero_h=False):
@@ -69,6 +69,50 @@ def test_models_with_either_implementation_agree(overrides):
     reference = dict(models["reference"].named_parameters())
     for name, param in models["fused"].named_parameters():
         torch.testing.assert_close(param.grad, reference[name].grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One decoding step of one sequence on CPU: gate, value and update with the per-token scalars in Python floats
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("v_scale", [4.0, None], ids=["sigmoid-v", "linear-v"])
+@pytest.mark.parametrize("value_input", ["state", "context"])
+@pytest.mark.parametrize("mode", ["delta", "write_only"])
+@pytest.mark.parametrize("dv", [1, 4], ids=["dv1", "dv4"])
+def test_one_token_residual_equals_gate_value_and_delta_update(dv, mode, value_input, v_scale, dtype):
+    config = tiny_config(ddl_value_channels=dv, ddl_residual=mode, ddl_value_input=value_input,
+                         ddl_v_sigmoid_scale=v_scale)
+    residual = DDLDeltaResidual(config).to(dtype)
+    g = torch.Generator().manual_seed(dv)
+    for param in residual.parameters():
+        param.copy_(torch.randn(param.shape, generator=g))
+    d = config.hidden_size
+    x = torch.randn((1, 1, d) if dv == 1 else (1, 1, dv, d), generator=g).to(dtype)
+    c, u = (torch.randn(1, 1, d, generator=g).to(dtype) for _ in range(2))
+    for h in (torch.randn(1, 1, d, generator=g).to(dtype), torch.zeros(1, 1, d, dtype=dtype)):
+        for logit_shift in (0.0, 1e4, -1e4):  # saturated gates: beta = 2 and 0, and no overflow on the way
+            residual.beta_bias.fill_(logit_shift)
+            assert is_one_token_cpu_step(x)
+            args = (residual.beta_weight, residual.beta_bias, residual.value_weight, residual.value_bias)
+            out = one_token_residual(x, h, c, u if value_input == "state" else c, *args, v_scale, config.ddl_k_eps,
+                                     erase=mode == "delta")
+            v = residual.value(u if value_input == "state" else c)
+            ref = delta_update(x, h, v, residual.gate(c), mode=mode, k_eps=config.ddl_k_eps)
+            assert out.dtype == x.dtype and out.shape == x.shape
+            # the gate logit is fp32 in both (so fp64 agrees to fp32's precision); the rest is rounded differently
+            torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_one_token_path_only_where_it_applies():
+    one = torch.zeros(1, 1, 8)
+    with torch.no_grad():
+        assert is_one_token_cpu_step(one) and is_one_token_cpu_step(torch.zeros(1, 1, 4, 8))
+        assert not is_one_token_cpu_step(torch.zeros(2, 1, 8))  # a batch: tensor operations per row are cheaper
+        assert not is_one_token_cpu_step(torch.zeros(1, 2, 8))  # a prefill
+        assert not is_one_token_cpu_step(one.bfloat16())  # low precision keeps the reference's rounding
+    assert not is_one_token_cpu_step(one)  # autograd on: training goes through the custom autograd function
 
 
 # ---------------------------------------------------------------------------------------------------------------

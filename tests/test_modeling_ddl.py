@@ -16,6 +16,7 @@ from transformers import (
 
 from conftest import TINY, tiny_config
 from ddl import DDLConfig, DDLForCausalLM, DDLModel
+from ddl import modeling_ddl
 from ddl.modeling_ddl import DDLCompressor, DDLDeltaResidual, DDLEmbedConv
 
 
@@ -99,6 +100,27 @@ def test_cached_decoding_equals_full_forward(overrides):
             out = model(step, cache=cache, use_cache=True)
             pieces.append(out.logits)
             cache = out.cache
+    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("overrides", [v for v in VARIANTS if "additive" not in v.id])
+def test_decoding_one_sequence_takes_the_one_token_path_and_equals_full_forward(overrides, monkeypatch):
+    """Batch 1 on CPU decodes through `one_token_residual` (Python-float scalars); it must give the full forward."""
+    calls = []
+    one_token = modeling_ddl._IMPLEMENTATIONS["fused"]["one_token"]
+    monkeypatch.setitem(modeling_ddl._IMPLEMENTATIONS["fused"], "one_token",
+                        lambda *a, **k: calls.append(1) or one_token(*a, **k))
+    model = _model(**overrides)
+    ids = _ids(1, 9)
+    with torch.no_grad():
+        full = model(ids).logits
+        out = model(ids[:, :5], use_cache=True)
+        pieces = [out.logits]
+        assert not calls  # a prefill of 5 tokens takes the tensor path
+        for t in range(5, 9):
+            out = model(ids[:, t : t + 1], cache=out.cache, use_cache=True)
+            pieces.append(out.logits)
+    assert len(calls) == 4 * 2 * model.config.num_hidden_layers
     torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=0, atol=1e-5)
 
 
