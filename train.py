@@ -424,6 +424,9 @@ def main(argv: list[str]) -> None:
     if training_args.do_train:
         result = trainer.train(resume_from_checkpoint=resume)
         metrics.update(result.metrics)
+        if resume:  # train_runtime covers only the steps after the checkpoint (the model card's speed)
+            with open(os.path.join(resume, "trainer_state.json")) as f:
+                metrics["resumed_at_step"] = json.load(f)["global_step"]
         trainer.log_metrics("train", result.metrics)
     if training_args.do_eval:
         last = [e for e in trainer.state.log_history if "eval_loss" in e]

@@ -440,6 +440,16 @@ def describe_variant(config: DDLConfig) -> str:
     return f"{mode}-{config.ddl_compressor.upper()}{ec} (d_v={config.ddl_value_channels})"
 
 
+def _training_time(metrics, tokens_seen, steps, world_size):
+    """The card's training-time line. `train_runtime` is this run's; a resumed run trained only the steps after its
+    checkpoint (`resumed_at_step`), so its speed counts only their share of the tokens seen."""
+    runtime, start = metrics["train_runtime"], metrics.get("resumed_at_step", 0)
+    run_tokens = tokens_seen * (steps - start) / steps
+    where = f"on {world_size} process(es), {metrics.get('device', 'unknown device')}"
+    resumed = f"; resumed at step {start:,}, so for its last {steps - start:,} steps" if start else ""
+    return f"- Training time: {runtime:.0f} s ({run_tokens / runtime:,.0f} tokens/s {where}{resumed})."
+
+
 def model_card(
     *,
     repo_name: str,
@@ -499,8 +509,7 @@ def model_card(
         f"- Tokens seen: {tokens_seen:,} in {steps:,} optimizer steps "
         f"({training_args.per_device_train_batch_size} x {training_args.gradient_accumulation_steps} "
         f"x {training_args.world_size} blocks of {block_size} tokens per step).",
-        *([f"- Training time: {metrics['train_runtime']:.0f} s ({tokens_seen / metrics['train_runtime']:,.0f} tokens/s "
-            f"on {training_args.world_size} process(es), {metrics.get('device', 'unknown device')})."]
+        *([_training_time(metrics, tokens_seen, steps, training_args.world_size)]
           if metrics.get("train_runtime") and steps else []),
         f"- Optimizer: AdamW (beta1 {training_args.adam_beta1}, beta2 {training_args.adam_beta2}), weight decay "
         f"{training_args.weight_decay}, peak lr {training_args.learning_rate:g}, {training_args.lr_scheduler_type.value if hasattr(training_args.lr_scheduler_type, 'value') else training_args.lr_scheduler_type} "

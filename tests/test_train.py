@@ -188,6 +188,12 @@ def test_resume_reaches_the_uninterrupted_loss(tmp_path, text_file):
     assert min(resumed) <= n + 1 and 2 * n in resumed
     assert resumed[2 * n] == pytest.approx(expected[2 * n], rel=1e-5, abs=1e-6)
     assert resumed[n + 1] == pytest.approx(expected[n + 1], rel=1e-5, abs=1e-6)
+    # the card's speed counts the N steps this run trained, not all 2N
+    results = json.loads((interrupted / "all_results.json").read_text())
+    assert results["resumed_at_step"] == n
+    rate = results["tokens_seen"] / 2 / results["train_runtime"]
+    card = (interrupted / "README.md").read_text()
+    assert f"({rate:,.0f} tokens/s " in card and f"resumed at step {n}, so for its last {n} steps" in card
 
 
 def test_from_llama_additive_is_that_llama(llama_dir):
