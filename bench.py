@@ -24,7 +24,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ddl import DDLConfig, DDLForCausalLM
-from ddl.training import PAPER_RECIPE
+from ddl.training import PAPER_RECIPE, PRESETS
 
 
 @dataclass(frozen=True)
@@ -40,10 +40,18 @@ class Size:
     head_dim: int | None = None
 
 
+def _from_preset(name, vocab_size, seq_len, batch_size):
+    """A training preset's dimensions (its QK-norm is left out: the baseline is transformers' plain Llama)."""
+    p = PRESETS[name]
+    return Size(p["hidden_size"], p["num_hidden_layers"], p["num_attention_heads"],
+                p.get("num_key_value_heads", p["num_attention_heads"]), p["intermediate_size"], vocab_size, seq_len,
+                batch_size, head_dim=p["head_dim"])
+
+
 SIZES = {
-    "tiny": Size(128, 2, 4, 2, 352, 4096, 128, 4),
-    "bench": Size(512, 8, 8, 4, 1408, 8192, 256, 8),
-    "small": Size(768, 12, 6, 6, 2048, 50304, 1024, 8, head_dim=128),  # the paper's "small"
+    "tiny": Size(128, 2, 4, 2, 352, 4096, 128, 4),  # a quick check (not train.py's 4-layer tiny preset)
+    "bench": Size(512, 8, 8, 4, 1408, 8192, 256, 8),  # the issue's benchmark size
+    "small": _from_preset("small", 50304, 1024, 8),  # the paper's "small" (12 x 768), GPT-2's vocabulary
 }
 
 VARIANTS = {
