@@ -1,8 +1,9 @@
 """Fast paths for `delta_update` and `causal_token_readout`, with their exact signatures; the references in
 modeling_ddl.py are the specs, and `ddl_impl` chooses between the two sets (`modeling_ddl._IMPLEMENTATIONS`).
 
-On CUDA tensors with triton installed, `fused_delta_update` runs the Triton kernels of `ddl.triton_kernels`
-(imported lazily, never required); elsewhere (CPU, Apple, no triton) it runs the PyTorch function below.
+On CUDA tensors with triton installed, `fused_delta_update`, `fused_token_readout` (TC, CC) and `fused_token_conv`
+(EC) run the Triton kernels of `ddl.triton_kernels` (imported lazily, never required); elsewhere (CPU, Apple, no
+triton) they run the PyTorch functions below.
 
 `fused_delta_update` is a custom autograd function: the forward computes the same numbers as the reference, but
 keeps only the inputs (X, h, v, beta) for backward and recomputes k, k^T X and the coefficient there, instead
@@ -216,6 +217,10 @@ class _TokenReadout(torch.autograd.Function):
 
 def fused_token_readout(x, weight, history=None):
     """Same contract as `modeling_ddl.causal_token_readout`; faster, and no state-sized temporaries."""
+    if x.is_cuda and _triton_available():
+        from .triton_kernels import triton_token_readout
+
+        return triton_token_readout(x, weight, history)
     kernel = weight.shape[0]
     taps = weight.transpose(1, 2).contiguous()  # (K, d_v, d), like the state
     if history is not None:  # the cached inputs before x: read them as the first K-1 tokens, drop their outputs
@@ -228,10 +233,24 @@ def fused_token_readout(x, weight, history=None):
     return out if history is None else out[:, kernel - 1 :]
 
 
+def fused_token_conv(x, weight, history=None):
+    """Same contract as `modeling_ddl.causal_token_conv` (EC): the Triton kernels on CUDA; elsewhere the reference
+    itself, which already writes one state-sized tensor in place and leaves its backward to autograd."""
+    if x.is_cuda and _triton_available():
+        from .triton_kernels import triton_token_conv
+
+        return triton_token_conv(x, weight, history)
+    from .modeling_ddl import causal_token_conv  # at call time: modeling_ddl imports this module
+
+    return causal_token_conv(x, weight, history)
+
+
 @functools.cache
 def _triton_available():
     """Looked up once, not on every update of every decoding step."""
     return importlib.util.find_spec("triton") is not None
 
 
-__all__ = ["fused_delta_update", "fused_token_readout", "is_one_token_cpu_step", "one_token_residual"]
+__all__ = [
+    "fused_delta_update", "fused_token_conv", "fused_token_readout", "is_one_token_cpu_step", "one_token_residual",
+]

@@ -28,7 +28,13 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_ddl import DDLConfig, conv_state_slots
-from .kernels import fused_delta_update, fused_token_readout, is_one_token_cpu_step, one_token_residual
+from .kernels import (
+    fused_delta_update,
+    fused_token_conv,
+    fused_token_readout,
+    is_one_token_cpu_step,
+    one_token_residual,
+)
 
 
 logger = logging.get_logger(__name__)
@@ -142,8 +148,10 @@ def _mask_padding(x, pad_mask):
 
 # The one place where `ddl_impl` chooses the implementations (same signatures, same numbers; tested against each other).
 _IMPLEMENTATIONS = {
-    "fused": {"update": fused_delta_update, "readout": fused_token_readout, "one_token": one_token_residual},
-    "reference": {"update": delta_update, "readout": causal_token_readout, "one_token": None},
+    "fused": {"update": fused_delta_update, "readout": fused_token_readout, "conv": fused_token_conv,
+              "one_token": one_token_residual},
+    "reference": {"update": delta_update, "readout": causal_token_readout, "conv": causal_token_conv,
+                  "one_token": None},
 }
 
 
@@ -237,6 +245,7 @@ class DDLEmbedConv(nn.Module):
     def __init__(self, config: DDLConfig, cache_slot: int | None):
         super().__init__()
         self.cache_slot = cache_slot
+        self.conv = _IMPLEMENTATIONS[config.ddl_impl]["conv"]
         self.weight = nn.Parameter(
             torch.empty(config.ddl_embed_kernel_size, config.hidden_size, config.ddl_value_channels)
         )
@@ -244,7 +253,7 @@ class DDLEmbedConv(nn.Module):
     def forward(self, embeds, cache=None, pad_mask=None):
         embeds = _mask_padding(embeds, pad_mask)
         history = token_history(embeds, self.weight.shape[0], cache, 0, self.cache_slot)
-        return causal_token_conv(embeds, self.weight, history)  # (B, T, d_v, d)
+        return self.conv(embeds, self.weight, history)  # (B, T, d_v, d)
 
 
 class DDLDecoderLayer(GradientCheckpointingLayer):

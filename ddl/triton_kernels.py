@@ -1,10 +1,18 @@
-"""Triton kernels for the delta update (CUDA). Optional: `ddl.kernels` imports this lazily, only for CUDA tensors.
+"""Triton kernels (CUDA) for the delta update and the token-axis convolutions of the expanded state. Optional:
+`ddl.kernels` imports this lazily, only for CUDA tensors.
 
-One program handles one token: it loads h (d), the state X (d_v x d, stored column after column), v (d_v) and beta, and writes X_next; the
-backward program recomputes k, k^T X and the coefficient from the same inputs, so nothing else is stored. The
-same kernels serve d_v = 1 and every d_v > 1 variant (CC, TC, with or without EC: the compressors and EC run
-before and after the update and stay in PyTorch). Accumulation is in fp32 whatever the storage dtype.
-Correctness is tested on CPU with `TRITON_INTERPRET=1` (tests/test_kernels.py).
+Delta update: one program handles one token: it loads h (d), the state X (d_v x d, stored column after column),
+v (d_v) and beta, and writes X_next; the backward program recomputes k, k^T X and the coefficient from the same
+inputs, so nothing else is stored. The same kernels serve d_v = 1 and every d_v > 1 variant.
+
+Token convolutions: the TC readout (CC is its one-tap case) maps the state to a vector, EC maps the embeddings to a
+state, and each one's input gradient is the other's shape of computation run backwards in time. So three kernels
+serve both, forward and backward: `_read` (a (d_v x d) window -> a d-vector per token), `_spread` (a d-vector
+window -> a (d_v x d) tile per token) and `_tap_grads` (per-lag products summed over a chunk of tokens; the chunks'
+partial sums are added in PyTorch). Each program handles one token (or chunk) and one block of features.
+
+Accumulation is in fp32 whatever the storage dtype. Correctness is tested on CPU with `TRITON_INTERPRET=1`
+(tests/test_kernels.py).
 """
 
 import torch
@@ -76,6 +84,86 @@ if triton is not None:
         tl.store(gbeta_ptr + token, tl.sum(grad_coef * target, axis=0).to(gbeta_ptr.dtype.element_ty))
 
 
+    # Token convolutions. A program's output row `t` reads source rows src = t + offset + direction * s for the lags
+    # s = 0..K-1 (rows outside [0, L_src) are zeros): offset = (L_src - T_out) - (K - 1), direction +1 for the causal
+    # forward; the input gradients run the same relation backwards (offset negated, direction -1).
+
+    @triton.jit
+    def _read_kernel(
+        state_ptr, taps_ptr, out_ptr, t_out, l_src, offset, d, dv,
+        K: tl.constexpr, DIRECTION: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+    ):
+        """out[t] = sum_s sum_j taps[s, j] * state[src(t, s), j]: (B, t_out, d) from (B, l_src, d_v, d)."""
+        row = tl.program_id(0).to(tl.int64)
+        b, t = row // t_out, row % t_out
+        cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        chans = tl.arange(0, BLOCK_V)
+        tile = chans[:, None] * d + cols[None, :]
+        tile_ok = (chans < dv)[:, None] & (cols < d)[None, :]
+        acc = tl.zeros((BLOCK_V, BLOCK_D), dtype=tl.float32)
+        for s in tl.static_range(K):
+            src = t + offset + DIRECTION * s
+            srcs = cols * 0 + src  # as a block: the interpreter mishandles scalar & block masks
+            ok = (srcs >= 0) & (srcs < l_src)
+            x = tl.load(state_ptr + (b * l_src + src) * dv * d + tile, mask=tile_ok & ok[None, :], other=0.0)
+            w = tl.load(taps_ptr + s * dv * d + tile, mask=tile_ok, other=0.0)
+            acc += x.to(tl.float32) * w.to(tl.float32)
+        tl.store(out_ptr + row * d + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=cols < d)
+
+    @triton.jit
+    def _spread_kernel(
+        vec_ptr, taps_ptr, out_ptr, t_out, l_src, offset, d, dv,
+        K: tl.constexpr, DIRECTION: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+    ):
+        """out[t, j] = sum_s taps[s, j] * vec[src(t, s)]: (B, t_out, d_v, d) from (B, l_src, d)."""
+        row = tl.program_id(0).to(tl.int64)
+        b, t = row // t_out, row % t_out
+        cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        chans = tl.arange(0, BLOCK_V)
+        tile = chans[:, None] * d + cols[None, :]
+        tile_ok = (chans < dv)[:, None] & (cols < d)[None, :]
+        acc = tl.zeros((BLOCK_V, BLOCK_D), dtype=tl.float32)
+        for s in tl.static_range(K):
+            src = t + offset + DIRECTION * s
+            srcs = cols * 0 + src  # as a block: the interpreter mishandles scalar & block masks
+            ok = (srcs >= 0) & (srcs < l_src)
+            v = tl.load(vec_ptr + (b * l_src + src) * d + cols, mask=(cols < d) & ok, other=0.0)
+            w = tl.load(taps_ptr + s * dv * d + tile, mask=tile_ok, other=0.0)
+            acc += w.to(tl.float32) * v.to(tl.float32)[None, :]
+        tl.store(out_ptr + row * dv * d + tile, acc.to(out_ptr.dtype.element_ty), mask=tile_ok)
+
+    @triton.jit
+    def _tap_grads_kernel(
+        src_ptr, grad_ptr, part_ptr, t_out, l_src, offset, d, dv, n_chunks,
+        SRC_IS_STATE: tl.constexpr, K: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+    ):
+        """part[chunk, s] = sum over the chunk's tokens t of src[t + offset + s] * grad[t]: the lag-s tap gradient
+        of one chunk of one sequence, (d_v, d) in fp32. One of src / grad is the state (d_v x d), the other a
+        vector: the readout's taps (src = state, grad = vector) or EC's (src = embeddings, grad = state)."""
+        program = tl.program_id(0).to(tl.int64)
+        b, chunk, s = program // n_chunks, program % n_chunks, tl.program_id(2)
+        cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        chans = tl.arange(0, BLOCK_V)
+        tile = chans[:, None] * d + cols[None, :]
+        tile_ok = (chans < dv)[:, None] & (cols < d)[None, :]
+        acc = tl.zeros((BLOCK_V, BLOCK_D), dtype=tl.float32)
+        for i in range(CHUNK):
+            t = chunk * CHUNK + i
+            src = t + offset + s
+            srcs = cols * 0 + src  # as a block: the interpreter mishandles scalar & block masks
+            ok = (srcs >= 0) & (srcs < l_src) & (srcs - (offset + s) < t_out)  # srcs - offset - s = t
+            if SRC_IS_STATE:
+                a = tl.load(src_ptr + (b * l_src + src) * dv * d + tile, mask=tile_ok & ok[None, :], other=0.0)
+                g = tl.load(grad_ptr + (b * t_out + t) * d + cols, mask=(cols < d) & ok, other=0.0)
+                acc += a.to(tl.float32) * g.to(tl.float32)[None, :]
+            else:
+                a = tl.load(src_ptr + (b * l_src + src) * d + cols, mask=(cols < d) & ok, other=0.0)
+                g = tl.load(grad_ptr + (b * t_out + t) * dv * d + tile, mask=tile_ok & ok[None, :], other=0.0)
+                acc += a.to(tl.float32)[None, :] * g.to(tl.float32)
+        tl.store(part_ptr + (program * K + s) * dv * d + tile, acc, mask=tile_ok)
+
+
 def _blocks(d, dv):
     return triton.next_power_of_2(d), max(2, triton.next_power_of_2(dv))
 
@@ -110,9 +198,108 @@ class _TritonDeltaUpdate(torch.autograd.Function):
 
 def triton_delta_update(x, h, v, beta, k_eps, erase):
     """The delta/write-only update (the contract of `modeling_ddl.delta_update`) through the Triton kernels."""
-    if triton is None:
-        raise ImportError("triton is not installed: pip install triton (CUDA), or use the PyTorch fused path.")
+    _require_triton()
     return _TritonDeltaUpdate.apply(x, h, v, beta, k_eps, erase)
 
 
-__all__ = ["triton", "triton_delta_update"]
+_CHUNK = 64  # tokens per tap-gradient program
+
+
+def _conv_launch(kernel, first, taps, out, t_out, l_src, offset, direction):
+    """Launch `_read_kernel` or `_spread_kernel`: one program per output token and block of features."""
+    kernel_size, dv, d = taps.shape
+    block_d = min(128, triton.next_power_of_2(d))
+    grid = (out.shape[0] * t_out, triton.cdiv(d, block_d))
+    kernel[grid](first, taps, out, t_out, l_src, offset, d, dv, K=kernel_size, DIRECTION=direction,
+                 BLOCK_D=block_d, BLOCK_V=max(2, triton.next_power_of_2(dv)))
+    return out
+
+
+def _tap_grads(src, grad, taps, t_out, offset, src_is_state):
+    """d taps: `(K, d_v, d)` in fp32, from per-chunk partial sums."""
+    kernel_size, dv, d = taps.shape
+    batch, l_src = src.shape[:2]
+    n_chunks = triton.cdiv(t_out, _CHUNK)
+    block_d = min(128, triton.next_power_of_2(d))
+    parts = torch.empty(batch * n_chunks, kernel_size, dv, d, dtype=torch.float32, device=src.device)
+    _tap_grads_kernel[(batch * n_chunks, triton.cdiv(d, block_d), kernel_size)](
+        src, grad, parts, t_out, l_src, offset, d, dv, n_chunks, SRC_IS_STATE=src_is_state, K=kernel_size,
+        CHUNK=_CHUNK, BLOCK_D=block_d, BLOCK_V=max(2, triton.next_power_of_2(dv)),
+    )
+    return parts.sum(0)
+
+
+class _TritonTokenReadout(torch.autograd.Function):
+    """y[t] = sum_s sum_j taps[s, j] * x[t + offset + s, j] over x `(B, L, d_v, d)` (history first, if any)."""
+
+    @staticmethod
+    def forward(ctx, x, taps, t_out):
+        x, taps = x.contiguous(), taps.contiguous()
+        offset = x.shape[1] - t_out - (taps.shape[0] - 1)
+        out = x.new_empty(x.shape[0], t_out, x.shape[-1], dtype=torch.promote_types(x.dtype, taps.dtype))
+        ctx.save_for_backward(x, taps)
+        ctx.t_out, ctx.offset = t_out, offset
+        return _conv_launch(_read_kernel, x, taps, out, t_out, x.shape[1], offset, 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, taps = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = grad_taps = None
+        if ctx.needs_input_grad[0]:  # dX[r, j] = sum_s taps[s, j] * G[r - offset - s]
+            grad_x = _conv_launch(_spread_kernel, grad, taps, torch.empty_like(x), x.shape[1], ctx.t_out,
+                                  -ctx.offset, -1)
+        if ctx.needs_input_grad[1]:
+            grad_taps = _tap_grads(x, grad, taps, ctx.t_out, ctx.offset, src_is_state=True).to(taps.dtype)
+        return grad_x, grad_taps, None
+
+
+class _TritonTokenConv(torch.autograd.Function):
+    """EC: y[t, j] = sum_s taps[s, j] * e[t + offset + s] over e `(B, L, d)` (history first, if any)."""
+
+    @staticmethod
+    def forward(ctx, e, taps, t_out):
+        e, taps = e.contiguous(), taps.contiguous()
+        offset = e.shape[1] - t_out - (taps.shape[0] - 1)
+        out = e.new_empty(e.shape[0], t_out, taps.shape[1], e.shape[-1], dtype=torch.promote_types(e.dtype, taps.dtype))
+        ctx.save_for_backward(e, taps)
+        ctx.t_out, ctx.offset = t_out, offset
+        return _conv_launch(_spread_kernel, e, taps, out, t_out, e.shape[1], offset, 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        e, taps = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_e = grad_taps = None
+        if ctx.needs_input_grad[0]:  # de[r] = sum_s sum_j taps[s, j] * G[r - offset - s, j]
+            grad_e = _conv_launch(_read_kernel, grad, taps, torch.empty_like(e), e.shape[1], ctx.t_out,
+                                  -ctx.offset, -1)
+        if ctx.needs_input_grad[1]:
+            grad_taps = _tap_grads(e, grad, taps, ctx.t_out, ctx.offset, src_is_state=False).to(taps.dtype)
+        return grad_e, grad_taps, None
+
+
+def _require_triton():
+    if triton is None:
+        raise ImportError("triton is not installed: pip install triton (CUDA), or use the PyTorch fused path.")
+
+
+def triton_token_readout(x, weight, history=None):
+    """The TC/CC readout (the contract of `modeling_ddl.causal_token_readout`) through the Triton kernels."""
+    _require_triton()
+    t_out = x.shape[1]
+    if history is not None:
+        x = torch.cat([history, x], dim=1)
+    return _TritonTokenReadout.apply(x, weight.transpose(1, 2), t_out)
+
+
+def triton_token_conv(x, weight, history=None):
+    """EC (the contract of `modeling_ddl.causal_token_conv`) through the Triton kernels."""
+    _require_triton()
+    t_out = x.shape[1]
+    if history is not None:
+        x = torch.cat([history, x], dim=1)
+    return _TritonTokenConv.apply(x, weight.transpose(1, 2), t_out)
+
+
+__all__ = ["triton", "triton_delta_update", "triton_token_conv", "triton_token_readout"]

@@ -6,7 +6,7 @@ import torch
 from conftest import tiny_config
 from ddl import DDLForCausalLM
 from ddl.kernels import fused_delta_update, fused_token_readout, is_one_token_cpu_step, one_token_residual
-from ddl.modeling_ddl import DDLDeltaResidual, causal_token_readout, delta_update
+from ddl.modeling_ddl import DDLDeltaResidual, causal_token_conv, causal_token_readout, delta_update
 
 
 def _inputs(dv, dtype, seed=0, zero_h=False):
@@ -203,6 +203,36 @@ def test_triton_kernels_match_reference(dv, mode, dtype, tol):
     (out * weight).sum().backward()
     for name, a, b in zip("x h v beta".split(), ref_inputs, tri_inputs):
         torch.testing.assert_close(b.grad, a.grad, rtol=tol, atol=tol, msg=name)
+
+
+@pytest.mark.parametrize("kind", ["readout", "conv"])
+@pytest.mark.parametrize("kernel, dv, with_history", [(1, 4, False), (4, 4, False), (4, 3, True), (3, 2, False)],
+                         ids=["cc", "tc", "tc-dv3-history", "k3-dv2"])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
+def test_triton_token_convolutions_match_reference(kind, kernel, dv, with_history, dtype, tol, monkeypatch):
+    """TC/CC readout and EC through the Triton kernels: outputs and gradients of input and taps equal the specs."""
+    kernels = _triton_kernels()
+    monkeypatch.setattr(kernels, "_CHUNK", 8)  # 19 tokens = 3 chunks of tap gradients (the last one partial)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(kernel * 10 + dv)
+    batch, seq_len, d = 2, 19, 40  # d not a power of 2: masked feature blocks
+    x_shape = (batch, seq_len, dv, d) if kind == "readout" else (batch, seq_len, d)
+    x = torch.randn(x_shape, generator=g).to(device=device, dtype=dtype).requires_grad_()
+    weight = torch.randn(kernel, d, dv, generator=g).to(device=device, dtype=dtype).requires_grad_()
+    history = torch.randn(batch, kernel - 1, *x_shape[2:], generator=g).to(device=device, dtype=dtype) \
+        if with_history else None
+    spec, fast = ((causal_token_readout, kernels.triton_token_readout) if kind == "readout"
+                  else (causal_token_conv, kernels.triton_token_conv))
+    ref_x, ref_w = (t.detach().clone().requires_grad_() for t in (x, weight))
+    ref = spec(ref_x.double(), ref_w.double(), None if history is None else history.double())
+    out = fast(x, weight, history)
+    assert out.shape == ref.shape and out.dtype == dtype
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol * 4)
+    upstream = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    (ref * upstream).sum().backward()
+    (out * upstream.to(device=device, dtype=dtype)).sum().backward()
+    torch.testing.assert_close(x.grad.double(), ref_x.grad.double(), rtol=tol, atol=tol * 4)
+    torch.testing.assert_close(weight.grad.double(), ref_w.grad.double(), rtol=tol, atol=tol * 20)  # 38-token sums
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
