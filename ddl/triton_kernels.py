@@ -6,10 +6,10 @@ v (d_v) and beta, and writes X_next; the backward program recomputes k, k^T X an
 inputs, so nothing else is stored. The same kernels serve d_v = 1 and every d_v > 1 variant.
 
 Token convolutions: the TC readout (CC is its one-tap case) maps the state to a vector, EC maps the embeddings to a
-state, and each one's input gradient is the other's shape of computation run backwards in time. So three kernels
-serve both, forward and backward: `_read` (a (d_v x d) window -> a d-vector per token), `_spread` (a d-vector
-window -> a (d_v x d) tile per token) and `_tap_grads` (per-lag products summed over a chunk of tokens; the chunks'
-partial sums are added in PyTorch). Each program handles one token (or chunk) and one block of features.
+state, and each one's input gradient is the other's shape of computation run backwards in time. So two kernels
+serve both, forward and backward: `_window` (a K-token window of states -> a d-vector per token, or of d-vectors ->
+a (d_v x d) tile per token) and `_tap_grads` (per-lag products summed over a chunk of tokens; the chunks' partial
+sums are added in PyTorch). Each program handles one token (or chunk) and one block of features.
 
 Accumulation is in fp32 whatever the storage dtype. Correctness is tested on CPU with `TRITON_INTERPRET=1`
 (tests/test_kernels.py).
@@ -89,48 +89,45 @@ if triton is not None:
     # forward; the input gradients run the same relation backwards (offset negated, direction -1).
 
     @triton.jit
-    def _read_kernel(
-        state_ptr, taps_ptr, out_ptr, t_out, l_src, offset, d, dv,
-        K: tl.constexpr, DIRECTION: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
-    ):
-        """out[t] = sum_s sum_j taps[s, j] * state[src(t, s), j]: (B, t_out, d) from (B, l_src, d_v, d)."""
-        row = tl.program_id(0).to(tl.int64)
-        b, t = row // t_out, row % t_out
+    def _feature_block(d, dv, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr):
+        """This program's block of features: their columns, and the offsets and mask of a (d_v x block) state tile."""
         cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         chans = tl.arange(0, BLOCK_V)
-        tile = chans[:, None] * d + cols[None, :]
-        tile_ok = (chans < dv)[:, None] & (cols < d)[None, :]
-        acc = tl.zeros((BLOCK_V, BLOCK_D), dtype=tl.float32)
-        for s in tl.static_range(K):
-            src = t + offset + DIRECTION * s
-            srcs = cols * 0 + src  # as a block: the interpreter mishandles scalar & block masks
-            ok = (srcs >= 0) & (srcs < l_src)
-            x = tl.load(state_ptr + (b * l_src + src) * dv * d + tile, mask=tile_ok & ok[None, :], other=0.0)
-            w = tl.load(taps_ptr + s * dv * d + tile, mask=tile_ok, other=0.0)
-            acc += x.to(tl.float32) * w.to(tl.float32)
-        tl.store(out_ptr + row * d + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=cols < d)
+        return cols, chans[:, None] * d + cols[None, :], (chans < dv)[:, None] & (cols < d)[None, :]
 
     @triton.jit
-    def _spread_kernel(
-        vec_ptr, taps_ptr, out_ptr, t_out, l_src, offset, d, dv,
-        K: tl.constexpr, DIRECTION: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+    def _row_in_range(cols, row, n_rows):
+        """0 <= row < n_rows, as a block over the columns (the interpreter mishandles scalar & block masks)."""
+        rows = cols * 0 + row
+        return (rows >= 0) & (rows < n_rows)
+
+    @triton.jit
+    def _window_kernel(
+        in_ptr, taps_ptr, out_ptr, t_out, l_src, offset, d, dv,
+        READ: tl.constexpr, K: tl.constexpr, DIRECTION: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
     ):
-        """out[t, j] = sum_s taps[s, j] * vec[src(t, s)]: (B, t_out, d_v, d) from (B, l_src, d)."""
+        """A K-row window of the input, weighted by the taps, for output row t:
+        READ:      out[t] = sum_s sum_j taps[s, j] * in[src(t, s), j]   (B, t_out, d) from a state (B, l_src, d_v, d)
+        otherwise: out[t, j] = sum_s taps[s, j] * in[src(t, s)]        (B, t_out, d_v, d) from vectors (B, l_src, d)
+        """
         row = tl.program_id(0).to(tl.int64)
         b, t = row // t_out, row % t_out
-        cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-        chans = tl.arange(0, BLOCK_V)
-        tile = chans[:, None] * d + cols[None, :]
-        tile_ok = (chans < dv)[:, None] & (cols < d)[None, :]
+        cols, tile, tile_ok = _feature_block(d, dv, BLOCK_D, BLOCK_V)
         acc = tl.zeros((BLOCK_V, BLOCK_D), dtype=tl.float32)
         for s in tl.static_range(K):
             src = t + offset + DIRECTION * s
-            srcs = cols * 0 + src  # as a block: the interpreter mishandles scalar & block masks
-            ok = (srcs >= 0) & (srcs < l_src)
-            v = tl.load(vec_ptr + (b * l_src + src) * d + cols, mask=(cols < d) & ok, other=0.0)
-            w = tl.load(taps_ptr + s * dv * d + tile, mask=tile_ok, other=0.0)
-            acc += w.to(tl.float32) * v.to(tl.float32)[None, :]
-        tl.store(out_ptr + row * dv * d + tile, acc.to(out_ptr.dtype.element_ty), mask=tile_ok)
+            ok = _row_in_range(cols, src, l_src)
+            w = tl.load(taps_ptr + s * dv * d + tile, mask=tile_ok, other=0.0).to(tl.float32)
+            if READ:
+                x = tl.load(in_ptr + (b * l_src + src) * dv * d + tile, mask=tile_ok & ok[None, :], other=0.0)
+                acc += x.to(tl.float32) * w
+            else:
+                x = tl.load(in_ptr + (b * l_src + src) * d + cols, mask=(cols < d) & ok, other=0.0)
+                acc += w * x.to(tl.float32)[None, :]
+        if READ:
+            tl.store(out_ptr + row * d + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=cols < d)
+        else:
+            tl.store(out_ptr + row * dv * d + tile, acc.to(out_ptr.dtype.element_ty), mask=tile_ok)
 
     @triton.jit
     def _tap_grads_kernel(
@@ -143,16 +140,12 @@ if triton is not None:
         vector: the readout's taps (src = state, grad = vector) or EC's (src = embeddings, grad = state)."""
         program = tl.program_id(0).to(tl.int64)
         b, chunk, s = program // n_chunks, program % n_chunks, tl.program_id(2)
-        cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-        chans = tl.arange(0, BLOCK_V)
-        tile = chans[:, None] * d + cols[None, :]
-        tile_ok = (chans < dv)[:, None] & (cols < d)[None, :]
+        cols, tile, tile_ok = _feature_block(d, dv, BLOCK_D, BLOCK_V)
         acc = tl.zeros((BLOCK_V, BLOCK_D), dtype=tl.float32)
         for i in range(CHUNK):
             t = chunk * CHUNK + i
             src = t + offset + s
-            srcs = cols * 0 + src  # as a block: the interpreter mishandles scalar & block masks
-            ok = (srcs >= 0) & (srcs < l_src) & (srcs - (offset + s) < t_out)  # srcs - offset - s = t
+            ok = _row_in_range(cols, src, l_src) & _row_in_range(cols, t, t_out)
             if SRC_IS_STATE:
                 a = tl.load(src_ptr + (b * l_src + src) * dv * d + tile, mask=tile_ok & ok[None, :], other=0.0)
                 g = tl.load(grad_ptr + (b * t_out + t) * d + cols, mask=(cols < d) & ok, other=0.0)
@@ -205,13 +198,13 @@ def triton_delta_update(x, h, v, beta, k_eps, erase):
 _CHUNK = 64  # tokens per tap-gradient program
 
 
-def _conv_launch(kernel, first, taps, out, t_out, l_src, offset, direction):
-    """Launch `_read_kernel` or `_spread_kernel`: one program per output token and block of features."""
+def _window(read, inputs, taps, out, t_out, l_src, offset, direction):
+    """Launch `_window_kernel`: one program per output token and block of features."""
     kernel_size, dv, d = taps.shape
     block_d = min(128, triton.next_power_of_2(d))
     grid = (out.shape[0] * t_out, triton.cdiv(d, block_d))
-    kernel[grid](first, taps, out, t_out, l_src, offset, d, dv, K=kernel_size, DIRECTION=direction,
-                 BLOCK_D=block_d, BLOCK_V=max(2, triton.next_power_of_2(dv)))
+    _window_kernel[grid](inputs, taps, out, t_out, l_src, offset, d, dv, READ=read, K=kernel_size,
+                         DIRECTION=direction, BLOCK_D=block_d, BLOCK_V=max(2, triton.next_power_of_2(dv)))
     return out
 
 
@@ -229,54 +222,32 @@ def _tap_grads(src, grad, taps, t_out, offset, src_is_state):
     return parts.sum(0)
 
 
-class _TritonTokenReadout(torch.autograd.Function):
-    """y[t] = sum_s sum_j taps[s, j] * x[t + offset + s, j] over x `(B, L, d_v, d)` (history first, if any)."""
+class _TritonTokenWindow(torch.autograd.Function):
+    """The causal token convolutions over x with history first (if any), `taps` `(K, d_v, d)`:
+        read (TC/CC readout):  y[t] = sum_s sum_j taps[s, j] * x[t + offset + s, j]    x `(B, L, d_v, d)` -> `(B, T, d)`
+        spread (EC):           y[t, j] = sum_s taps[s, j] * x[t + offset + s]          x `(B, L, d)` -> `(B, T, d_v, d)`
+    The input gradient of each is the other run backwards in time: dx[r] = sum_s taps[s] G[r - offset - s]."""
 
     @staticmethod
-    def forward(ctx, x, taps, t_out):
+    def forward(ctx, x, taps, t_out, read):
         x, taps = x.contiguous(), taps.contiguous()
         offset = x.shape[1] - t_out - (taps.shape[0] - 1)
-        out = x.new_empty(x.shape[0], t_out, x.shape[-1], dtype=torch.promote_types(x.dtype, taps.dtype))
+        shape = (x.shape[0], t_out, x.shape[-1]) if read else (x.shape[0], t_out, taps.shape[1], x.shape[-1])
+        out = x.new_empty(shape, dtype=torch.promote_types(x.dtype, taps.dtype))
         ctx.save_for_backward(x, taps)
-        ctx.t_out, ctx.offset = t_out, offset
-        return _conv_launch(_read_kernel, x, taps, out, t_out, x.shape[1], offset, 1)
+        ctx.t_out, ctx.offset, ctx.read = t_out, offset, read
+        return _window(read, x, taps, out, t_out, x.shape[1], offset, 1)
 
     @staticmethod
     def backward(ctx, grad):
         x, taps = ctx.saved_tensors
         grad = grad.contiguous()
         grad_x = grad_taps = None
-        if ctx.needs_input_grad[0]:  # dX[r, j] = sum_s taps[s, j] * G[r - offset - s]
-            grad_x = _conv_launch(_spread_kernel, grad, taps, torch.empty_like(x), x.shape[1], ctx.t_out,
-                                  -ctx.offset, -1)
+        if ctx.needs_input_grad[0]:
+            grad_x = _window(not ctx.read, grad, taps, torch.empty_like(x), x.shape[1], ctx.t_out, -ctx.offset, -1)
         if ctx.needs_input_grad[1]:
-            grad_taps = _tap_grads(x, grad, taps, ctx.t_out, ctx.offset, src_is_state=True).to(taps.dtype)
-        return grad_x, grad_taps, None
-
-
-class _TritonTokenConv(torch.autograd.Function):
-    """EC: y[t, j] = sum_s taps[s, j] * e[t + offset + s] over e `(B, L, d)` (history first, if any)."""
-
-    @staticmethod
-    def forward(ctx, e, taps, t_out):
-        e, taps = e.contiguous(), taps.contiguous()
-        offset = e.shape[1] - t_out - (taps.shape[0] - 1)
-        out = e.new_empty(e.shape[0], t_out, taps.shape[1], e.shape[-1], dtype=torch.promote_types(e.dtype, taps.dtype))
-        ctx.save_for_backward(e, taps)
-        ctx.t_out, ctx.offset = t_out, offset
-        return _conv_launch(_spread_kernel, e, taps, out, t_out, e.shape[1], offset, 1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        e, taps = ctx.saved_tensors
-        grad = grad.contiguous()
-        grad_e = grad_taps = None
-        if ctx.needs_input_grad[0]:  # de[r] = sum_s sum_j taps[s, j] * G[r - offset - s, j]
-            grad_e = _conv_launch(_read_kernel, grad, taps, torch.empty_like(e), e.shape[1], ctx.t_out,
-                                  -ctx.offset, -1)
-        if ctx.needs_input_grad[1]:
-            grad_taps = _tap_grads(e, grad, taps, ctx.t_out, ctx.offset, src_is_state=False).to(taps.dtype)
-        return grad_e, grad_taps, None
+            grad_taps = _tap_grads(x, grad, taps, ctx.t_out, ctx.offset, src_is_state=ctx.read).to(taps.dtype)
+        return grad_x, grad_taps, None, None
 
 
 def _require_triton():
@@ -284,22 +255,22 @@ def _require_triton():
         raise ImportError("triton is not installed: pip install triton (CUDA), or use the PyTorch fused path.")
 
 
-def triton_token_readout(x, weight, history=None):
-    """The TC/CC readout (the contract of `modeling_ddl.causal_token_readout`) through the Triton kernels."""
+def _token_window(x, weight, history, read):
     _require_triton()
     t_out = x.shape[1]
     if history is not None:
         x = torch.cat([history, x], dim=1)
-    return _TritonTokenReadout.apply(x, weight.transpose(1, 2), t_out)
+    return _TritonTokenWindow.apply(x, weight.transpose(1, 2), t_out, read)
+
+
+def triton_token_readout(x, weight, history=None):
+    """The TC/CC readout (the contract of `modeling_ddl.causal_token_readout`) through the Triton kernels."""
+    return _token_window(x, weight, history, read=True)
 
 
 def triton_token_conv(x, weight, history=None):
     """EC (the contract of `modeling_ddl.causal_token_conv`) through the Triton kernels."""
-    _require_triton()
-    t_out = x.shape[1]
-    if history is not None:
-        x = torch.cat([history, x], dim=1)
-    return _TritonTokenConv.apply(x, weight.transpose(1, 2), t_out)
+    return _token_window(x, weight, history, read=False)
 
 
 __all__ = ["triton", "triton_delta_update", "triton_token_conv", "triton_token_readout"]
