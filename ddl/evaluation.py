@@ -368,6 +368,7 @@ class GateAudit:
             beta = module.gate(context).squeeze(-1)  # (B, T)
             v = module.value(u).float()  # (B, T, d_v)
             h32 = h.float()
+            # the paper's k, written out here: this file runs without the ddl package (remote-code checkpoints)
             k = h32 * torch.rsqrt(h32.pow(2).sum(-1, keepdim=True) + module.k_eps**2)  # (B, T, d)
             e_pre = torch.einsum("btd,btvd->btv", k, state) - v  # (B, T, d_v)
             e_post = torch.einsum("btd,btvd->btv", k, next_state) - v
