@@ -92,10 +92,12 @@ class DDLConfig(LlamaConfig):
             d_v = 1, the compressed state for d_v > 1), as in the authors' reference code that produced the paper's
             numbers, hence the default; `"context"` = the normalised context c, as written in the paper's text.
         ddl_impl (`str`, *optional*, defaults to `"fused"`):
-            Implementation of the update and of the TC/CC readout: `"reference"` = the pure-PyTorch specifications
-            `delta_update` and `causal_token_readout` (autograd keeps every intermediate); `"fused"` =
-            `ddl.kernels.fused_delta_update` and `fused_token_readout`, same numbers, custom autograd functions that
-            keep only their inputs and write their gradients in place (faster, less training memory).
+            Implementation of the update, the TC/CC readout and EC: `"reference"` = the pure-PyTorch specifications
+            `delta_update`, `causal_token_readout` and `causal_token_conv` (autograd keeps every intermediate);
+            `"fused"` = `ddl.kernels.fused_delta_update` and `fused_token_readout`, same numbers, custom autograd
+            functions that keep only their inputs and write their gradients in place (faster, less training memory),
+            plus a one-function residual for decoding one sequence on CPU (`one_token_residual`) and Triton kernels
+            for all three on CUDA when triton is installed.
         qk_norm (`bool`, *optional*, defaults to False):
             RMSNorm on queries and keys per head (the paper's runs used it; Llama does not). Uses transformers'
             Qwen3 attention, whose parameters add `self_attn.q_norm` / `self_attn.k_norm` to Llama's names.
