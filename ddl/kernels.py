@@ -1,9 +1,11 @@
-"""Fast paths for `delta_update` and `causal_token_readout`, with their exact signatures; the references in
-modeling_ddl.py are the specs, and `ddl_impl` chooses between the two sets (`modeling_ddl._IMPLEMENTATIONS`).
+"""Fast paths for `delta_update`, `causal_token_readout` and `causal_token_conv`, with their exact signatures, and
+`one_token_residual` (gate, value and update of a CPU decoding step at batch 1); the references in modeling_ddl.py
+are the specs, and `ddl_impl` chooses between the two sets (`modeling_ddl._IMPLEMENTATIONS`).
 
-On CUDA tensors with triton installed, `fused_delta_update`, `fused_token_readout` (TC, CC) and `fused_token_conv`
-(EC) run the Triton kernels of `ddl.triton_kernels` (imported lazily, never required); elsewhere (CPU, Apple, no
-triton) they run the PyTorch functions below.
+On CUDA tensors (fp32, bf16, fp16) with triton installed, `fused_delta_update`, `fused_token_readout` (TC, CC) and
+`fused_token_conv` (EC) run the Triton kernels of `ddl.triton_kernels` (imported lazily, never required; they
+compute in fp32, so fp64 stays on the PyTorch path); elsewhere (CPU, Apple, no triton) they run the PyTorch
+functions below.
 
 `fused_delta_update` is a custom autograd function: the forward computes the same numbers as the reference, but
 keeps only the inputs (X, h, v, beta) for backward and recomputes k, k^T X and the coefficient there, instead
@@ -116,7 +118,7 @@ def fused_delta_update(x, h, v=None, beta=None, mode="delta", k_eps=1e-5):
         return x + (h if x.dim() == h.dim() else h.unsqueeze(-2))
     if mode not in ("delta", "write_only"):
         raise ValueError(f"delta_update: unknown mode {mode!r}; expected 'delta', 'write_only' or 'additive'.")
-    if x.is_cuda and _triton_available():
+    if _use_triton(x):
         from .triton_kernels import triton_delta_update
 
         logger.info_once("DDL: delta update through the Triton kernels.")
@@ -128,13 +130,16 @@ def fused_delta_update(x, h, v=None, beta=None, mode="delta", k_eps=1e-5):
 
 def is_one_token_cpu_step(x):
     """Whether `one_token_residual` applies: one token of one sequence (B = T = 1), fp32/fp64 on CPU, no autograd,
-    not being traced by torch.compile (`.item()` would break its graph)."""
+    no autocast (its sublayer outputs come in another dtype, its value in bf16), and not being traced by
+    torch.compile or torch.jit.trace (`.item()` would break the graph, or be recorded as a constant)."""
     return (
         x.shape[0] * x.shape[1] == 1
         and x.device.type == "cpu"
         and x.dtype in (torch.float32, torch.float64)
         and not torch.is_grad_enabled()
+        and not torch.is_autocast_enabled("cpu")
         and not torch.compiler.is_compiling()
+        and not torch.jit.is_tracing()
     )
 
 
@@ -217,7 +222,7 @@ class _TokenReadout(torch.autograd.Function):
 
 def fused_token_readout(x, weight, history=None):
     """Same contract as `modeling_ddl.causal_token_readout`; faster, and no state-sized temporaries."""
-    if x.is_cuda and _triton_available():
+    if _use_triton(x):
         from .triton_kernels import triton_token_readout
 
         return triton_token_readout(x, weight, history)
@@ -236,13 +241,18 @@ def fused_token_readout(x, weight, history=None):
 def fused_token_conv(x, weight, history=None):
     """Same contract as `modeling_ddl.causal_token_conv` (EC): the Triton kernels on CUDA; elsewhere the reference
     itself, which already writes one state-sized tensor in place and leaves its backward to autograd."""
-    if x.is_cuda and _triton_available():
+    if _use_triton(x):
         from .triton_kernels import triton_token_conv
 
         return triton_token_conv(x, weight, history)
     from .modeling_ddl import causal_token_conv  # at call time: modeling_ddl imports this module
 
     return causal_token_conv(x, weight, history)
+
+
+def _use_triton(x):
+    """CUDA tensors the fp32-accumulating kernels serve exactly (not fp64), with triton installed."""
+    return x.is_cuda and x.dtype != torch.float64 and _triton_available()
 
 
 @functools.cache

@@ -444,8 +444,10 @@ def _training_time(metrics, tokens_seen, steps, world_size):
     """The card's training-time line. `train_runtime` is this run's; a resumed run trained only the steps after its
     checkpoint (`resumed_at_step`), so its speed counts only their share of the tokens seen."""
     runtime, start = metrics["train_runtime"], metrics.get("resumed_at_step", 0)
-    run_tokens = tokens_seen * (steps - start) / steps
     where = f"on {world_size} process(es), {metrics.get('device', 'unknown device')}"
+    if start >= steps:  # resumed at (or past) the last step: this run trained nothing
+        return f"- Training time: {runtime:.0f} s {where} (resumed at step {start:,}: no step left to train)."
+    run_tokens = tokens_seen * (steps - start) / steps
     resumed = f"; resumed at step {start:,}, so for its last {steps - start:,} steps" if start else ""
     return f"- Training time: {runtime:.0f} s ({run_tokens / runtime:,.0f} tokens/s {where}{resumed})."
 

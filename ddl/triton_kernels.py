@@ -158,7 +158,12 @@ if triton is not None:
 
 
 def _blocks(d, dv):
-    return triton.next_power_of_2(d), max(2, triton.next_power_of_2(dv))
+    return triton.next_power_of_2(d), _channel_block(dv)
+
+
+def _channel_block(dv):
+    """The d_v axis of a tile: a power of 2, at least 2 (tl.sum over a length-1 axis is avoided)."""
+    return max(2, triton.next_power_of_2(dv))
 
 
 class _TritonDeltaUpdate(torch.autograd.Function):
@@ -204,7 +209,7 @@ def _window(read, inputs, taps, out, t_out, l_src, offset, direction):
     block_d = min(128, triton.next_power_of_2(d))
     grid = (out.shape[0] * t_out, triton.cdiv(d, block_d))
     _window_kernel[grid](inputs, taps, out, t_out, l_src, offset, d, dv, READ=read, K=kernel_size,
-                         DIRECTION=direction, BLOCK_D=block_d, BLOCK_V=max(2, triton.next_power_of_2(dv)))
+                         DIRECTION=direction, BLOCK_D=block_d, BLOCK_V=_channel_block(dv))
     return out
 
 
@@ -217,7 +222,7 @@ def _tap_grads(src, grad, taps, t_out, offset, src_is_state):
     parts = torch.empty(batch * n_chunks, kernel_size, dv, d, dtype=torch.float32, device=src.device)
     _tap_grads_kernel[(batch * n_chunks, triton.cdiv(d, block_d), kernel_size)](
         src, grad, parts, t_out, l_src, offset, d, dv, n_chunks, SRC_IS_STATE=src_is_state, K=kernel_size,
-        CHUNK=_CHUNK, BLOCK_D=block_d, BLOCK_V=max(2, triton.next_power_of_2(dv)),
+        CHUNK=_CHUNK, BLOCK_D=block_d, BLOCK_V=_channel_block(dv),
     )
     return parts.sum(0)
 

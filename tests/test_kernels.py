@@ -113,6 +113,14 @@ def test_one_token_path_only_where_it_applies():
         assert not is_one_token_cpu_step(torch.zeros(1, 2, 8))  # a prefill
         assert not is_one_token_cpu_step(one.bfloat16())  # low precision keeps the reference's rounding
     assert not is_one_token_cpu_step(one)  # autograd on: training goes through the custom autograd function
+    with torch.inference_mode():
+        assert is_one_token_cpu_step(one)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # sublayer outputs in bf16, the value too
+            assert not is_one_token_cpu_step(one)
+    seen = []
+    with torch.no_grad():  # a trace would record the Python-float scalars as constants
+        torch.jit.trace(lambda x: seen.append(is_one_token_cpu_step(x)) or x * 2, one, check_trace=False)
+    assert seen and not any(seen)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -206,16 +214,17 @@ def test_triton_kernels_match_reference(dv, mode, dtype, tol):
 
 
 @pytest.mark.parametrize("kind", ["readout", "conv"])
-@pytest.mark.parametrize("kernel, dv, with_history", [(1, 4, False), (4, 4, False), (4, 3, True), (3, 2, False)],
-                         ids=["cc", "tc", "tc-dv3-history", "k3-dv2"])
+@pytest.mark.parametrize("kernel, dv, with_history, seq_len",
+                         [(1, 4, False, 19), (4, 4, False, 19), (4, 3, True, 19), (3, 2, False, 19), (4, 4, True, 1)],
+                         ids=["cc", "tc", "tc-dv3-history", "k3-dv2", "tc-decoding-step"])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
-def test_triton_token_convolutions_match_reference(kind, kernel, dv, with_history, dtype, tol, monkeypatch):
+def test_triton_token_convolutions_match_reference(kind, kernel, dv, with_history, seq_len, dtype, tol, monkeypatch):
     """TC/CC readout and EC through the Triton kernels: outputs and gradients of input and taps equal the specs."""
     kernels = _triton_kernels()
     monkeypatch.setattr(kernels, "_CHUNK", 8)  # 19 tokens = 3 chunks of tap gradients (the last one partial)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(kernel * 10 + dv)
-    batch, seq_len, d = 2, 19, 40  # d not a power of 2: masked feature blocks
+    batch, d = 2, 200  # two blocks of 128 features, the second one partial (masked)
     x_shape = (batch, seq_len, dv, d) if kind == "readout" else (batch, seq_len, d)
     x = torch.randn(x_shape, generator=g).to(device=device, dtype=dtype).requires_grad_()
     weight = torch.randn(kernel, d, dv, generator=g).to(device=device, dtype=dtype).requires_grad_()

@@ -124,6 +124,22 @@ def test_decoding_one_sequence_takes_the_one_token_path_and_equals_full_forward(
     torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("overrides", [{"ddl_value_channels": 1}, {}], ids=["dv1", "dv4-cc-ec"])
+def test_batch_1_generation_under_cpu_autocast(overrides):
+    """Under bf16 autocast the sublayer outputs are bf16 while the state stays fp32: decoding one sequence must not
+    take the fp32-only one-token path (it raised a dtype error there) and must agree with the reference impl."""
+    ids = _ids(1, 5)
+    outputs = {}
+    for impl in ("fused", "reference"):
+        model = _model(ddl_impl=impl, **overrides)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            outputs[impl] = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                                           output_logits=True, return_dict_in_generate=True)
+    assert outputs["fused"].sequences.shape == (1, 9)
+    for fused, reference in zip(outputs["fused"].logits, outputs["reference"].logits):
+        torch.testing.assert_close(fused, reference, rtol=0.05, atol=0.05)
+
+
 @pytest.mark.parametrize("overrides", VARIANTS)
 def test_greedy_with_cache_equals_without_and_beam_search_runs(overrides):
     model = _model(**overrides)

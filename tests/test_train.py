@@ -196,6 +196,17 @@ def test_resume_reaches_the_uninterrupted_loss(tmp_path, text_file):
     assert f"({rate:,.0f} tokens/s " in card and f"resumed at step {n}, so for its last {n} steps" in card
 
 
+def test_card_training_time_counts_only_the_steps_this_run_trained():
+    from ddl.training import _training_time
+
+    fresh = _training_time({"train_runtime": 10.0, "device": "cpu"}, tokens_seen=1000, steps=10, world_size=1)
+    assert "(100 tokens/s on 1 process(es), cpu)" in fresh
+    resumed = _training_time({"train_runtime": 10.0, "resumed_at_step": 6}, tokens_seen=1000, steps=10, world_size=1)
+    assert "(40 tokens/s " in resumed and "resumed at step 6, so for its last 4 steps" in resumed
+    done = _training_time({"train_runtime": 1.0, "resumed_at_step": 10}, tokens_seen=1000, steps=10, world_size=1)
+    assert "no step left to train" in done and "tokens/s" not in done
+
+
 def test_from_llama_additive_is_that_llama(llama_dir):
     from transformers import AutoConfig, LlamaForCausalLM
 
