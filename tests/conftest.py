@@ -39,28 +39,11 @@ def tiny_config(**overrides):
 
 
 def tiny_tokenizer(text=None, vocab_size=300):
-    """A byte-level BPE trained in-process (no Hub access), left padding, as train.py saves it."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
+    """A byte-level BPE trained in-process (no Hub access) by train.py's own trainer, left padding, as it saves it."""
+    from ddl.training import train_bpe_tokenizer
 
     text = text or ("To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n" * 20)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>", "<|pad|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(text.splitlines(), trainer=trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<|endoftext|>",
-        eos_token="<|endoftext|>",
-        pad_token="<|pad|>",
-        padding_side="left",
-    )
+    return train_bpe_tokenizer([text.splitlines()], vocab_size)
 
 
 @pytest.fixture(scope="session")
