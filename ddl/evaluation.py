@@ -533,7 +533,7 @@ def plot_audit(rows, output_dir, title="") -> list[str]:
     fig.supxlabel("β (0 = skip, 1 = overwrite, 2 = reflect)", fontsize=9)
     fig.supylabel("share of tokens", fontsize=9)
     fig.suptitle(f"β per layer {title}".strip(), fontsize=10)
-    paths.append(_save_figure(fig, output_dir, "audit_beta_hist.png"))
+    paths.append(save_figure(fig, os.path.join(output_dir, "audit_beta_hist.png")))
 
     panels = [
         ("beta_mean", "mean β", (0.0, 2.0), "coolwarm"),
@@ -556,15 +556,15 @@ def plot_audit(rows, output_dir, title="") -> list[str]:
                     ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7, path_effects=outline)
         fig.colorbar(image, ax=ax, fraction=0.046)
     fig.suptitle(f"gates by layer × sublayer {title}".strip(), fontsize=10)
-    paths.append(_save_figure(fig, output_dir, "audit_heatmap.png"))
+    paths.append(save_figure(fig, os.path.join(output_dir, "audit_heatmap.png")))
     return paths
 
 
-def _save_figure(fig, output_dir, filename):
+def save_figure(fig, path):
+    """Every figure of the project: tight layout, 120 dpi PNG, closed afterwards (no pyplot state left behind)."""
     import matplotlib.pyplot as plt
 
     fig.tight_layout()
-    path = os.path.join(output_dir, filename)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 
 from transformers.utils import logging
 
-from .evaluation import write_json
+from .evaluation import save_figure, write_json
 
 
 logger = logging.get_logger(__name__)
@@ -395,11 +395,7 @@ def plot_curves(results: list[dict], out_dir: str, order: Sequence[str] | None =
         ax.set_title(f"Training loss against {x_label}" + (" (compute-matched view)" if x_key == "wall_s" else ""))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = os.path.join(out_dir, file)
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(save_figure(fig, os.path.join(out_dir, file)))
     return paths
 
 

@@ -17,6 +17,7 @@ from transformers import AutoConfig, PreTrainedTokenizerFast, Trainer
 from transformers.utils import logging
 
 from .configuration_ddl import DDLConfig
+from .evaluation import save_figure
 from .modeling_ddl import DDLForCausalLM
 
 
@@ -423,10 +424,7 @@ def plot_loss_curve(log_history: list[dict], path: str, title: str = "", unigram
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def describe_variant(config: DDLConfig) -> str:
