@@ -155,7 +155,7 @@ def one_token_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_b
     Per token, everything but the state write is a handful of numbers: beta = 2 sigmoid(w . c + b), the d_v values,
     s = 1/sqrt(|h|^2 + eps^2) and h^T X. They come from four dot products and are combined as Python floats
     (double precision); the state gets one rank-1 write X + h (x) (beta s (v - s h^T X)). As tensor operations on
-    one-element tensors the same arithmetic is ~16 operations at a few microseconds of dispatch each, which made
+    one-element tensors the same arithmetic is ~17 operations at a few microseconds of dispatch each, which made
     decoding one sequence ~9% slower than Llama (whose residual is one addition).
     """
     d = x.shape[-1]
