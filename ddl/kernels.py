@@ -1,5 +1,5 @@
 """Fast paths for `delta_update`, `causal_token_readout` and `causal_token_conv`, with their exact signatures, and
-`one_token_residual` (gate, value and update of a CPU decoding step at batch 1); the references in modeling_ddl.py
+`decoding_residual` (gate, value and update of a CPU decoding step in one function); the references in modeling_ddl.py
 are the specs, and `ddl_impl` chooses between the two sets (`modeling_ddl._IMPLEMENTATIONS`).
 
 On CUDA tensors (fp32, bf16, fp16) with triton installed, `fused_delta_update`, `fused_token_readout` (TC, CC) and
@@ -128,12 +128,12 @@ def fused_delta_update(x, h, v=None, beta=None, mode="delta", k_eps=1e-5):
     return _DeltaUpdate.apply(x, h, v, beta, k_eps, mode == "delta")
 
 
-def is_one_token_cpu_step(x):
-    """Whether `one_token_residual` applies: one token of one sequence (B = T = 1), fp32/fp64 on CPU, no autograd,
-    no autocast (its sublayer outputs come in another dtype, its value in bf16), and not being traced by
-    torch.compile or torch.jit.trace (`.item()` would break the graph, or be recorded as a constant)."""
+def is_cpu_decoding_step(x):
+    """Whether `decoding_residual` applies: one new token per sequence (T = 1), fp32/fp64 on CPU, no autograd, no
+    autocast (its sublayer outputs come in another dtype, its value in bf16), and not being traced by torch.compile or
+    torch.jit.trace (`.item()` would break the graph, or be recorded as a constant)."""
     return (
-        x.shape[0] * x.shape[1] == 1
+        x.shape[1] == 1
         and x.device.type == "cpu"
         and x.dtype in (torch.float32, torch.float64)
         and not torch.is_grad_enabled()
@@ -143,21 +143,40 @@ def is_one_token_cpu_step(x):
     )
 
 
+def decoding_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, erase):
+    r"""Gate, value and delta update of one sublayer for a CPU decoding step, in one function. Same numbers as
+    `gate -> value -> delta_update` (tested; rounded differently).
+
+    Per token, everything but the state write is a handful of numbers: beta = 2 sigmoid(w . c + b), the d_v values
+    v, s = 1/sqrt(|h|^2 + eps^2) and h^T X; the state gets one rank-1 write X + h (x) (beta s (v - s h^T X)). The
+    modules' tensor operations spend several microseconds of dispatch each on tensors of a few elements (~17 per
+    sublayer, where Llama's residual is one addition), which made decoding ~9% slower than Llama. Here:
+    - one sequence: four dot products, the arithmetic on Python floats (double precision), one axpy;
+    - a batch: the same dot products and arithmetic as ~14 tensor operations, the constants folded into the write.
+    """
+    if x.shape[0] == 1:
+        return _one_sequence_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps,
+                                      erase)
+    state, h_cols = (x.unsqueeze(-2), h.unsqueeze(-2)) if x.dim() == h.dim() else (x, h.unsqueeze(-2))
+    gate = torch.sigmoid(torch.linalg.vecdot(c.float(), gate_weight.float()).unsqueeze(-1) + gate_bias.float())
+    t, scale = torch.linalg.vecdot(u.unsqueeze(-2), value_weight) + value_bias, 1.0  # (B, 1, d_v)
+    if v_scale is not None:  # t = v / scale
+        t, scale = torch.sigmoid(t), v_scale
+    inv_norm = torch.linalg.vecdot(h, h).unsqueeze(-1).add_(k_eps**2).rsqrt_()  # (B, 1, 1)
+    if erase:  # (v - s h^T X) / scale
+        t = torch.addcmul(t, inv_norm, torch.linalg.vecdot(state, h_cols), value=-1.0 / scale)
+    coef = (gate * inv_norm) * t  # beta s (v - s h^T X) / (2 scale)
+    if x.dim() == h.dim():
+        return torch.addcmul(x, h, coef, value=2.0 * scale)
+    return torch.addcmul(x, h_cols, coef.unsqueeze(-1), value=2.0 * scale)
+
+
 def _sigmoid(z):
     return 0.5 * (1.0 + math.tanh(0.5 * z))  # never overflows, unlike 1 / (1 + exp(-z))
 
 
-def one_token_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, erase):
-    r"""Gate, value and delta update of one sublayer for a single token of a single sequence on CPU: the step of
-    decoding one sequence. Same numbers as `gate -> value -> delta_update` (tested; the scalars are rounded
-    differently).
-
-    Per token, everything but the state write is a handful of numbers: beta = 2 sigmoid(w . c + b), the d_v values,
-    s = 1/sqrt(|h|^2 + eps^2) and h^T X. They come from four dot products and are combined as Python floats
-    (double precision); the state gets one rank-1 write X + h (x) (beta s (v - s h^T X)). As tensor operations on
-    one-element tensors the same arithmetic is ~17 operations at a few microseconds of dispatch each, which made
-    decoding one sequence ~9% slower than Llama (whose residual is one addition).
-    """
+def _one_sequence_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, erase):
+    """`decoding_residual` for a single sequence (B = T = 1): the per-token numbers as Python floats."""
     d = x.shape[-1]
     h = h.view(d)
     beta = 2.0 * _sigmoid(torch.dot(c.view(d).float(), gate_weight.float()).item() + gate_bias.item())  # fp32 logit
@@ -262,5 +281,5 @@ def _triton_available():
 
 
 __all__ = [
-    "fused_delta_update", "fused_token_conv", "fused_token_readout", "is_one_token_cpu_step", "one_token_residual",
+    "decoding_residual", "fused_delta_update", "fused_token_conv", "fused_token_readout", "is_cpu_decoding_step",
 ]

@@ -29,11 +29,11 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_ddl import DDLConfig, conv_state_slots
 from .kernels import (
+    decoding_residual,
     fused_delta_update,
     fused_token_conv,
     fused_token_readout,
-    is_one_token_cpu_step,
-    one_token_residual,
+    is_cpu_decoding_step,
 )
 
 
@@ -149,9 +149,9 @@ def _mask_padding(x, pad_mask):
 # The one place where `ddl_impl` chooses the implementations (same signatures, same numbers; tested against each other).
 _IMPLEMENTATIONS = {
     "fused": {"update": fused_delta_update, "readout": fused_token_readout, "conv": fused_token_conv,
-              "one_token": one_token_residual},
+              "decoding": decoding_residual},
     "reference": {"update": delta_update, "readout": causal_token_readout, "conv": causal_token_conv,
-                  "one_token": None},
+                  "decoding": None},
 }
 
 
@@ -175,8 +175,8 @@ class DDLDeltaResidual(nn.Module):
         if self.mode == "additive":
             return
         d, dv, hb = config.hidden_size, config.ddl_value_channels, config.ddl_beta_hidden_size
-        # decoding one sequence on CPU: the whole seam in one function (for the single-linear gate)
-        self.one_token = _IMPLEMENTATIONS[config.ddl_impl]["one_token"] if hb is None else None
+        # a CPU decoding step: the whole seam in one function (for the single-linear gate)
+        self.decoding = _IMPLEMENTATIONS[config.ddl_impl]["decoding"] if hb is None else None
         if hb is not None:
             self.beta_hidden_weight = nn.Parameter(torch.empty(hb, d))
             self.beta_hidden_bias = nn.Parameter(torch.empty(hb))
@@ -202,8 +202,8 @@ class DDLDeltaResidual(nn.Module):
         if self.mode == "additive":
             return delta_update(x, h, mode="additive")
         u = sublayer_input if self.value_input == "state" else context
-        if self.one_token is not None and is_one_token_cpu_step(x):
-            return self.one_token(
+        if self.decoding is not None and is_cpu_decoding_step(x):
+            return self.decoding(
                 x, h, context, u, self.beta_weight, self.beta_bias, self.value_weight, self.value_bias,
                 self.v_scale, self.k_eps, erase=self.mode == "delta",
             )

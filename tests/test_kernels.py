@@ -5,7 +5,7 @@ import torch
 
 from conftest import tiny_config
 from ddl import DDLForCausalLM
-from ddl.kernels import fused_delta_update, fused_token_readout, is_one_token_cpu_step, one_token_residual
+from ddl.kernels import decoding_residual, fused_delta_update, fused_token_readout, is_cpu_decoding_step
 from ddl.modeling_ddl import DDLDeltaResidual, causal_token_conv, causal_token_readout, delta_update
 
 
@@ -72,7 +72,7 @@ def test_models_with_either_implementation_agree(overrides):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# One decoding step of one sequence on CPU: gate, value and update with the per-token scalars in Python floats
+# A CPU decoding step: gate, value and update in one function (Python floats for one sequence, tensors for a batch)
 
 
 @torch.no_grad()
@@ -81,7 +81,8 @@ def test_models_with_either_implementation_agree(overrides):
 @pytest.mark.parametrize("value_input", ["state", "context"])
 @pytest.mark.parametrize("mode", ["delta", "write_only"])
 @pytest.mark.parametrize("dv", [1, 4], ids=["dv1", "dv4"])
-def test_one_token_residual_equals_gate_value_and_delta_update(dv, mode, value_input, v_scale, dtype):
+@pytest.mark.parametrize("batch", [1, 3], ids=["one-sequence", "batch"])
+def test_decoding_residual_equals_gate_value_and_delta_update(batch, dv, mode, value_input, v_scale, dtype):
     config = tiny_config(ddl_value_channels=dv, ddl_residual=mode, ddl_value_input=value_input,
                          ddl_v_sigmoid_scale=v_scale)
     residual = DDLDeltaResidual(config).to(dtype)
@@ -89,14 +90,15 @@ def test_one_token_residual_equals_gate_value_and_delta_update(dv, mode, value_i
     for param in residual.parameters():
         param.copy_(torch.randn(param.shape, generator=g))
     d = config.hidden_size
-    x = torch.randn((1, 1, d) if dv == 1 else (1, 1, dv, d), generator=g).to(dtype)
-    c, u = (torch.randn(1, 1, d, generator=g).to(dtype) for _ in range(2))
-    for h in (torch.randn(1, 1, d, generator=g).to(dtype), torch.zeros(1, 1, d, dtype=dtype)):
+    x = torch.randn((batch, 1, d) if dv == 1 else (batch, 1, dv, d), generator=g).to(dtype)
+    c, u = (torch.randn(batch, 1, d, generator=g).to(dtype) for _ in range(2))
+    h = torch.randn(batch, 1, d, generator=g).to(dtype)
+    for h in (h, h * (torch.arange(batch) > 0).view(-1, 1, 1), torch.zeros_like(h)):  # zero h, also beside others
         for logit_shift in (0.0, 1e4, -1e4):  # saturated gates: beta = 2 and 0, and no overflow on the way
             residual.beta_bias.fill_(logit_shift)
-            assert is_one_token_cpu_step(x)
+            assert is_cpu_decoding_step(x)
             args = (residual.beta_weight, residual.beta_bias, residual.value_weight, residual.value_bias)
-            out = one_token_residual(x, h, c, u if value_input == "state" else c, *args, v_scale, config.ddl_k_eps,
+            out = decoding_residual(x, h, c, u if value_input == "state" else c, *args, v_scale, config.ddl_k_eps,
                                      erase=mode == "delta")
             v = residual.value(u if value_input == "state" else c)
             ref = delta_update(x, h, v, residual.gate(c), mode=mode, k_eps=config.ddl_k_eps)
@@ -105,21 +107,20 @@ def test_one_token_residual_equals_gate_value_and_delta_update(dv, mode, value_i
             torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
 
 
-def test_one_token_path_only_where_it_applies():
+def test_decoding_path_only_where_it_applies():
     one = torch.zeros(1, 1, 8)
     with torch.no_grad():
-        assert is_one_token_cpu_step(one) and is_one_token_cpu_step(torch.zeros(1, 1, 4, 8))
-        assert not is_one_token_cpu_step(torch.zeros(2, 1, 8))  # a batch: tensor operations per row are cheaper
-        assert not is_one_token_cpu_step(torch.zeros(1, 2, 8))  # a prefill
-        assert not is_one_token_cpu_step(one.bfloat16())  # low precision keeps the reference's rounding
-    assert not is_one_token_cpu_step(one)  # autograd on: training goes through the custom autograd function
+        assert is_cpu_decoding_step(one) and is_cpu_decoding_step(torch.zeros(8, 1, 4, 8))
+        assert not is_cpu_decoding_step(torch.zeros(1, 2, 8))  # a prefill
+        assert not is_cpu_decoding_step(one.bfloat16())  # low precision keeps the reference's rounding
+    assert not is_cpu_decoding_step(one)  # autograd on: training goes through the custom autograd function
     with torch.inference_mode():
-        assert is_one_token_cpu_step(one)
+        assert is_cpu_decoding_step(one)
         with torch.autocast("cpu", dtype=torch.bfloat16):  # sublayer outputs in bf16, the value too
-            assert not is_one_token_cpu_step(one)
+            assert not is_cpu_decoding_step(one)
     seen = []
     with torch.no_grad():  # a trace would record the Python-float scalars as constants
-        torch.jit.trace(lambda x: seen.append(is_one_token_cpu_step(x)) or x * 2, one, check_trace=False)
+        torch.jit.trace(lambda x: seen.append(is_cpu_decoding_step(x)) or x * 2, one, check_trace=False)
     assert seen and not any(seen)
 
 

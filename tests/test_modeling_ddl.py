@@ -103,15 +103,16 @@ def test_cached_decoding_equals_full_forward(overrides):
     torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("batch", [1, 2], ids=["one-sequence", "batch"])
 @pytest.mark.parametrize("overrides", [v for v in VARIANTS if "additive" not in v.id])
-def test_decoding_one_sequence_takes_the_one_token_path_and_equals_full_forward(overrides, monkeypatch):
-    """Batch 1 on CPU decodes through `one_token_residual` (Python-float scalars); it must give the full forward."""
+def test_cpu_decoding_takes_the_decoding_path_and_equals_full_forward(overrides, batch, monkeypatch):
+    """Decoding steps on CPU go through `decoding_residual`; they must give the full forward."""
     calls = []
-    one_token = modeling_ddl._IMPLEMENTATIONS["fused"]["one_token"]
-    monkeypatch.setitem(modeling_ddl._IMPLEMENTATIONS["fused"], "one_token",
-                        lambda *a, **k: calls.append(1) or one_token(*a, **k))
+    decoding = modeling_ddl._IMPLEMENTATIONS["fused"]["decoding"]
+    monkeypatch.setitem(modeling_ddl._IMPLEMENTATIONS["fused"], "decoding",
+                        lambda *a, **k: calls.append(1) or decoding(*a, **k))
     model = _model(**overrides)
-    ids = _ids(1, 9)
+    ids = _ids(batch, 9)
     with torch.no_grad():
         full = model(ids).logits
         out = model(ids[:, :5], use_cache=True)
@@ -126,8 +127,8 @@ def test_decoding_one_sequence_takes_the_one_token_path_and_equals_full_forward(
 
 @pytest.mark.parametrize("overrides", [{"ddl_value_channels": 1}, {}], ids=["dv1", "dv4-cc-ec"])
 def test_batch_1_generation_under_cpu_autocast(overrides):
-    """Under bf16 autocast the sublayer outputs are bf16 while the state stays fp32: decoding one sequence must not
-    take the fp32-only one-token path (it raised a dtype error there) and must agree with the reference impl."""
+    """Under bf16 autocast the sublayer outputs are bf16 while the state stays fp32: decoding must not take the
+    fp32-only decoding path (it raised a dtype error there) and must agree with the reference impl."""
     ids = _ids(1, 5)
     outputs = {}
     for impl in ("fused", "reference"):
