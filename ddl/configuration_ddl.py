@@ -96,8 +96,8 @@ class DDLConfig(LlamaConfig):
             `delta_update`, `causal_token_readout` and `causal_token_conv` (autograd keeps every intermediate);
             `"fused"` = `ddl.kernels.fused_delta_update` and `fused_token_readout`, same numbers, custom autograd
             functions that keep only their inputs and write their gradients in place (faster, less training memory),
-            plus a one-function residual for decoding one sequence on CPU (`one_token_residual`) and Triton kernels
-            for all three on CUDA when triton is installed.
+            plus a one-function residual for CPU decoding steps (`decoding_residual`) and Triton kernels for all
+            three on CUDA when triton is installed.
         qk_norm (`bool`, *optional*, defaults to False):
             RMSNorm on queries and keys per head (the paper's runs used it; Llama does not). Uses transformers'
             Qwen3 attention, whose parameters add `self_attn.q_norm` / `self_attn.k_norm` to Llama's names.
