@@ -131,7 +131,7 @@ def fused_delta_update(x, h, v=None, beta=None, mode="delta", k_eps=1e-5):
 def is_cpu_decoding_step(x):
     """Whether `decoding_residual` applies: one new token per sequence (T = 1), fp32/fp64 on CPU, no autograd, no
     autocast (its sublayer outputs come in another dtype, its value in bf16), and not being traced by torch.compile or
-    torch.jit.trace (`.item()` would break the graph, or be recorded as a constant)."""
+    torch.jit.trace (a traced graph may meet batch 1, whose `.item()` would break it or be recorded as a constant)."""
     return (
         x.shape[1] == 1
         and x.device.type == "cpu"

@@ -93,7 +93,8 @@ def test_decoding_residual_equals_gate_value_and_delta_update(batch, dv, mode, v
     x = torch.randn((batch, 1, d) if dv == 1 else (batch, 1, dv, d), generator=g).to(dtype)
     c, u = (torch.randn(batch, 1, d, generator=g).to(dtype) for _ in range(2))
     h = torch.randn(batch, 1, d, generator=g).to(dtype)
-    for h in (h, h * (torch.arange(batch) > 0).view(-1, 1, 1), torch.zeros_like(h)):  # zero h, also beside others
+    # zero h (also beside other rows), and |h| ~ k_eps, where how k_eps enters matters
+    for h in (h, h * (torch.arange(batch) > 0).view(-1, 1, 1), torch.zeros_like(h), h * 1e-5):
         for logit_shift in (0.0, 1e4, -1e4):  # saturated gates: beta = 2 and 0, and no overflow on the way
             residual.beta_bias.fill_(logit_shift)
             assert is_cpu_decoding_step(x)
