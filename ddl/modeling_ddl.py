@@ -83,6 +83,8 @@ def delta_update(x, h, v=None, beta=None, mode="delta", k_eps=1e-5):
 
 def _causal_window(x, kernel, history):
     """x with the K-1 inputs before it prepended (the cached history, or zeros at the start of a sequence)."""
+    if kernel == 1:  # no window (CC): x itself, not a copy that autograd would keep for backward
+        return x
     if history is None:
         history = x.new_zeros(x.shape[0], kernel - 1, *x.shape[2:])
     return torch.cat([history, x], dim=1)
