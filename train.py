@@ -1,7 +1,7 @@
 """Pretrain or fine-tune a Deep Delta Learning (DDL) language model, or one of its baselines, with 🤗 Trainer.
 
 Zero arguments train a tiny DDL (d_v = 4, CC compressor, EC: the paper's default variant) on the embedded
-Shakespeare corpus in about 5 minutes on 2 idle CPU cores (320 s measured; longer on a busy machine), save a
+Shakespeare corpus in about 5 minutes on 2 idle CPU cores (275–320 s measured; longer on a busy machine), save a
 complete checkpoint folder (weights, config with auto_map, the model's .py files, tokenizer, generation config,
 trainer_state.json, model card with loss curve)
 and print a sample generated from that folder:
@@ -61,6 +61,7 @@ from transformers import (
     AutoTokenizer,
     GenerationConfig,
     HfArgumentParser,
+    TrainerState,
     TrainingArguments,
     default_data_collator,
     pipeline,
@@ -425,8 +426,8 @@ def main(argv: list[str]) -> None:
         result = trainer.train(resume_from_checkpoint=resume)
         metrics.update(result.metrics)
         if resume:  # train_runtime covers only the steps after the checkpoint (the model card's speed)
-            with open(os.path.join(resume, "trainer_state.json")) as f:
-                metrics["resumed_at_step"] = json.load(f)["global_step"]
+            state = TrainerState.load_from_json(os.path.join(resume, "trainer_state.json"))
+            metrics["resumed_at_step"] = state.global_step
         trainer.log_metrics("train", result.metrics)
     if training_args.do_eval:
         last = [e for e in trainer.state.log_history if "eval_loss" in e]

@@ -53,7 +53,7 @@ PAPER_RECIPE = dict(
     learning_rate=1e-3, adam_beta1=0.9, adam_beta2=0.95, weight_decay=0.1, lr_scheduler_type="cosine",
     max_grad_norm=1.0,
 )
-# Per-preset run defaults. tiny is sized to train on the embedded corpus in about 5 minutes (320 s measured) on 2
+# Per-preset run defaults. tiny is sized to train on the embedded corpus in about 5 minutes (275–320 s measured) on 2
 # idle CPU cores (2M tokens, 1.4 epochs); small/medium use the paper's context (1024) and warm-up (2000 steps) and
 # leave the length (`--max_steps` or `--num_train_epochs`) and the batch (paper: 480 x 1024 tokens per step) to the
 # caller.
