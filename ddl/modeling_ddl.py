@@ -28,6 +28,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_ddl import DDLConfig, conv_state_slots
+from .cpu_kernels import cpu_residual, cpu_residual_applies
 from .kernels import (
     decoding_residual,
     fused_delta_update,
@@ -151,9 +152,9 @@ def _mask_padding(x, pad_mask):
 # The one place where `ddl_impl` chooses the implementations (same signatures, same numbers; tested against each other).
 _IMPLEMENTATIONS = {
     "fused": {"update": fused_delta_update, "readout": fused_token_readout, "conv": fused_token_conv,
-              "decoding": decoding_residual},
+              "seam": cpu_residual, "decoding": decoding_residual},
     "reference": {"update": delta_update, "readout": causal_token_readout, "conv": causal_token_conv,
-                  "decoding": None},
+                  "seam": None, "decoding": None},
 }
 
 
@@ -177,7 +178,9 @@ class DDLDeltaResidual(nn.Module):
         if self.mode == "additive":
             return
         d, dv, hb = config.hidden_size, config.ddl_value_channels, config.ddl_beta_hidden_size
-        # a CPU decoding step: the whole seam in one function (for the single-linear gate)
+        # The whole seam in one function (for the single-linear gate): the C++ kernel on CPU, else for a CPU
+        # decoding step the PyTorch `decoding_residual`.
+        self.seam = _IMPLEMENTATIONS[config.ddl_impl]["seam"] if hb is None else None
         self.decoding = _IMPLEMENTATIONS[config.ddl_impl]["decoding"] if hb is None else None
         if hb is not None:
             self.beta_hidden_weight = nn.Parameter(torch.empty(hb, d))
@@ -204,11 +207,11 @@ class DDLDeltaResidual(nn.Module):
         if self.mode == "additive":
             return delta_update(x, h, mode="additive")
         u = sublayer_input if self.value_input == "state" else context
+        params = (self.beta_weight, self.beta_bias, self.value_weight, self.value_bias)
+        if self.seam is not None and cpu_residual_applies(x, h, context, u, self.value_weight):
+            return self.seam(x, h, context, u, *params, self.v_scale, self.k_eps, erase=self.mode == "delta")
         if self.decoding is not None and is_cpu_decoding_step(x):
-            return self.decoding(
-                x, h, context, u, self.beta_weight, self.beta_bias, self.value_weight, self.value_bias,
-                self.v_scale, self.k_eps, erase=self.mode == "delta",
-            )
+            return self.decoding(x, h, context, u, *params, self.v_scale, self.k_eps, erase=self.mode == "delta")
         return self.update(x, h, self.value(u), self.gate(context), mode=self.mode, k_eps=self.k_eps)
 
 

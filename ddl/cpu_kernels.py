@@ -1,0 +1,281 @@
+r"""A fused C++ kernel for one sublayer's residual seam on CPU: the gate, the value and the delta update in one
+pass over each token's row, forward and backward. Built on first use with PyTorch's C++ extension tools
+(`torch.utils.cpp_extension.load_inline`, cached under `~/.cache/torch_extensions`), never required: without a
+C++ compiler, or with `DDL_CPU_KERNEL=0`, DDL runs the PyTorch functions of `ddl.kernels`.
+
+Why: in eager PyTorch each of the ~17 operations of a sublayer's seam is a separate pass over a `(B, T, d)` tensor
+(the gate and value projections to 1-4 outputs run as matrix-vector products at a fraction of the memory speed), and
+a decoding step pays ~12 dispatches for a handful of numbers. Here each token's row is read once for its dot
+products and once for its writes, while it is in cache, and a decoding step is one call.
+
+Per token (rows of length d; the state X has d_v rows, `(B, T, d)` when d_v = 1 or `(B, T, d_v, d)`), the same
+numbers as `gate -> value -> delta_update` (modeling_ddl):
+    beta = 2 sigmoid(w . c + b),   v_j = s_v sigmoid(W_v[j] . u + b_v[j])  (or W_v[j] . u + b_v[j] when s_v = None)
+    s = 1 / sqrt(|h|^2 + eps^2),   t_j = v_j - s h . X_j  (write-only: t_j = v_j)
+    X_next_j = X_j + h (beta s t_j)
+and the backward of `kernels._DeltaUpdate`, followed by the gate's and the value's:
+    b_j = h . G_j,   c_j = s b_j,   dv_j = beta c_j,   dbeta = sum_j c_j t_j
+    dX_j = G_j - h (beta s c_j),   dh = sum_j G_j (s beta t_j) - X_j (s beta c_j) - h s^3 beta (sum_j b_j t_j - hX_j c_j)
+    dz = dbeta beta (1 - beta/2),  dy_j = dv_j v_j (1 - v_j / s_v)  (dv_j without the sigmoid)
+    dc = dz w (+ sum_j dy_j W_v[j] when u is c),  du = sum_j dy_j W_v[j]  (into dX when u is the d_v = 1 state)
+    dw = sum over tokens of dz c,  db = sum dz,  dW_v[j] = sum dy_j u,  db_v[j] = sum dy_j
+fp32 and fp64 (each in its own precision); other dtypes, autocast and tracing take the PyTorch path.
+"""
+
+import hashlib
+import os
+import sys
+
+import torch
+from transformers.utils import logging
+
+
+logger = logging.get_logger(__name__)
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+// u_kind: 0 = u is its own tensor, 1 = u is c (value from the normalised input), 2 = u is the d_v = 1 state X.
+template <typename T>
+void seam_forward(const T* x, const T* h, const T* c, const T* u, const T* wb, T bb, const T* wv, const T* bv,
+                  double scale, double eps, bool erase, int64_t n, int64_t nv, int64_t d, T* out, T* beta_out,
+                  T* v_out, T* s_out, T* hx_out) {
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    std::vector<T> coef(nv);
+    for (int64_t t = begin; t < end; ++t) {
+      const T* xt = x + t * nv * d; const T* ht = h + t * d; const T* ct = c + t * d; const T* ut = u + t * d;
+      T z = 0, hh = 0;
+#pragma omp simd reduction(+ : z, hh)
+      for (int64_t i = 0; i < d; ++i) { z += ct[i] * wb[i]; hh += ht[i] * ht[i]; }
+      const T beta = T(2) / (T(1) + std::exp(-(z + bb)));
+      const T s = T(1) / std::sqrt(hh + T(eps * eps));
+      for (int64_t j = 0; j < nv; ++j) {
+        const T* xj = xt + j * d; const T* wj = wv + j * d;
+        T y = 0, hx = 0;
+        if (erase) {
+#pragma omp simd reduction(+ : y, hx)
+          for (int64_t i = 0; i < d; ++i) { y += ut[i] * wj[i]; hx += ht[i] * xj[i]; }
+        } else {
+#pragma omp simd reduction(+ : y)
+          for (int64_t i = 0; i < d; ++i) y += ut[i] * wj[i];
+        }
+        y += bv[j];
+        const T v = scale > 0 ? T(scale) / (T(1) + std::exp(-y)) : y;
+        coef[j] = beta * s * (v - s * hx);
+        if (v_out) { v_out[t * nv + j] = v; hx_out[t * nv + j] = hx; }
+      }
+      if (beta_out) { beta_out[t] = beta; s_out[t] = s; }
+      T* ot = out + t * nv * d;
+      for (int64_t j = 0; j < nv; ++j) {
+        const T* xj = xt + j * d; T* oj = ot + j * d; const T cj = coef[j];
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) oj[i] = xj[i] + ht[i] * cj;
+      }
+    }
+  });
+}
+
+template <typename T>
+void seam_backward(const T* g, const T* x, const T* h, const T* c, const T* u, const T* wb, const T* wv,
+                   const T* beta_s, const T* v_s, const T* s_s, const T* hx_s, double scale, bool erase, int64_t u_kind,
+                   int64_t n, int64_t nv, int64_t d, T* gx, T* gh, T* gc, T* gu, T* gwb, T* gbb, T* gwv, T* gbv) {
+  // Weight gradients are sums over tokens: one partial sum per thread, added up at the end.
+  const int64_t nthreads = at::get_num_threads();
+  const int64_t width = d + 1 + nv * d + nv;  // dw, db, dW_v, db_v
+  std::vector<double> partial(nthreads * width, 0.0);
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    double* acc = partial.data() + at::get_thread_num() * width;
+    std::vector<T> b(nv), a_g(nv), a_x(nv), dy(nv);
+    for (int64_t t = begin; t < end; ++t) {
+      const T* gt = g + t * nv * d; const T* xt = x + t * nv * d; const T* ht = h + t * d;
+      const T* ct = c + t * d; const T* ut = u + t * d;
+      const T beta = beta_s[t], s = s_s[t];
+      T dbeta = 0, h_dot = 0;
+      for (int64_t j = 0; j < nv; ++j) {
+        const T* gj = gt + j * d; T bj = 0;
+#pragma omp simd reduction(+ : bj)
+        for (int64_t i = 0; i < d; ++i) bj += ht[i] * gj[i];
+        const T v = v_s[t * nv + j], hx = erase ? hx_s[t * nv + j] : T(0);
+        const T tj = v - s * hx, cj = s * bj;
+        dbeta += cj * tj;
+        h_dot += bj * tj - hx * cj;
+        b[j] = bj;
+        a_g[j] = s * beta * tj;                      // dh += G_j a_g
+        a_x[j] = erase ? s * beta * cj : T(0);       // dh -= X_j a_x,  dX_j = G_j - h a_x
+        const T dv = beta * cj;
+        dy[j] = scale > 0 ? dv * v * (T(1) - v / T(scale)) : dv;
+      }
+      const T a_h = s * s * s * beta * h_dot;       // dh -= h a_h
+      const T dz = dbeta * beta * (T(1) - beta / T(2));
+      T* ght = gh + t * d; T* gxt = gx + t * nv * d; T* gct = gc + t * d;
+      for (int64_t i = 0; i < d; ++i) ght[i] = -ht[i] * a_h;
+      for (int64_t j = 0; j < nv; ++j) {
+        const T* gj = gt + j * d; const T* xj = xt + j * d; T* gxj = gxt + j * d;
+        const T ag = a_g[j], ax = a_x[j];
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) {
+          ght[i] += gj[i] * ag - xj[i] * ax;
+          gxj[i] = gj[i] - ht[i] * ax;
+        }
+      }
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) gct[i] = dz * wb[i];
+      // the value's input gradient: into dc (u = c), dX (u = the d_v = 1 state) or its own tensor
+      T* gut = u_kind == 1 ? gct : (u_kind == 2 ? gxt : gu + t * d);
+      if (u_kind == 0) for (int64_t i = 0; i < d; ++i) gut[i] = 0;
+      for (int64_t j = 0; j < nv; ++j) {
+        const T* wj = wv + j * d; const T dyj = dy[j];
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) gut[i] += dyj * wj[i];
+      }
+      double* awb = acc; double* awv = acc + d + 1;
+      for (int64_t i = 0; i < d; ++i) awb[i] += double(dz * ct[i]);
+      acc[d] += double(dz);
+      for (int64_t j = 0; j < nv; ++j) {
+        double* awj = awv + j * d; const T dyj = dy[j];
+        for (int64_t i = 0; i < d; ++i) awj[i] += double(dyj * ut[i]);
+        awv[nv * d + j] += double(dyj);
+      }
+    }
+  });
+  for (int64_t k = 0; k < width; ++k) {
+    double sum = 0;
+    for (int64_t p = 0; p < nthreads; ++p) sum += partial[p * width + k];
+    T* dst = k < d ? gwb + k : (k == d ? gbb : (k < d + 1 + nv * d ? gwv + (k - d - 1) : gbv + (k - d - 1 - nv * d)));
+    *dst = T(sum);
+  }
+}
+
+std::vector<at::Tensor> residual_forward(const at::Tensor& x, const at::Tensor& h, const at::Tensor& c,
+                                         const at::Tensor& u, const at::Tensor& wb, const at::Tensor& bb,
+                                         const at::Tensor& wv, const at::Tensor& bv, double scale, double eps,
+                                         bool erase, bool save) {
+  const int64_t d = h.size(-1), n = h.numel() / d, nv = wv.size(0);
+  auto out = at::empty_like(x);
+  at::Tensor stats;  // None when nothing is saved (inference)
+  if (save) stats = at::empty({n * (2 + 2 * nv)}, h.options());
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "ddl_residual_forward", [&] {
+    scalar_t* st = save ? stats.data_ptr<scalar_t>() : nullptr;
+    seam_forward<scalar_t>(x.data_ptr<scalar_t>(), h.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(),
+                           u.data_ptr<scalar_t>(), wb.data_ptr<scalar_t>(), *bb.data_ptr<scalar_t>(),
+                           wv.data_ptr<scalar_t>(), bv.data_ptr<scalar_t>(), scale, eps, erase, n, nv, d,
+                           out.data_ptr<scalar_t>(), save ? st : nullptr, save ? st + 2 * n : nullptr,
+                           save ? st + n : nullptr, save ? st + 2 * n + n * nv : nullptr);
+  });
+  return {out, stats};
+}
+
+std::vector<at::Tensor> residual_backward(const at::Tensor& g, const at::Tensor& x, const at::Tensor& h,
+                                          const at::Tensor& c, const at::Tensor& u, const at::Tensor& wb,
+                                          const at::Tensor& wv, const at::Tensor& stats, double scale, bool erase,
+                                          int64_t u_kind) {
+  const int64_t d = h.size(-1), n = h.numel() / d, nv = wv.size(0);
+  auto gx = at::empty_like(x), gh = at::empty_like(h), gc = at::empty_like(c);
+  auto gu = u_kind == 0 ? at::empty_like(u) : at::empty({0}, u.options());
+  auto gwb = at::empty_like(wb), gbb = at::empty({1}, wb.options()), gwv = at::empty_like(wv);
+  auto gbv = at::empty({nv}, wv.options());
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "ddl_residual_backward", [&] {
+    const scalar_t* st = stats.data_ptr<scalar_t>();
+    seam_backward<scalar_t>(g.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), h.data_ptr<scalar_t>(),
+                            c.data_ptr<scalar_t>(), u.data_ptr<scalar_t>(), wb.data_ptr<scalar_t>(),
+                            wv.data_ptr<scalar_t>(), st, st + 2 * n, st + n, st + 2 * n + n * nv, scale, erase, u_kind,
+                            n, nv, d, gx.data_ptr<scalar_t>(), gh.data_ptr<scalar_t>(), gc.data_ptr<scalar_t>(),
+                            u_kind == 0 ? gu.data_ptr<scalar_t>() : nullptr, gwb.data_ptr<scalar_t>(),
+                            gbb.data_ptr<scalar_t>(), gwv.data_ptr<scalar_t>(), gbv.data_ptr<scalar_t>());
+  });
+  return {gx, gh, gc, gu, gwb, gbb, gwv, gbv};
+}
+
+}  // namespace
+"""
+
+
+def _library_name():
+    """One name per source text, so that an edited kernel is rebuilt instead of loading a stale build."""
+    return "ddl_cpu_" + hashlib.sha1(_SOURCE.encode()).hexdigest()[:12]
+
+
+_ops = None  # the built module once built; False when the build failed or is switched off
+
+
+def cpu_kernel():
+    """The compiled operators (`residual_forward`, `residual_backward`), or None: built once per machine (20-40 s
+    on first use, then loaded from torch's extension cache), never required."""
+    global _ops
+    if _ops is None:
+        _ops = _build() or False
+    return _ops or None
+
+
+def _build():
+    if os.environ.get("DDL_CPU_KERNEL", "1") == "0":
+        return None
+    name = _library_name()
+    try:
+        from torch.utils.cpp_extension import _get_build_directory, load_inline
+
+        if not any(f.startswith(name) for f in os.listdir(_get_build_directory(name, verbose=False))):
+            logger.warning(
+                "DDL: building its C++ CPU kernel once (20-40 s; cached for the next runs). Set DDL_CPU_KERNEL=0 to "
+                "use the PyTorch path instead."
+            )
+        flags = {"win32": ["/O2", "/openmp"], "darwin": ["-O3"]}.get(sys.platform, ["-O3", "-fopenmp"])
+        return load_inline(name, cpp_sources=_SOURCE, functions=["residual_forward", "residual_backward"],
+                           extra_cflags=flags, verbose=False)
+    except Exception as error:  # no compiler, no headers, a failed build: the PyTorch path serves
+        logger.warning(f"DDL: the C++ CPU kernel could not be built ({type(error).__name__}: {str(error)[:300]}); "
+                       "using the PyTorch path (same numbers, slower).")
+        return None
+
+
+def cpu_residual_applies(x, h, c, u, weight):
+    """Whether `cpu_residual` serves these inputs: CPU, all fp32 or all fp64 (`weight`: the module's parameters'
+    dtype), no autocast, not traced (checked on every decoding step: a few attribute reads)."""
+    dtype = x.dtype
+    return (
+        x.is_cpu
+        and (dtype is torch.float32 or dtype is torch.float64)
+        and h.dtype is dtype
+        and c.dtype is dtype
+        and u.dtype is dtype
+        and weight.dtype is dtype
+        and not torch.is_autocast_enabled("cpu")
+        and not torch.compiler.is_compiling()
+        and not torch.jit.is_tracing()
+        and (_ops or (_ops is None and cpu_kernel() is not None))
+    )
+
+
+class _Residual(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, erase, u_kind):
+        out, stats = cpu_kernel().residual_forward(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias,
+                                                  v_scale, k_eps, erase, True)
+        ctx.save_for_backward(x, h, c, u, gate_weight, value_weight, stats)
+        ctx.v_scale, ctx.erase, ctx.u_kind = v_scale, erase, u_kind
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, h, c, u, gate_weight, value_weight, stats = ctx.saved_tensors
+        gx, gh, gc, gu, gw, gb, gwv, gbv = cpu_kernel().residual_backward(
+            grad.contiguous(), x, h, c, u, gate_weight, value_weight, stats, ctx.v_scale, ctx.erase, ctx.u_kind
+        )
+        return gx, gh, gc, gu if ctx.u_kind == 0 else None, gw, gb, gwv, gbv, None, None, None, None
+
+
+def cpu_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, erase):
+    """Gate, value and delta update of one sublayer through the C++ kernel (check `cpu_residual_applies` first);
+    the same contract as `kernels.decoding_residual`, for any number of tokens, with autograd."""
+    x = x.contiguous()  # the stride-0 repeated embeddings of a d_v > 1 model without EC
+    u_kind = 1 if u is c else (2 if u is x and x.dim() == h.dim() else 0)
+    args = (x, h.contiguous(), c.contiguous(), u.contiguous(), gate_weight, gate_bias, value_weight, value_bias,
+            -1.0 if v_scale is None else float(v_scale), float(k_eps), erase)
+    if torch.is_grad_enabled():
+        return _Residual.apply(*args, u_kind)
+    return cpu_kernel().residual_forward(*args, False)[0]

@@ -1,0 +1,163 @@
+"""The C++ CPU kernel of the residual seam (`ddl.cpu_kernels`) equals gate -> value -> delta_update, outputs and
+every gradient, and the models take it wherever it applies (and only there)."""
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from ddl import DDLForCausalLM, cpu_kernels, modeling_ddl
+from ddl.cpu_kernels import cpu_kernel, cpu_residual, cpu_residual_applies
+from ddl.modeling_ddl import DDLDeltaResidual, delta_update
+
+
+pytestmark = pytest.mark.skipif(cpu_kernel() is None, reason="the C++ CPU kernel could not be built here")
+
+
+def _seam(dv, mode, value_input, v_scale, dtype, batch=2, seq_len=4, seed=0, edge_rows=True):
+    """A residual module with parameters off their init, and inputs with a zero h row and an |h| ~ k_eps row."""
+    config = tiny_config(ddl_value_channels=dv, ddl_residual=mode, ddl_value_input=value_input,
+                         ddl_v_sigmoid_scale=v_scale)
+    residual = DDLDeltaResidual(config).to(dtype)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in residual.parameters():
+            param.copy_(torch.randn(param.shape, generator=g))
+    d = config.hidden_size
+    x = torch.randn((batch, seq_len, d) if dv == 1 else (batch, seq_len, dv, d), generator=g).to(dtype)
+    c, u, h = (torch.randn(batch, seq_len, d, generator=g).to(dtype) for _ in range(3))
+    if edge_rows:
+        h[0, 1] = 0
+        h[-1, -1] *= 1e-5
+    return residual, x, h, c, u
+
+
+def _run(residual, x, h, c, u, use_kernel):
+    """Output and the gradients of all inputs and parameters for a fixed random cotangent."""
+    leaves = [t.clone().requires_grad_() for t in (x, h, c, u)]
+    x, h, c, u = leaves
+    if residual.value_input == "context":
+        u = c
+    elif x.dim() == h.dim():  # d_v = 1: the value reads the state itself (x_in = X)
+        u = x
+    params = (residual.beta_weight, residual.beta_bias, residual.value_weight, residual.value_bias)
+    if use_kernel:
+        out = cpu_residual(x, h, c, u, *params, residual.v_scale, residual.k_eps, erase=residual.mode == "delta")
+    else:
+        out = delta_update(x, h, residual.value(u), residual.gate(c), mode=residual.mode, k_eps=residual.k_eps)
+    cotangent = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(out.dtype)
+    grads = torch.autograd.grad(out, leaves + list(params), cotangent, allow_unused=True)
+    return [out] + [torch.zeros_like(t) if gr is None else gr for t, gr in zip(leaves + list(params), grads)]
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-6), (torch.float32, 2e-5)], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("v_scale", [4.0, None], ids=["sigmoid-v", "linear-v"])
+@pytest.mark.parametrize("value_input", ["state", "context"])
+@pytest.mark.parametrize("mode", ["delta", "write_only"])
+@pytest.mark.parametrize("dv", [1, 3], ids=["dv1", "dv3"])
+def test_kernel_equals_gate_value_and_delta_update(dv, mode, value_input, v_scale, dtype, tol):
+    residual, *inputs = _seam(dv, mode, value_input, v_scale, dtype)
+    ours, spec = _run(residual, *inputs, use_kernel=True), _run(residual, *inputs, use_kernel=False)
+    names = "out x h c u gate_weight gate_bias value_weight value_bias".split()
+    for name, a, b in zip(names, ours, spec):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        # fp64: the spec's gate logit is fp32 (the kernel's is fp64), so they agree to fp32's precision; the
+        # |h| ~ k_eps row's dh is ~1e6, so the error is measured against each tensor's largest entry
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol * max(1.0, b.abs().max().item()), msg=name)
+
+
+@pytest.mark.parametrize("value_input", ["state", "context"])
+@pytest.mark.parametrize("mode", ["delta", "write_only"])
+@pytest.mark.parametrize("dv", [1, 2], ids=["dv1", "dv2"])
+def test_kernel_gradcheck_float64(dv, mode, value_input):
+    # (finite differences cannot follow k = h / sqrt(|h|^2 + eps^2) at |h| ~ eps: no edge rows here)
+    residual, x, h, c, u = _seam(dv, mode, value_input, 4.0, torch.float64, batch=2, seq_len=2, edge_rows=False)
+    params = [p.detach().clone().requires_grad_() for p in residual.parameters()]
+    names = [n for n, _ in residual.named_parameters()]
+    p = dict(zip(names, params))
+
+    def seam(x, h, c, u, *args):
+        u = c if value_input == "context" else (x if dv == 1 else u)
+        return cpu_residual(x, h, c, u, *args, 4.0, 1e-5, erase=mode == "delta")
+
+    inputs = [t.requires_grad_() for t in (x, h, c, u)]
+    args = (p["beta_weight"], p["beta_bias"], p["value_weight"], p["value_bias"])
+    assert torch.autograd.gradcheck(seam, (*inputs, *args))
+
+
+def test_inference_forward_equals_training_forward():
+    residual, x, h, c, u = _seam(3, "delta", "state", 4.0, torch.float32, batch=3, seq_len=1, edge_rows=False)
+    params = (residual.beta_weight, residual.beta_bias, residual.value_weight, residual.value_bias)
+    trained = cpu_residual(x, h, c, u, *params, 4.0, 1e-5, erase=True)
+    assert trained.requires_grad
+    with torch.no_grad():
+        inferred = cpu_residual(x, h, c, u, *params, 4.0, 1e-5, erase=True)
+    assert torch.equal(inferred, trained.detach())
+
+
+def test_kernel_applies_only_where_it_serves():
+    x = torch.zeros(1, 1, 8)
+    weight = torch.zeros(1, 8)
+    assert cpu_residual_applies(x, x, x, x, weight)
+    assert cpu_residual_applies(x.double(), x.double(), x.double(), x.double(), weight.double())
+    assert not cpu_residual_applies(x.bfloat16(), x.bfloat16(), x.bfloat16(), x.bfloat16(), weight.bfloat16())
+    assert not cpu_residual_applies(x, x.bfloat16(), x, x, weight)  # mixed dtypes
+    assert not cpu_residual_applies(x, x, x, x, weight.double())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not cpu_residual_applies(x, x, x, x, weight)
+    seen = []
+    with torch.no_grad():
+        torch.jit.trace(lambda a: seen.append(cpu_residual_applies(a, a, a, a, weight)) or a * 2, x, check_trace=False)
+    assert seen and not any(seen)
+
+
+@pytest.mark.parametrize("overrides", [{"ddl_value_channels": 1}, {}, {"ddl_compressor": "tc", "ddl_embed_conv": False},
+                                       {"ddl_value_channels": 1, "ddl_value_input": "context"}],
+                         ids=["dv1", "dv4-cc-ec", "dv4-tc", "dv1-context"])
+def test_models_take_the_kernel_in_training_and_decoding(overrides, monkeypatch):
+    """Every sublayer of a training forward and of each decoding step goes through the kernel; the loss, every
+    parameter's gradient and greedy generation equal the reference implementation's."""
+    calls = []
+    monkeypatch.setitem(modeling_ddl._IMPLEMENTATIONS["fused"], "seam",
+                        lambda *a, **k: calls.append(1) or cpu_residual(*a, **k))
+    models = {}
+    for impl in ("reference", "fused"):
+        torch.manual_seed(0)
+        models[impl] = DDLForCausalLM(tiny_config(ddl_impl=impl, **overrides))
+        with torch.no_grad():
+            for name, param in models[impl].named_parameters():
+                if "_delta." in name:
+                    param.add_(0.1 * torch.randn_like(param))
+    layers = models["fused"].config.num_hidden_layers
+    ids = torch.randint(3, 99, (2, 8), generator=torch.Generator().manual_seed(1))
+    losses = {impl: m(ids, labels=ids).loss for impl, m in models.items()}
+    assert len(calls) == 2 * layers
+    torch.testing.assert_close(losses["fused"], losses["reference"], rtol=0, atol=1e-5)
+    for loss in losses.values():
+        loss.backward()
+    reference = dict(models["reference"].named_parameters())
+    for name, param in models["fused"].named_parameters():
+        torch.testing.assert_close(param.grad, reference[name].grad, rtol=1e-4, atol=1e-5, msg=name)
+    calls.clear()
+    kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    generated = {impl: m.eval().generate(ids[:1, :4], **kwargs) for impl, m in models.items()}
+    assert len(calls) == 5 * 2 * layers  # the prompt's forward, then 4 one-token steps
+    assert torch.equal(generated["fused"], generated["reference"])
+
+
+def test_build_failure_and_switch_fall_back_to_pytorch(monkeypatch, caplog):
+    """No compiler (a failed build) or DDL_CPU_KERNEL=0: no kernel, a warning that says so, the PyTorch path."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    monkeypatch.setattr(cpu_kernels, "_ops", None)
+    monkeypatch.setattr(cpp_extension, "load_inline", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no c++")))
+    with caplog.at_level("WARNING"):
+        assert cpu_kernel() is None
+    assert "could not be built" in caplog.text and "no c++" in caplog.text
+    x = torch.zeros(1, 1, 8)
+    assert not cpu_residual_applies(x, x, x, x, torch.zeros(1, 8))
+    model = DDLForCausalLM(tiny_config(ddl_value_channels=1))
+    ids = torch.randint(3, 99, (1, 5), generator=torch.Generator().manual_seed(1))
+    assert torch.isfinite(model(ids, labels=ids).loss)  # the PyTorch path
+    monkeypatch.setattr(cpu_kernels, "_ops", None)
+    monkeypatch.setenv("DDL_CPU_KERNEL", "0")
+    assert cpu_kernel() is None
