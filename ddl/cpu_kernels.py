@@ -27,6 +27,7 @@ import os
 import sys
 
 import torch
+from torch.autograd.function import once_differentiable
 from transformers.utils import logging
 
 
@@ -36,6 +37,7 @@ _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <mutex>
 #include <vector>
 
 namespace {
@@ -84,14 +86,14 @@ template <typename T>
 void seam_backward(const T* g, const T* x, const T* h, const T* c, const T* u, const T* wb, const T* wv,
                    const T* beta_s, const T* v_s, const T* s_s, const T* hx_s, double scale, bool erase, int64_t u_kind,
                    int64_t n, int64_t nv, int64_t d, T* gx, T* gh, T* gc, T* gu, T* gwb, T* gbb, T* gwv, T* gbv) {
-  // Weight gradients are sums over tokens: one partial sum per thread (in T, vectorised, like a BLAS reduction),
-  // added up at the end in double.
-  const int64_t nthreads = at::get_num_threads();
+  // Weight gradients are sums over tokens: each chunk of tokens sums its own (in T, vectorised, like a BLAS
+  // reduction; a buffer of its own, so no false sharing), then adds it to the total (double) under a lock.
   const int64_t width = d + 1 + nv * d + nv;  // dw, db, dW_v, db_v
-  const int64_t stride = (width + 31) / 16 * 16;  // whole, separate cache lines per thread: no false sharing
-  std::vector<T> partial(nthreads * stride, T(0));
+  std::vector<double> total(width, 0.0);
+  std::mutex lock;
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    T* acc = partial.data() + at::get_thread_num() * stride;
+    std::vector<T> partial(width, T(0));
+    T* acc = partial.data();
     std::vector<T> b(nv), a_g(nv), a_x(nv), dy(nv);
     for (int64_t t = begin; t < end; ++t) {
       const T* gt = g + t * nv * d; const T* xt = x + t * nv * d; const T* ht = h + t * d;
@@ -146,12 +148,12 @@ void seam_backward(const T* g, const T* x, const T* h, const T* c, const T* u, c
         awv[nv * d + j] += dyj;
       }
     }
+    std::lock_guard<std::mutex> guard(lock);
+    for (int64_t k = 0; k < width; ++k) total[k] += double(acc[k]);
   });
   for (int64_t k = 0; k < width; ++k) {
-    double sum = 0;
-    for (int64_t p = 0; p < nthreads; ++p) sum += double(partial[p * stride + k]);
     T* dst = k < d ? gwb + k : (k == d ? gbb : (k < d + 1 + nv * d ? gwv + (k - d - 1) : gbv + (k - d - 1 - nv * d)));
-    *dst = T(sum);
+    *dst = T(total[k]);
   }
 }
 
@@ -199,28 +201,26 @@ std::vector<at::Tensor> residual_backward(const at::Tensor& g, const at::Tensor&
 """
 
 
+def _library_name():
+    """One name per source text, so that an edited kernel is rebuilt instead of loading a stale build; AVX2 builds
+    get their own name, so that a cache shared by machines with different instruction sets keeps one of each."""
+    return "ddl_cpu_" + hashlib.sha1((_SOURCE + " ".join(_flags())).encode()).hexdigest()[:12]
+
+
 def _flags():
-    """Optimisation flags; x86 machines whose PyTorch runs AVX2 kernels get AVX2 + FMA (vectors twice as wide)."""
-    if sys.platform == "win32":
-        return ["/O2", "/openmp"] + (["/arch:AVX2"] if _has_avx2() else [])
-    return ["-O3"] + ([] if sys.platform == "darwin" else ["-fopenmp"]) + (["-mavx2", "-mfma"] if _has_avx2() else [])
+    """x86 machines whose PyTorch runs AVX2 kernels get AVX2 + FMA (vectors twice as wide as the baseline's)."""
+    return ["-O3", "-fopenmp"] + (["-mavx2", "-mfma"] if _has_avx2() else [])
 
 
 def _has_avx2():
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
-def _library_name():
-    """One name per source text and flags, so that an edited kernel is rebuilt instead of loading a stale build,
-    and a cache shared by machines with different instruction sets keeps one build for each."""
-    return "ddl_cpu_" + hashlib.sha1((_SOURCE + " ".join(_flags())).encode()).hexdigest()[:12]
-
-
-_ops = None  # the built module once built; False when the build failed or is switched off
+_ops = None  # the built module; False when the build failed or is switched off
 
 
 def cpu_kernel():
-    """The compiled operators (`residual_forward`, `residual_backward`), or None: built once per machine (20-40 s
+    """The compiled functions (`residual_forward`, `residual_backward`), or None: built once per machine (20-40 s
     on first use, then loaded from torch's extension cache), never required."""
     global _ops
     if _ops is None:
@@ -229,28 +229,51 @@ def cpu_kernel():
 
 
 def _build():
-    if os.environ.get("DDL_CPU_KERNEL", "1") == "0":
+    if os.environ.get("DDL_CPU_KERNEL", "1").lower() in ("0", "false", "no", "off"):
+        return None
+    if not sys.platform.startswith("linux"):  # measured on Linux only (macOS' compiler has no OpenMP by default)
+        logger.info_once("DDL: the C++ CPU kernel is built on Linux only; using the PyTorch path.")
         return None
     name = _library_name()
     try:
-        from torch.utils.cpp_extension import _get_build_directory, load_inline
+        import shutil
 
-        if not any(f.startswith(name) for f in os.listdir(_get_build_directory(name, verbose=False))):
+        from torch.utils.cpp_extension import load_inline
+
+        if shutil.which("ninja") is None:  # torch builds with ninja; the pip package's binary is beside python
+            try:
+                import ninja
+
+                os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+            except ImportError:
+                pass
+        if not _is_built(name):
             logger.warning(
-                "DDL: building its C++ CPU kernel once (20-40 s; cached for the next runs). Set DDL_CPU_KERNEL=0 to "
-                "use the PyTorch path instead."
+                f"DDL: building its C++ CPU kernel {name} once (20-40 s; cached for the next runs). Set "
+                "DDL_CPU_KERNEL=0 to use the PyTorch path instead; if a build is interrupted, delete its folder in "
+                "torch's extension cache (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions)."
             )
         return load_inline(name, cpp_sources=_SOURCE, functions=["residual_forward", "residual_backward"],
                            extra_cflags=_flags(), verbose=False)
-    except Exception as error:  # no compiler, no headers, a failed build: the PyTorch path serves
-        logger.warning(f"DDL: the C++ CPU kernel could not be built ({type(error).__name__}: {str(error)[:300]}); "
-                       "using the PyTorch path (same numbers, slower).")
+    except Exception as error:  # no compiler, no ninja, a failed build: the PyTorch path serves
+        logger.warning(f"DDL: the C++ CPU kernel could not be built, so DDL uses the PyTorch path (same numbers, "
+                       f"slower): {type(error).__name__}: {str(error)[-1500:]}")
         return None
 
 
-def cpu_residual_applies(x, h, c, u, weight):
-    """Whether `cpu_residual` serves these inputs: CPU, all fp32 or all fp64 (`weight`: the module's parameters'
-    dtype), no autocast, not traced (checked on every decoding step: a few attribute reads)."""
+def _is_built(name):
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        folder = _get_build_directory(name, verbose=False)
+        return any(f.endswith((".so", ".pyd")) for f in os.listdir(folder))
+    except Exception:  # a private helper of torch's: only decides whether to announce the build
+        return False
+
+
+def cpu_residual_applies(x, h, c, u, *params):
+    """Whether `cpu_residual` serves these inputs: all on the CPU and all fp32 or all fp64 (the parameters
+    included), no autocast, not traced (checked on every decoding step: a few attribute reads)."""
     dtype = x.dtype
     return (
         x.is_cpu
@@ -258,7 +281,7 @@ def cpu_residual_applies(x, h, c, u, weight):
         and h.dtype is dtype
         and c.dtype is dtype
         and u.dtype is dtype
-        and weight.dtype is dtype
+        and all(p.dtype is dtype and p.is_cpu for p in params)
         and not torch.is_autocast_enabled("cpu")
         and not torch.compiler.is_compiling()
         and not torch.jit.is_tracing()
@@ -276,6 +299,7 @@ class _Residual(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # its gradients are computed outside autograd: a second derivative raises
     def backward(ctx, grad):
         x, h, c, u, gate_weight, value_weight, stats = ctx.saved_tensors
         gx, gh, gc, gu, gw, gb, gwv, gbv = cpu_kernel().residual_backward(
@@ -289,7 +313,8 @@ def cpu_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v
     the same contract as `kernels.decoding_residual`, for any number of tokens, with autograd."""
     x = x.contiguous()  # the stride-0 repeated embeddings of a d_v > 1 model without EC
     u_kind = 1 if u is c else (2 if u is x and x.dim() == h.dim() else 0)
-    args = (x, h.contiguous(), c.contiguous(), u.contiguous(), gate_weight, gate_bias, value_weight, value_bias,
+    params = (p.contiguous() for p in (gate_weight, gate_bias, value_weight, value_bias))
+    args = (x, h.contiguous(), c.contiguous(), u.contiguous(), *params,
             -1.0 if v_scale is None else float(v_scale), float(k_eps), erase)
     if torch.is_grad_enabled():
         return _Residual.apply(*args, u_kind)

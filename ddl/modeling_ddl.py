@@ -208,7 +208,7 @@ class DDLDeltaResidual(nn.Module):
             return delta_update(x, h, mode="additive")
         u = sublayer_input if self.value_input == "state" else context
         params = (self.beta_weight, self.beta_bias, self.value_weight, self.value_bias)
-        if self.seam is not None and cpu_residual_applies(x, h, context, u, self.value_weight):
+        if self.seam is not None and cpu_residual_applies(x, h, context, u, *params):
             return self.seam(x, h, context, u, *params, self.v_scale, self.k_eps, erase=self.mode == "delta")
         if self.decoding is not None and is_cpu_decoding_step(x):
             return self.decoding(x, h, context, u, *params, self.v_scale, self.k_eps, erase=self.mode == "delta")

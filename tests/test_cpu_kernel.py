@@ -42,27 +42,59 @@ def _run(residual, x, h, c, u, use_kernel):
     params = (residual.beta_weight, residual.beta_bias, residual.value_weight, residual.value_bias)
     if use_kernel:
         out = cpu_residual(x, h, c, u, *params, residual.v_scale, residual.k_eps, erase=residual.mode == "delta")
-    else:
-        out = delta_update(x, h, residual.value(u), residual.gate(c), mode=residual.mode, k_eps=residual.k_eps)
+    else:  # the spec; its gate logit in the inputs' dtype (`gate` rounds it to fp32, the kernel keeps fp64 in fp64)
+        beta = 2 * torch.sigmoid(torch.nn.functional.linear(c, residual.beta_weight.unsqueeze(0), residual.beta_bias))
+        out = delta_update(x, h, residual.value(u), beta, mode=residual.mode, k_eps=residual.k_eps)
     cotangent = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(out.dtype)
     grads = torch.autograd.grad(out, leaves + list(params), cotangent, allow_unused=True)
     return [out] + [torch.zeros_like(t) if gr is None else gr for t, gr in zip(leaves + list(params), grads)]
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-6), (torch.float32, 2e-5)], ids=["fp64", "fp32"])
+def _assert_same(ours, spec, tol, relative_to_largest=False):
+    names = "out x h c u gate_weight gate_bias value_weight value_bias".split()
+    for name, a, b in zip(names, ours, spec):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        atol = tol * max(1.0, b.abs().max().item()) if relative_to_largest else tol
+        torch.testing.assert_close(a, b, rtol=tol, atol=atol, msg=name)
+
+
+@pytest.mark.parametrize("edge_rows", [False, True], ids=["plain", "zero-and-tiny-h"])
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.float32, 2e-5)], ids=["fp64", "fp32"])
 @pytest.mark.parametrize("v_scale", [4.0, None], ids=["sigmoid-v", "linear-v"])
 @pytest.mark.parametrize("value_input", ["state", "context"])
 @pytest.mark.parametrize("mode", ["delta", "write_only"])
 @pytest.mark.parametrize("dv", [1, 3], ids=["dv1", "dv3"])
-def test_kernel_equals_gate_value_and_delta_update(dv, mode, value_input, v_scale, dtype, tol):
-    residual, *inputs = _seam(dv, mode, value_input, v_scale, dtype)
+def test_kernel_equals_gate_value_and_delta_update(dv, mode, value_input, v_scale, dtype, tol, edge_rows):
+    # With a zero and an |h| ~ k_eps row, dh reaches ~1e6 there: errors are then measured against each tensor's
+    # largest entry.
+    residual, *inputs = _seam(dv, mode, value_input, v_scale, dtype, edge_rows=edge_rows)
     ours, spec = _run(residual, *inputs, use_kernel=True), _run(residual, *inputs, use_kernel=False)
-    names = "out x h c u gate_weight gate_bias value_weight value_bias".split()
-    for name, a, b in zip(names, ours, spec):
-        assert a.dtype == b.dtype and a.shape == b.shape, name
-        # fp64: the spec's gate logit is fp32 (the kernel's is fp64), so they agree to fp32's precision; the
-        # |h| ~ k_eps row's dh is ~1e6, so the error is measured against each tensor's largest entry
-        torch.testing.assert_close(a, b, rtol=tol, atol=tol * max(1.0, b.abs().max().item()), msg=name)
+    _assert_same(ours, spec, tol, relative_to_largest=edge_rows)
+
+
+@pytest.mark.parametrize("dv", [1, 4], ids=["dv1", "dv4"])
+def test_kernel_with_two_threads_equals_spec(dv):
+    """Enough tokens (3 x 50) for the kernel to split them over threads and add up the weight gradients' partial
+    sums (the suite runs with one thread otherwise)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        residual, *inputs = _seam(dv, "delta", "state", 4.0, torch.float64, batch=3, seq_len=50)
+        ours = _run(residual, *inputs, use_kernel=True)
+    finally:
+        torch.set_num_threads(threads)
+    _assert_same(ours, _run(residual, *inputs, use_kernel=False), 1e-10, relative_to_largest=True)
+
+
+def test_second_derivative_raises():
+    residual, x, h, c, u = _seam(1, "delta", "state", 4.0, torch.float64, edge_rows=False)
+    h.requires_grad_()
+    params = (residual.beta_weight, residual.beta_bias, residual.value_weight, residual.value_bias)
+    out = cpu_residual(x, h, c, x, *params, 4.0, 1e-5, erase=True)
+    cotangent = torch.ones_like(out, requires_grad=True)
+    (grad_h,) = torch.autograd.grad(out, h, cotangent, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        grad_h.sum().backward()
 
 
 @pytest.mark.parametrize("value_input", ["state", "context"])
