@@ -24,6 +24,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ddl import DDLConfig, DDLForCausalLM
+from ddl.cpu_kernels import cpu_kernel
 from ddl.training import PAPER_RECIPE, PRESETS
 
 
@@ -251,14 +252,18 @@ def main(argv=None):
             runner.record("peak_train_mem_MB", runner.peak_train_memory() / 2**20)
 
     rows = summarise(runners)
+    # whether DDL's fused path ran its C++ CPU kernel (built on first use; without a compiler, the PyTorch path)
+    kernel = device.type == "cpu" and args.impl == "fused" and cpu_kernel() is not None
     header = (
         f"### bench.py --size {args.size} ({size}), device {args.device}, {args.dtype}"
-        f", ddl_impl={args.impl}{', compiled' if args.compile else ''}, {args.repeats} repeats, torch {torch.__version__}"
+        f", ddl_impl={args.impl}{' (C++ CPU kernel)' if kernel else ''}{', compiled' if args.compile else ''}"
+        f", {args.repeats} repeats, torch {torch.__version__}"
     )
     print(markdown(rows, header))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "size": size.__dict__, "torch": torch.__version__, "rows": rows}, f, indent=2)
+            json.dump({"args": vars(args), "size": size.__dict__, "torch": torch.__version__, "cpu_kernel": kernel,
+                       "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":
