@@ -36,6 +36,7 @@ logger = logging.get_logger(__name__)
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
 #include <mutex>
 #include <vector>
@@ -197,6 +198,77 @@ std::vector<at::Tensor> residual_backward(const at::Tensor& g, const at::Tensor&
   return {gx, gh, gc, gu, gwb, gbb, gwv, gbv};
 }
 
+
+// The TC readout (CC: one tap): y[t, i] = sum_s sum_j taps[s, j, i] X[t - (K-1) + s, j, i], zero before token 0.
+template <typename T>
+void readout_forward_impl(const T* x, const T* taps, int64_t batch, int64_t len, int64_t k, int64_t nv, int64_t d,
+                          T* y) {
+  at::parallel_for(0, batch * len, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t bt = begin; bt < end; ++bt) {
+      const int64_t t = bt % len;
+      T* yt = y + bt * d;
+      for (int64_t i = 0; i < d; ++i) yt[i] = 0;
+      for (int64_t s = std::max<int64_t>(0, k - 1 - t); s < k; ++s) {
+        const T* xs = x + (bt - (k - 1) + s) * nv * d;
+        for (int64_t j = 0; j < nv; ++j) {
+          const T* xj = xs + j * d; const T* w = taps + (s * nv + j) * d;
+#pragma omp simd
+          for (int64_t i = 0; i < d; ++i) yt[i] += w[i] * xj[i];
+        }
+      }
+    }
+  });
+}
+
+// dX[t, j, i] = sum_s taps[s, j, i] G[t + (K-1) - s, i];  dtaps[s, j, i] = sum_t X[t - (K-1) + s, j, i] G[t, i].
+template <typename T>
+void readout_backward_impl(const T* g, const T* x, const T* taps, int64_t batch, int64_t len, int64_t k, int64_t nv,
+                           int64_t d, T* gx, T* gtaps) {
+  const int64_t width = k * nv * d;
+  std::vector<double> total(width, 0.0);
+  std::mutex lock;
+  at::parallel_for(0, batch * len, 16, [&](int64_t begin, int64_t end) {
+    std::vector<T> partial(width, T(0));
+    for (int64_t bt = begin; bt < end; ++bt) {
+      const int64_t t = bt % len;
+      T* gxt = gx + bt * nv * d; const T* xt = x + bt * nv * d;
+      for (int64_t i = 0; i < nv * d; ++i) gxt[i] = 0;
+      for (int64_t s = std::max<int64_t>(0, t + k - len); s < k; ++s) {  // output t + (K-1) - s reads t via tap s
+        const T* gs = g + (bt + (k - 1) - s) * d;
+        for (int64_t j = 0; j < nv; ++j) {
+          const T* w = taps + (s * nv + j) * d; T* gxj = gxt + j * d; const T* xj = xt + j * d;
+          T* pw = partial.data() + (s * nv + j) * d;
+#pragma omp simd
+          for (int64_t i = 0; i < d; ++i) { gxj[i] += w[i] * gs[i]; pw[i] += xj[i] * gs[i]; }
+        }
+      }
+    }
+    std::lock_guard<std::mutex> guard(lock);
+    for (int64_t q = 0; q < width; ++q) total[q] += double(partial[q]);
+  });
+  for (int64_t q = 0; q < width; ++q) gtaps[q] = T(total[q]);
+}
+
+at::Tensor readout_forward(const at::Tensor& x, const at::Tensor& taps) {
+  const int64_t batch = x.size(0), len = x.size(1), nv = x.size(2), d = x.size(3), k = taps.size(0);
+  auto y = at::empty({batch, len, d}, x.options());
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "ddl_readout_forward", [&] {
+    readout_forward_impl<scalar_t>(x.data_ptr<scalar_t>(), taps.data_ptr<scalar_t>(), batch, len, k, nv, d,
+                                   y.data_ptr<scalar_t>());
+  });
+  return y;
+}
+
+std::vector<at::Tensor> readout_backward(const at::Tensor& g, const at::Tensor& x, const at::Tensor& taps) {
+  const int64_t batch = x.size(0), len = x.size(1), nv = x.size(2), d = x.size(3), k = taps.size(0);
+  auto gx = at::empty_like(x), gtaps = at::empty_like(taps);
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "ddl_readout_backward", [&] {
+    readout_backward_impl<scalar_t>(g.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), taps.data_ptr<scalar_t>(), batch,
+                                    len, k, nv, d, gx.data_ptr<scalar_t>(), gtaps.data_ptr<scalar_t>());
+  });
+  return {gx, gtaps};
+}
+
 }  // namespace
 """
 
@@ -253,8 +325,8 @@ def _build():
                 "DDL_CPU_KERNEL=0 to use the PyTorch path instead; if a build is interrupted, delete its folder in "
                 "torch's extension cache (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions)."
             )
-        return load_inline(name, cpp_sources=_SOURCE, functions=["residual_forward", "residual_backward"],
-                           extra_cflags=_flags(), verbose=False)
+        functions = ["residual_forward", "residual_backward", "readout_forward", "readout_backward"]
+        return load_inline(name, cpp_sources=_SOURCE, functions=functions, extra_cflags=_flags(), verbose=False)
     except Exception as error:  # no compiler, no ninja, a failed build: the PyTorch path serves
         logger.warning(f"DDL: the C++ CPU kernel could not be built, so DDL uses the PyTorch path (same numbers, "
                        f"slower): {type(error).__name__}: {str(error)[-1500:]}")
@@ -276,17 +348,40 @@ def cpu_residual_applies(x, h, c, u, *params):
     included), no autocast, not traced (checked on every decoding step: a few attribute reads)."""
     dtype = x.dtype
     return (
-        x.is_cpu
-        and (dtype is torch.float32 or dtype is torch.float64)
-        and h.dtype is dtype
+        h.dtype is dtype
         and c.dtype is dtype
         and u.dtype is dtype
         and all(p.dtype is dtype and p.is_cpu for p in params)
+        and _cpu_ready(x)
+    )
+
+
+def _cpu_ready(x):
+    """CPU, fp32 or fp64, no autocast, not traced, and the kernel built."""
+    dtype = x.dtype
+    return (
+        x.is_cpu
+        and (dtype is torch.float32 or dtype is torch.float64)
         and not torch.is_autocast_enabled("cpu")
         and not torch.compiler.is_compiling()
         and not torch.jit.is_tracing()
         and (_ops or (_ops is None and cpu_kernel() is not None))
     )
+
+
+def cpu_readout_applies(x, taps):
+    """Whether `cpu_readout_forward` / `cpu_readout_backward` serve a state `(B, T, d_v, d)` and taps `(K, d_v, d)`."""
+    return taps.dtype is x.dtype and taps.is_cpu and _cpu_ready(x)
+
+
+def cpu_readout_forward(x, taps):
+    """`kernels._readout_forward` (the TC readout, CC with one tap) in one pass over the state."""
+    return cpu_kernel().readout_forward(x.contiguous(), taps.contiguous())
+
+
+def cpu_readout_backward(grad, x, taps):
+    """The gradients of the state and of the taps in one pass: `(dX, dtaps)`."""
+    return tuple(cpu_kernel().readout_backward(grad.contiguous(), x.contiguous(), taps.contiguous()))
 
 
 class _Residual(torch.autograd.Function):

@@ -20,6 +20,8 @@ import math
 import torch
 from transformers.utils import logging
 
+from .cpu_kernels import cpu_readout_applies, cpu_readout_backward, cpu_readout_forward
+
 
 logger = logging.get_logger(__name__)
 
@@ -194,7 +196,10 @@ def _one_sequence_residual(x, h, c, u, gate_weight, gate_bias, value_weight, val
 
 def _readout_forward(x, taps):
     """y[t] = sum_s sum_j taps[s, j] * x[t - (K-1) + s, j] (zero before the first token), accumulated in place
-    along contiguous d: K * d_v fused multiply-adds into one `(B, T, d)` tensor, no state-sized temporary."""
+    along contiguous d: K * d_v fused multiply-adds into one `(B, T, d)` tensor, no state-sized temporary (on CPU
+    in fp32/fp64, the C++ kernel's single pass)."""
+    if cpu_readout_applies(x, taps):
+        return cpu_readout_forward(x, taps)
     kernel, seq_len = taps.shape[0], x.shape[1]
     dtype = torch.promote_types(x.dtype, taps.dtype)
     out = x.new_zeros(x.shape[0], seq_len, x.shape[-1], dtype=torch.promote_types(dtype, torch.float32))
@@ -220,6 +225,8 @@ class _TokenReadout(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, taps = ctx.saved_tensors
+        if cpu_readout_applies(x, taps) and grad.dtype is x.dtype:
+            return cpu_readout_backward(grad, x, taps)
         kernel, seq_len = taps.shape[0], x.shape[1]
         lags = range(min(kernel, seq_len))
         grad = grad.to(x.dtype)

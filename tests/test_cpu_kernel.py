@@ -1,13 +1,20 @@
-"""The C++ CPU kernel of the residual seam (`ddl.cpu_kernels`) equals gate -> value -> delta_update, outputs and
-every gradient, and the models take it wherever it applies (and only there)."""
+"""The C++ CPU kernels (`ddl.cpu_kernels`): the residual seam equals gate -> value -> delta_update and the readout
+equals `causal_token_readout`, outputs and every gradient, and the models take them wherever they apply (and only
+there). The token readout's own tests (test_kernels.py) also run through the kernel on CPU in fp32/fp64."""
 
 import pytest
 import torch
 
 from conftest import tiny_config
 from ddl import DDLForCausalLM, cpu_kernels, modeling_ddl
-from ddl.cpu_kernels import cpu_kernel, cpu_residual, cpu_residual_applies
-from ddl.modeling_ddl import DDLDeltaResidual, delta_update
+from ddl.cpu_kernels import (
+    cpu_kernel,
+    cpu_readout_backward,
+    cpu_readout_forward,
+    cpu_residual,
+    cpu_residual_applies,
+)
+from ddl.modeling_ddl import DDLDeltaResidual, causal_token_readout, delta_update
 
 
 pytestmark = pytest.mark.skipif(cpu_kernel() is None, reason="the C++ CPU kernel could not be built here")
@@ -193,3 +200,26 @@ def test_build_failure_and_switch_fall_back_to_pytorch(monkeypatch, caplog):
     monkeypatch.setattr(cpu_kernels, "_ops", None)
     monkeypatch.setenv("DDL_CPU_KERNEL", "0")
     assert cpu_kernel() is None
+
+
+@pytest.mark.parametrize("kernel", [1, 4], ids=["cc", "tc"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_readout_kernel_equals_spec(kernel, threads):
+    """The TC readout (CC: one tap) and its gradients, over enough tokens (3 x 40) to be split over threads."""
+    g = torch.Generator().manual_seed(kernel)
+    x = torch.randn(3, 40, 3, 8, generator=g, dtype=torch.float64, requires_grad=True)  # (B, T, d_v, d)
+    weight = torch.randn(kernel, 8, 3, generator=g, dtype=torch.float64, requires_grad=True)  # (K, d, d_v)
+    taps = weight.detach().transpose(1, 2).contiguous()
+    cotangent = torch.randn(3, 40, 8, generator=g, dtype=torch.float64)
+    spec = causal_token_readout(x, weight)
+    spec_grads = torch.autograd.grad(spec, (x, weight), cotangent)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = cpu_readout_forward(x.detach(), taps)
+        grad_x, grad_taps = cpu_readout_backward(cotangent, x.detach(), taps)
+    finally:
+        torch.set_num_threads(previous)
+    torch.testing.assert_close(out, spec.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad_x, spec_grads[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad_taps, spec_grads[1].transpose(1, 2), rtol=1e-12, atol=1e-12)
