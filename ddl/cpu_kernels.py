@@ -1,7 +1,8 @@
-r"""A fused C++ kernel for one sublayer's residual seam on CPU: the gate, the value and the delta update in one
-pass over each token's row, forward and backward. Built on first use with PyTorch's C++ extension tools
-(`torch.utils.cpp_extension.load_inline`, cached under `~/.cache/torch_extensions`), never required: without a
-C++ compiler, or with `DDL_CPU_KERNEL=0`, DDL runs the PyTorch functions of `ddl.kernels`.
+r"""C++ kernels for CPU: one sublayer's whole residual seam (the gate, the value and the delta update, forward and
+backward, in one pass over each token's rows), and the TC readout (CC: one tap). Built on first use with PyTorch's
+C++ extension tools (`torch.utils.cpp_extension.load_inline`, cached under `~/.cache/torch_extensions`), on Linux;
+never required: without a C++ compiler or ninja, on other systems, or with `DDL_CPU_KERNEL=0`, DDL runs the PyTorch
+functions of `ddl.kernels`, which compute the same numbers.
 
 Why: in eager PyTorch each of the ~17 operations of a sublayer's seam is a separate pass over a `(B, T, d)` tensor
 (the gate and value projections to 1-4 outputs run as matrix-vector products at a fraction of the memory speed), and
