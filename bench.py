@@ -253,7 +253,8 @@ def main(argv=None):
 
     rows = summarise(runners)
     # whether DDL's fused path ran its C++ CPU kernel (built on first use; without a compiler, the PyTorch path)
-    kernel = device.type == "cpu" and args.impl == "fused" and cpu_kernel() is not None
+    kernel = (device.type == "cpu" and dtype in (torch.float32, torch.float64) and args.impl == "fused"
+              and not args.compile and any(v != "llama" for v in args.variants) and cpu_kernel() is not None)
     header = (
         f"### bench.py --size {args.size} ({size}), device {args.device}, {args.dtype}"
         f", ddl_impl={args.impl}{' (C++ CPU kernel)' if kernel else ''}{', compiled' if args.compile else ''}"

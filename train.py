@@ -423,8 +423,10 @@ def main(argv: list[str]) -> None:
                          else None, eval_dataset=eval_dataset,
                          processing_class=tokenizer, data_collator=default_data_collator)
     metrics = {}
-    if training_args.device.type == "cpu" and config.ddl_impl == "fused":
-        cpu_kernel()  # its one-time build (20-40 s on a fresh machine) before the clock of train_runtime starts
+    low_precision = training_args.bf16 or training_args.fp16  # autocast: the kernel does not serve it
+    if training_args.device.type == "cpu" and config.ddl_impl == "fused" and not low_precision:
+        with training_args.main_process_first(desc="DDL's C++ CPU kernel"):  # one process builds, the others load
+            cpu_kernel()  # its one-time build (20-40 s on a fresh machine) before the clock of train_runtime starts
     if training_args.do_train:
         result = trainer.train(resume_from_checkpoint=resume)
         metrics.update(result.metrics)

@@ -2,7 +2,8 @@ r"""C++ kernels for CPU: one sublayer's whole residual seam (the gate, the value
 backward, in one pass over each token's rows), and the TC readout (CC: one tap). Built on first use with PyTorch's
 C++ extension tools (`torch.utils.cpp_extension.load_inline`, cached under `~/.cache/torch_extensions`), on Linux;
 never required: without a C++ compiler or ninja, on other systems, or with `DDL_CPU_KERNEL=0`, DDL runs the PyTorch
-functions of `ddl.kernels`, which compute the same numbers.
+functions of `ddl.kernels`, which compute the same numbers up to rounding (summation order; an fp64 model's gate
+logit is fp64 here, fp32 there).
 
 Why: in eager PyTorch each of the ~17 operations of a sublayer's seam is a separate pass over a `(B, T, d)` tensor
 (the gate and value projections to 1-4 outputs run as matrix-vector products at a fraction of the memory speed), and
@@ -43,6 +44,35 @@ _SOURCE = r"""
 #include <vector>
 
 namespace {
+
+// Sums over tokens of per-token vectors (the weight gradients). Each chunk of tokens accumulates in T (vectorised,
+// in a buffer of its own: no false sharing) and flushes into double every 64 tokens; the chunks' sums are then added
+// in token order, so the result does not depend on which thread finished first.
+class TokenSums {
+ public:
+  explicit TokenSums(int64_t width) : width_(width) {}
+  template <typename T>
+  void flush(std::vector<T>& partial, std::vector<double>& sums) {
+    for (int64_t k = 0; k < width_; ++k) { sums[k] += double(partial[k]); partial[k] = T(0); }
+  }
+  void add(int64_t begin, std::vector<double>&& sums) {
+    std::lock_guard<std::mutex> guard(lock_);
+    chunks_.emplace_back(begin, std::move(sums));
+  }
+  std::vector<double> total() {
+    std::sort(chunks_.begin(), chunks_.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+    std::vector<double> out(width_, 0.0);
+    for (const auto& chunk : chunks_)
+      for (int64_t k = 0; k < width_; ++k) out[k] += chunk.second[k];
+    return out;
+  }
+  static constexpr int64_t kFlushEvery = 64;
+
+ private:
+  int64_t width_;
+  std::mutex lock_;
+  std::vector<std::pair<int64_t, std::vector<double>>> chunks_;
+};
 
 // u_kind: 0 = u is its own tensor, 1 = u is c (value from the normalised input), 2 = u is the d_v = 1 state X.
 template <typename T>
@@ -88,13 +118,11 @@ template <typename T>
 void seam_backward(const T* g, const T* x, const T* h, const T* c, const T* u, const T* wb, const T* wv,
                    const T* beta_s, const T* v_s, const T* s_s, const T* hx_s, double scale, bool erase, int64_t u_kind,
                    int64_t n, int64_t nv, int64_t d, T* gx, T* gh, T* gc, T* gu, T* gwb, T* gbb, T* gwv, T* gbv) {
-  // Weight gradients are sums over tokens: each chunk of tokens sums its own (in T, vectorised, like a BLAS
-  // reduction; a buffer of its own, so no false sharing), then adds it to the total (double) under a lock.
-  const int64_t width = d + 1 + nv * d + nv;  // dw, db, dW_v, db_v
-  std::vector<double> total(width, 0.0);
-  std::mutex lock;
+  const int64_t width = d + 1 + nv * d + nv;  // the weight gradients: dw, db, dW_v, db_v
+  TokenSums sums(width);
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     std::vector<T> partial(width, T(0));
+    std::vector<double> chunk(width, 0.0);
     T* acc = partial.data();
     std::vector<T> b(nv), a_g(nv), a_x(nv), dy(nv);
     for (int64_t t = begin; t < end; ++t) {
@@ -149,10 +177,12 @@ void seam_backward(const T* g, const T* x, const T* h, const T* c, const T* u, c
         for (int64_t i = 0; i < d; ++i) awj[i] += dyj * ut[i];
         awv[nv * d + j] += dyj;
       }
+      if ((t - begin + 1) % TokenSums::kFlushEvery == 0) sums.flush(partial, chunk);
     }
-    std::lock_guard<std::mutex> guard(lock);
-    for (int64_t k = 0; k < width; ++k) total[k] += double(acc[k]);
+    sums.flush(partial, chunk);
+    sums.add(begin, std::move(chunk));
   });
+  const std::vector<double> total = sums.total();
   for (int64_t k = 0; k < width; ++k) {
     T* dst = k < d ? gwb + k : (k == d ? gbb : (k < d + 1 + nv * d ? gwv + (k - d - 1) : gbv + (k - d - 1 - nv * d)));
     *dst = T(total[k]);
@@ -164,6 +194,8 @@ std::vector<at::Tensor> residual_forward(const at::Tensor& x, const at::Tensor& 
                                          const at::Tensor& wv, const at::Tensor& bv, double scale, double eps,
                                          bool erase, bool save) {
   const int64_t d = h.size(-1), n = h.numel() / d, nv = wv.size(0);
+  TORCH_CHECK(x.numel() == n * nv * d && c.numel() == n * d && u.numel() == n * d && wb.numel() == d &&
+              bb.numel() == 1 && wv.size(1) == d && bv.numel() == nv, "ddl residual_forward: mismatched shapes");
   auto out = at::empty_like(x);
   at::Tensor stats;  // None when nothing is saved (inference)
   if (save) stats = at::empty({n * (2 + 2 * nv)}, h.options());
@@ -183,6 +215,8 @@ std::vector<at::Tensor> residual_backward(const at::Tensor& g, const at::Tensor&
                                           const at::Tensor& wv, const at::Tensor& stats, double scale, bool erase,
                                           int64_t u_kind) {
   const int64_t d = h.size(-1), n = h.numel() / d, nv = wv.size(0);
+  TORCH_CHECK(g.numel() == x.numel() && x.numel() == n * nv * d && stats.numel() == n * (2 + 2 * nv),
+              "ddl residual_backward: mismatched shapes");
   auto gx = at::empty_like(x), gh = at::empty_like(h), gc = at::empty_like(c);
   auto gu = u_kind == 0 ? at::empty_like(u) : at::empty({0}, u.options());
   auto gwb = at::empty_like(wb), gbb = at::empty({1}, wb.options()), gwv = at::empty_like(wv);
@@ -225,11 +259,11 @@ void readout_forward_impl(const T* x, const T* taps, int64_t batch, int64_t len,
 template <typename T>
 void readout_backward_impl(const T* g, const T* x, const T* taps, int64_t batch, int64_t len, int64_t k, int64_t nv,
                            int64_t d, T* gx, T* gtaps) {
-  const int64_t width = k * nv * d;
-  std::vector<double> total(width, 0.0);
-  std::mutex lock;
+  const int64_t width = k * nv * d;  // the tap gradients
+  TokenSums sums(width);
   at::parallel_for(0, batch * len, 16, [&](int64_t begin, int64_t end) {
     std::vector<T> partial(width, T(0));
+    std::vector<double> chunk(width, 0.0);
     for (int64_t bt = begin; bt < end; ++bt) {
       const int64_t t = bt % len;
       T* gxt = gx + bt * nv * d; const T* xt = x + bt * nv * d;
@@ -243,15 +277,18 @@ void readout_backward_impl(const T* g, const T* x, const T* taps, int64_t batch,
           for (int64_t i = 0; i < d; ++i) { gxj[i] += w[i] * gs[i]; pw[i] += xj[i] * gs[i]; }
         }
       }
+      if ((bt - begin + 1) % TokenSums::kFlushEvery == 0) sums.flush(partial, chunk);
     }
-    std::lock_guard<std::mutex> guard(lock);
-    for (int64_t q = 0; q < width; ++q) total[q] += double(partial[q]);
+    sums.flush(partial, chunk);
+    sums.add(begin, std::move(chunk));
   });
+  const std::vector<double> total = sums.total();
   for (int64_t q = 0; q < width; ++q) gtaps[q] = T(total[q]);
 }
 
 at::Tensor readout_forward(const at::Tensor& x, const at::Tensor& taps) {
   const int64_t batch = x.size(0), len = x.size(1), nv = x.size(2), d = x.size(3), k = taps.size(0);
+  TORCH_CHECK(taps.size(1) == nv && taps.size(2) == d, "ddl readout_forward: taps must be (K, d_v, d)");
   auto y = at::empty({batch, len, d}, x.options());
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "ddl_readout_forward", [&] {
     readout_forward_impl<scalar_t>(x.data_ptr<scalar_t>(), taps.data_ptr<scalar_t>(), batch, len, k, nv, d,
@@ -262,6 +299,8 @@ at::Tensor readout_forward(const at::Tensor& x, const at::Tensor& taps) {
 
 std::vector<at::Tensor> readout_backward(const at::Tensor& g, const at::Tensor& x, const at::Tensor& taps) {
   const int64_t batch = x.size(0), len = x.size(1), nv = x.size(2), d = x.size(3), k = taps.size(0);
+  TORCH_CHECK(taps.size(1) == nv && taps.size(2) == d && g.numel() == batch * len * d,
+              "ddl readout_backward: taps must be (K, d_v, d) and the gradient (B, T, d)");
   auto gx = at::empty_like(x), gtaps = at::empty_like(taps);
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "ddl_readout_backward", [&] {
     readout_backward_impl<scalar_t>(g.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), taps.data_ptr<scalar_t>(), batch,
@@ -293,8 +332,8 @@ _ops = None  # the built module; False when the build failed or is switched off
 
 
 def cpu_kernel():
-    """The compiled functions (`residual_forward`, `residual_backward`), or None: built once per machine (20-40 s
-    on first use, then loaded from torch's extension cache), never required."""
+    """The compiled functions (`residual_forward` / `residual_backward`, `readout_forward` / `readout_backward`), or
+    None: built once per machine (20-40 s on first use, then loaded from torch's extension cache), never required."""
     global _ops
     if _ops is None:
         _ops = _build() or False
@@ -329,8 +368,8 @@ def _build():
         functions = ["residual_forward", "residual_backward", "readout_forward", "readout_backward"]
         return load_inline(name, cpp_sources=_SOURCE, functions=functions, extra_cflags=_flags(), verbose=False)
     except Exception as error:  # no compiler, no ninja, a failed build: the PyTorch path serves
-        logger.warning(f"DDL: the C++ CPU kernel could not be built, so DDL uses the PyTorch path (same numbers, "
-                       f"slower): {type(error).__name__}: {str(error)[-1500:]}")
+        logger.warning(f"DDL: the C++ CPU kernel could not be built, so DDL uses the PyTorch path (same numbers up "
+                       f"to rounding, slower): {type(error).__name__}: {str(error)[-1500:]}")
         return None
 
 
@@ -376,7 +415,8 @@ def cpu_readout_applies(x, taps):
 
 
 def cpu_readout_forward(x, taps):
-    """`kernels._readout_forward` (the TC readout, CC with one tap) in one pass over the state."""
+    """`kernels._readout_forward` (the TC readout, CC with one tap) in one pass over the state (a stride-0 repeated
+    state, d_v > 1 without EC, is copied first)."""
     return cpu_kernel().readout_forward(x.contiguous(), taps.contiguous())
 
 

@@ -225,7 +225,8 @@ class _TokenReadout(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, taps = ctx.saved_tensors
-        if cpu_readout_applies(x, taps) and grad.dtype is x.dtype:
+        # (the C++ gradients carry no graph: a double backward, create_graph=True, takes the PyTorch path below)
+        if cpu_readout_applies(x, taps) and grad.dtype is x.dtype and not torch.is_grad_enabled():
             return cpu_readout_backward(grad, x, taps)
         kernel, seq_len = taps.shape[0], x.shape[1]
         lags = range(min(kernel, seq_len))

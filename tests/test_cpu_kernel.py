@@ -14,6 +14,7 @@ from ddl.cpu_kernels import (
     cpu_residual,
     cpu_residual_applies,
 )
+from ddl.kernels import fused_token_readout
 from ddl.modeling_ddl import DDLDeltaResidual, causal_token_readout, delta_update
 
 
@@ -223,3 +224,25 @@ def test_readout_kernel_equals_spec(kernel, threads):
     torch.testing.assert_close(out, spec.detach(), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(grad_x, spec_grads[0], rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(grad_taps, spec_grads[1].transpose(1, 2), rtol=1e-12, atol=1e-12)
+
+
+def test_readout_second_derivative_takes_the_pytorch_backward():
+    """The C++ gradients carry no graph: under create_graph the readout's backward runs in PyTorch, so second
+    derivatives stay right."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 2, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(3, 3, 2, generator=g, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradgradcheck(fused_token_readout, (x, weight))
+
+
+def test_weight_gradients_do_not_depend_on_thread_timing():
+    """Chunks' partial sums are added in token order: two runs on two threads agree bit for bit."""
+    residual, x, h, c, u = _seam(4, "delta", "state", 4.0, torch.float32, batch=4, seq_len=64, edge_rows=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runs = [_run(residual, x, h, c, u, use_kernel=True) for _ in range(3)]
+    finally:
+        torch.set_num_threads(threads)
+    for later in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], later))
