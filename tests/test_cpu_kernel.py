@@ -136,17 +136,26 @@ def test_inference_forward_equals_training_forward():
 
 def test_kernel_applies_only_where_it_serves():
     x = torch.zeros(1, 1, 8)
-    weight = torch.zeros(1, 8)
-    assert cpu_residual_applies(x, x, x, x, weight)
-    assert cpu_residual_applies(x.double(), x.double(), x.double(), x.double(), weight.double())
-    assert not cpu_residual_applies(x.bfloat16(), x.bfloat16(), x.bfloat16(), x.bfloat16(), weight.bfloat16())
-    assert not cpu_residual_applies(x, x.bfloat16(), x, x, weight)  # mixed dtypes
-    assert not cpu_residual_applies(x, x, x, x, weight.double())
+    params = (torch.zeros(8), torch.zeros(1), torch.zeros(1, 8), torch.zeros(1))
+
+    def applies(dtype=None, h=None, param=None):
+        cast = (lambda t: t.to(dtype)) if dtype else (lambda t: t)
+        ps = [cast(p) for p in params]
+        if param is not None:
+            ps[param[0]] = param[1]
+        return cpu_residual_applies(cast(x), cast(x) if h is None else h, cast(x), cast(x), *ps)
+
+    assert applies() and applies(torch.float64)
+    assert not applies(torch.bfloat16)
+    assert not applies(h=x.bfloat16())  # mixed dtypes
+    for i in range(4):  # any parameter in another dtype
+        assert not applies(param=(i, params[i].double())), i
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert not cpu_residual_applies(x, x, x, x, weight)
+        assert not applies()
     seen = []
     with torch.no_grad():
-        torch.jit.trace(lambda a: seen.append(cpu_residual_applies(a, a, a, a, weight)) or a * 2, x, check_trace=False)
+        torch.jit.trace(lambda a: seen.append(cpu_residual_applies(a, a, a, a, *params)) or a * 2, x,
+                        check_trace=False)
     assert seen and not any(seen)
 
 
@@ -194,7 +203,7 @@ def test_build_failure_and_switch_fall_back_to_pytorch(monkeypatch, caplog):
         assert cpu_kernel() is None
     assert "could not be built" in caplog.text and "no c++" in caplog.text
     x = torch.zeros(1, 1, 8)
-    assert not cpu_residual_applies(x, x, x, x, torch.zeros(1, 8))
+    assert not cpu_residual_applies(x, x, x, x, torch.zeros(8), torch.zeros(1), torch.zeros(1, 8), torch.zeros(1))
     model = DDLForCausalLM(tiny_config(ddl_value_channels=1))
     ids = torch.randint(3, 99, (1, 5), generator=torch.Generator().manual_seed(1))
     assert torch.isfinite(model(ids, labels=ids).loss)  # the PyTorch path
