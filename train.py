@@ -1,7 +1,7 @@
 """Pretrain or fine-tune a Deep Delta Learning (DDL) language model, or one of its baselines, with 🤗 Trainer.
 
 Zero arguments train a tiny DDL (d_v = 4, CC compressor, EC: the paper's default variant) on the embedded
-Shakespeare corpus in about 5 minutes on 2 idle CPU cores (275–320 s measured; longer on a busy machine), save a
+Shakespeare corpus in about 5 minutes on 2 idle CPU cores (260–320 s measured; longer on a busy machine), save a
 complete checkpoint folder (weights, config with auto_map, the model's .py files, tokenizer, generation config,
 trainer_state.json, model card with loss curve)
 and print a sample generated from that folder:

@@ -96,8 +96,9 @@ class DDLConfig(LlamaConfig):
             `delta_update`, `causal_token_readout` and `causal_token_conv` (autograd keeps every intermediate);
             `"fused"` = `ddl.kernels.fused_delta_update` and `fused_token_readout`, same numbers, custom autograd
             functions that keep only their inputs and write their gradients in place (faster, less training memory),
-            plus a one-function residual for CPU decoding steps (`decoding_residual`) and Triton kernels for all
-            three on CUDA when triton is installed.
+            plus, on CPU, C++ kernels for each sublayer's gate + value + update and for the readout
+            (`ddl.cpu_kernels`, built on first use; without them, `decoding_residual` for CPU decoding steps), and
+            Triton kernels for the update, the readout and EC on CUDA when triton is installed.
         qk_norm (`bool`, *optional*, defaults to False):
             RMSNorm on queries and keys per head (the paper's runs used it; Llama does not). Uses transformers'
             Qwen3 attention, whose parameters add `self_attn.q_norm` / `self_attn.k_norm` to Llama's names.

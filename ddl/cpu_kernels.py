@@ -407,17 +407,22 @@ _autocast_enabled, _is_compiling = torch.is_autocast_enabled, torch.compiler.is_
 _is_tracing = torch.jit.is_tracing
 
 
-def _cpu_ready(x):
-    """CPU, fp32 or fp64, no autocast, not traced, and the kernel built."""
+def eager_cpu_float(x):
+    """CPU, fp32 or fp64, no autocast, not traced by torch.compile or torch.jit.trace: where the CPU fast paths
+    (these kernels, and `kernels.decoding_residual` without them) compute the specs' numbers."""
     dtype = x.dtype
     return (
         x.is_cpu
         and (dtype is torch.float32 or dtype is torch.float64)
-        and (_ops or (_ops is None and cpu_kernel() is not None))
         and not _autocast_enabled("cpu")
         and not _is_compiling()
         and not _is_tracing()
     )
+
+
+def _cpu_ready(x):
+    """`eager_cpu_float` and the kernel built."""
+    return (_ops or (_ops is None and cpu_kernel() is not None)) and eager_cpu_float(x)
 
 
 def cpu_readout_applies(x, taps):

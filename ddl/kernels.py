@@ -20,7 +20,7 @@ import math
 import torch
 from transformers.utils import logging
 
-from .cpu_kernels import cpu_readout_applies, cpu_readout_backward, cpu_readout_forward
+from .cpu_kernels import cpu_readout_applies, cpu_readout_backward, cpu_readout_forward, eager_cpu_float
 
 
 logger = logging.get_logger(__name__)
@@ -131,18 +131,10 @@ def fused_delta_update(x, h, v=None, beta=None, mode="delta", k_eps=1e-5):
 
 
 def is_cpu_decoding_step(x):
-    """Whether `decoding_residual` applies: one new token per sequence (T = 1), fp32/fp64 on CPU, no autograd, no
-    autocast (its sublayer outputs come in another dtype, its value in bf16), and not being traced by torch.compile or
-    torch.jit.trace (a traced graph may meet batch 1, whose `.item()` would break it or be recorded as a constant)."""
-    return (
-        x.shape[1] == 1
-        and x.device.type == "cpu"
-        and x.dtype in (torch.float32, torch.float64)
-        and not torch.is_grad_enabled()
-        and not torch.is_autocast_enabled("cpu")
-        and not torch.compiler.is_compiling()
-        and not torch.jit.is_tracing()
-    )
+    """Whether `decoding_residual` applies: one new token per sequence (T = 1), no autograd, and `eager_cpu_float`
+    (under autocast its sublayer outputs come in another dtype; a traced graph may meet batch 1, whose `.item()`
+    would break it or be recorded as a constant)."""
+    return x.shape[1] == 1 and not torch.is_grad_enabled() and eager_cpu_float(x)
 
 
 def decoding_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, erase):

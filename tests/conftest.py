@@ -49,3 +49,25 @@ def tiny_tokenizer(text=None, vocab_size=300):
 @pytest.fixture(scope="session")
 def tokenizer():
     return tiny_tokenizer()
+
+
+@pytest.fixture(params=["cpu-kernel", "pytorch"])
+def cpu_kernel_on_or_off(request, monkeypatch):
+    """Runs a test twice: with DDL's C++ CPU kernels (where they build) and with them off, so that the PyTorch fast
+    paths, which machines without a compiler run, stay tested on CPU too."""
+    if request.param == "pytorch":
+        from ddl import cpu_kernels
+
+        monkeypatch.setattr(cpu_kernels, "_ops", False)
+    return request.param
+
+
+def assert_same_loss_and_gradients(models, ids, loss_atol=1e-6, grad_rtol=1e-5, grad_atol=1e-6):
+    """`models`: {"reference": ..., "fused": ...}; the training loss and every parameter's gradient agree."""
+    losses = {impl: m(ids, labels=ids).loss for impl, m in models.items()}
+    torch.testing.assert_close(losses["fused"], losses["reference"], rtol=0, atol=loss_atol)
+    for loss in losses.values():
+        loss.backward()
+    reference = dict(models["reference"].named_parameters())
+    for name, param in models["fused"].named_parameters():
+        torch.testing.assert_close(param.grad, reference[name].grad, rtol=grad_rtol, atol=grad_atol, msg=name)

@@ -5,7 +5,7 @@ there). The token readout's own tests (test_kernels.py) also run through the ker
 import pytest
 import torch
 
-from conftest import tiny_config
+from conftest import assert_same_loss_and_gradients, tiny_config
 from ddl import DDLForCausalLM, cpu_kernels, modeling_ddl
 from ddl.cpu_kernels import (
     cpu_kernel,
@@ -178,14 +178,8 @@ def test_models_take_the_kernel_in_training_and_decoding(overrides, monkeypatch)
                     param.add_(0.1 * torch.randn_like(param))
     layers = models["fused"].config.num_hidden_layers
     ids = torch.randint(3, 99, (2, 8), generator=torch.Generator().manual_seed(1))
-    losses = {impl: m(ids, labels=ids).loss for impl, m in models.items()}
-    assert len(calls) == 2 * layers
-    torch.testing.assert_close(losses["fused"], losses["reference"], rtol=0, atol=1e-5)
-    for loss in losses.values():
-        loss.backward()
-    reference = dict(models["reference"].named_parameters())
-    for name, param in models["fused"].named_parameters():
-        torch.testing.assert_close(param.grad, reference[name].grad, rtol=1e-4, atol=1e-5, msg=name)
+    assert_same_loss_and_gradients(models, ids, loss_atol=1e-5, grad_rtol=1e-4, grad_atol=1e-5)
+    assert len(calls) == 2 * layers  # one training forward of the fused model: every sublayer
     calls.clear()
     kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
     generated = {impl: m.eval().generate(ids[:1, :4], **kwargs) for impl, m in models.items()}

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import tiny_config
+from conftest import assert_same_loss_and_gradients, tiny_config
 from ddl import DDLForCausalLM
 from ddl.kernels import decoding_residual, fused_delta_update, fused_token_readout, is_cpu_decoding_step
 from ddl.modeling_ddl import DDLDeltaResidual, causal_token_conv, causal_token_readout, delta_update
@@ -56,19 +56,13 @@ def test_zero_branch_output_gives_finite_gradients():
 
 @pytest.mark.parametrize("overrides", [{"ddl_value_channels": 1}, {}, {"ddl_compressor": "tc", "ddl_residual": "write_only"},
                                        {"ddl_compressor": "tc"}])
-def test_models_with_either_implementation_agree(overrides):
+def test_models_with_either_implementation_agree(overrides, cpu_kernel_on_or_off):
     models = {}
     for impl in ("reference", "fused"):
         torch.manual_seed(0)
         models[impl] = DDLForCausalLM(tiny_config(ddl_impl=impl, **overrides))
     ids = torch.randint(3, 99, (2, 8), generator=torch.Generator().manual_seed(1))
-    losses = {impl: m(ids, labels=ids).loss for impl, m in models.items()}
-    torch.testing.assert_close(losses["fused"], losses["reference"], rtol=0, atol=1e-6)
-    for loss in losses.values():
-        loss.backward()
-    reference = dict(models["reference"].named_parameters())
-    for name, param in models["fused"].named_parameters():
-        torch.testing.assert_close(param.grad, reference[name].grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert_same_loss_and_gradients(models, ids)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -137,7 +131,7 @@ def _readout_inputs(kernel, seq_len, dtype=torch.float64, seed=0):
 
 
 @pytest.mark.parametrize("kernel, seq_len", [(1, 4), (3, 5), (4, 2)], ids=["cc", "tc", "tc-short"])
-def test_token_readout_gradcheck_float64(kernel, seq_len):
+def test_token_readout_gradcheck_float64(kernel, seq_len, cpu_kernel_on_or_off):
     x, weight = _readout_inputs(kernel, seq_len)
     assert torch.autograd.gradcheck(fused_token_readout, (x, weight))
     history = torch.randn(3, kernel - 1, 2, 5, dtype=torch.float64)
@@ -146,7 +140,7 @@ def test_token_readout_gradcheck_float64(kernel, seq_len):
 
 @pytest.mark.parametrize("with_history", [False, True])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
-def test_token_readout_matches_reference(with_history, dtype, tol):
+def test_token_readout_matches_reference(with_history, dtype, tol, cpu_kernel_on_or_off):
     ref_x, ref_w = _readout_inputs(4, 9, dtype)
     x, w = (t.detach().clone().requires_grad_() for t in (ref_x, ref_w))
     history = torch.randn(3, 3, 2, 5).to(dtype) if with_history else None
@@ -173,7 +167,7 @@ def test_cc_reference_readout_keeps_no_copy_of_the_state():
 
 @torch.no_grad()
 @pytest.mark.parametrize("seq_len", [1, 2, 6], ids=["decode-step", "two-tokens", "prefill"])
-def test_token_readout_inference_paths_match_reference(seq_len):
+def test_token_readout_inference_paths_match_reference(seq_len, cpu_kernel_on_or_off):
     """Without autograd the readout takes other routes (one decoding step is a single product and sum)."""
     x, weight = (t.detach() for t in _readout_inputs(4, seq_len))
     history = torch.randn(3, 3, 2, 5, dtype=torch.float64)
