@@ -5,8 +5,10 @@
     python bench.py --size small --device cuda --dtype bfloat16   # the paper's small model on a GPU
     python bench.py --variants llama ddl-dv1 --compile
 
-Every figure is measured for all models in one process, interleaved (A B C A B C ...) so that machine noise hits
-all alike, and reported as a ratio to Llama with the median and the spread (min-max) over the repeats:
+Every figure is measured for all models in one process, interleaved (A B C, B C A, C A B, ...: each repeat runs
+every model once, and the order rotates so that no model always runs first or right after another), and reported
+as a ratio to Llama: each repeat's figure over Llama's in the same repeat, the median and the spread (min-max) of
+those paired ratios. Machine noise that drifts over seconds then hits both sides of a ratio alike.
 - train tok/s: forward + backward + AdamW step on random tokens,
 - prefill tok/s: a no-grad forward of the whole batch that fills the cache,
 - decode tok/s: `generate` of new tokens after a short prompt, batch 1 and batch 8,
@@ -165,14 +167,21 @@ class Runner:
         self.results.setdefault(key, []).append(value)
 
 
+def rotation(runners, repeat):
+    """The order of the models in one repeat: A B C, then B C A, C A B, ..."""
+    shift = repeat % len(runners)
+    return runners[shift:] + runners[:shift]
+
+
 def summarise(runners):
-    reference = next(r for r in runners if r.name == "llama") if any(r.name == "llama" for r in runners) else runners[0]
+    """Per model and figure: the median and spread of its values, and of its ratios to the reference (Llama, else the
+    first model) paired by repeat: value i over the reference's value i, measured in the same round."""
+    reference = next((r for r in runners if r.name == "llama"), runners[0])
     rows = []
     for runner in runners:
         row = {"model": runner.name, "params_M": sum(p.numel() for p in runner.model.parameters()) / 1e6}
         for key, values in runner.results.items():
-            ref = reference.results[key]
-            ratios = [v / statistics.median(ref) for v in values]
+            ratios = [v / ref for v, ref in zip(values, reference.results[key], strict=True)]
             row[key] = {
                 "median": statistics.median(values),
                 "min": min(values),
@@ -208,7 +217,7 @@ def markdown(rows, header):
             cells.append(f"{s['median']:.0f} ({s['ratio']:.2f}×{spread})")
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
-    lines.append("Cells: median over repeats (ratio to llama, median [min–max] over repeats).")
+    lines.append("Cells: median over repeats (ratio to llama, paired by repeat: median [min–max]).")
     return "\n".join(lines)
 
 
@@ -239,12 +248,12 @@ def main(argv=None):
         "decode_b8_tok_s": ("decode", lambda r: r.time_decode(min(8, size.batch_size), args.new_tokens)),
     }
     # One measurement at a time (so that decoding never disturbs the allocator state of training), and within it
-    # the models interleaved, A B C A B C ...: every model sees the same machine conditions.
+    # the models interleaved in a rotating order: every model sees the same machine conditions and every position.
     for key, (group, measure) in measurements.items():
         if group in args.skip:
             continue
         for repeat in range(args.repeats):
-            for runner in runners:
+            for runner in rotation(runners, repeat):
                 runner.record(key, measure(runner))
         print(f"{key}: {args.repeats} repeats done", flush=True)
     if "memory" not in args.skip:

@@ -16,3 +16,24 @@ def test_bench_smoke(tmp_path, capsys):
     # AdamW state + gradients + parameters alone exceed 4x the fp32 parameter bytes
     assert rows["llama"]["peak_train_mem_MB"]["median"] > 4 * 4 * rows["llama"]["params_M"] * 1e6 / 2**20
     assert "| ddl-cc |" in capsys.readouterr().out
+
+
+class _Fake:
+    def __init__(self, name, values):
+        self.name, self.results = name, {"train_tok_s": values}
+        self.model = __import__("torch").nn.Linear(1, 1)
+
+
+def test_ratios_are_paired_by_repeat():
+    """A machine that slows down between repeats slows both models alike: the paired ratio stays exact."""
+    llama, ddl = _Fake("llama", [100.0, 50.0, 80.0]), _Fake("ddl", [90.0, 45.0, 72.0])
+    row = {r["model"]: r for r in bench.summarise([ddl, llama])}["ddl"]["train_tok_s"]
+    assert all(abs(row[key] - 0.9) < 1e-12 for key in ("ratio", "ratio_min", "ratio_max"))
+    assert row["median"] == 72.0
+
+
+def test_rotation_puts_every_model_in_every_position():
+    models = ["a", "b", "c"]
+    orders = [bench.rotation(models, repeat) for repeat in range(3)]
+    assert orders[0] == models and all(sorted(order) == models for order in orders)
+    assert all({order[position] for order in orders} == set(models) for position in range(3))
