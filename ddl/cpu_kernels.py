@@ -309,6 +309,38 @@ std::vector<at::Tensor> readout_backward(const at::Tensor& g, const at::Tensor& 
   return {gx, gtaps};
 }
 
+// One decoding step of the TC readout from its window where the cache holds it, time last: w (B, d_v*d, K) and
+// taps (d_v, d, K) in the same layout; y[b, i] = sum_j sum_s taps[j, i, s] w[b, j*d + i, s].
+template <typename T>
+void window_readout_impl(const T* w, const T* taps, int64_t batch, int64_t nv, int64_t d, int64_t k, T* y) {
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const T* wb = w + b * nv * d * k; T* yb = y + b * d;
+      for (int64_t i = 0; i < d; ++i) yb[i] = 0;
+      for (int64_t j = 0; j < nv; ++j) {
+        const T* wj = wb + j * d * k; const T* tj = taps + j * d * k;
+        for (int64_t i = 0; i < d; ++i) {
+          T acc = 0;
+          for (int64_t s = 0; s < k; ++s) acc += wj[i * k + s] * tj[i * k + s];
+          yb[i] += acc;
+        }
+      }
+    }
+  });
+}
+
+at::Tensor window_readout(const at::Tensor& w, const at::Tensor& taps) {
+  const int64_t batch = w.size(0), nv = taps.size(0), d = taps.size(1), k = taps.size(2);
+  TORCH_CHECK(w.dim() == 3 && w.size(1) == nv * d && w.size(2) == k && w.is_contiguous() && taps.is_contiguous(),
+              "ddl window_readout: the window must be (B, d_v*d, K) and the taps (d_v, d, K), both contiguous");
+  auto y = at::empty({batch, d}, w.options());
+  AT_DISPATCH_FLOATING_TYPES(w.scalar_type(), "ddl_window_readout", [&] {
+    window_readout_impl<scalar_t>(w.data_ptr<scalar_t>(), taps.data_ptr<scalar_t>(), batch, nv, d, k,
+                                  y.data_ptr<scalar_t>());
+  });
+  return y;
+}
+
 }  // namespace
 """
 
@@ -365,7 +397,7 @@ def _build():
                 "DDL_CPU_KERNEL=0 to use the PyTorch path instead; if a build is interrupted, delete its folder in "
                 "torch's extension cache (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions)."
             )
-        functions = ["residual_forward", "residual_backward", "readout_forward", "readout_backward"]
+        functions = ["residual_forward", "residual_backward", "readout_forward", "readout_backward", "window_readout"]
         return load_inline(name, cpp_sources=_SOURCE, functions=functions, extra_cflags=_flags(), verbose=False)
     except Exception as error:  # no compiler, no ninja, a failed build: the PyTorch path serves
         logger.warning(f"DDL: the C++ CPU kernel could not be built, so DDL uses the PyTorch path (same numbers up "
@@ -439,6 +471,17 @@ def cpu_readout_forward(x, taps):
 def cpu_readout_backward(grad, x, taps):
     """The gradients of the state and of the taps in one pass: `(dX, dtaps)`."""
     return tuple(cpu_kernel().readout_backward(grad.contiguous(), x.contiguous(), taps.contiguous()))
+
+
+def cpu_window_readout_applies(window, taps):
+    """Whether `cpu_window_readout` serves a decoding step's window `(B, d_v*d, K)` and taps `(d_v, d, K)`: no
+    autograd (it has no backward), same dtype."""
+    return taps.dtype is window.dtype and taps.is_cpu and not torch.is_grad_enabled() and _cpu_ready(window)
+
+
+def cpu_window_readout(window, taps):
+    """`kernels.decoding_token_readout` in one pass: `(B, d)`."""
+    return cpu_kernel().window_readout(window.contiguous(), taps.contiguous())
 
 
 class _Residual(torch.autograd.Function):

@@ -31,6 +31,8 @@ from .configuration_ddl import DDLConfig, conv_state_slots
 from .cpu_kernels import cpu_residual, cpu_residual_applies
 from .kernels import (
     decoding_residual,
+    decoding_token_conv,
+    decoding_token_readout,
     fused_delta_update,
     fused_token_conv,
     fused_token_readout,
@@ -123,8 +125,10 @@ def causal_token_readout(x, weight, history=None):
     return sum((full[:, s : s + seq_len] * weight[s]).sum(-2) for s in range(kernel))
 
 
-def token_history(x, kernel_size, cache, layer_idx, slot):
-    """The `kernel_size - 1` inputs that precede `x` in the sequence, from the cache (None = start of sequence).
+def cached_window(x, kernel_size, cache, layer_idx, slot):
+    """x's causal window as the cache holds it, time last: the `kernel_size - 1` inputs before x and x itself,
+    `(B, C, K-1+T)` with C the flattened feature axes; None when the cache holds no earlier inputs (no cache, or the
+    start of a sequence: the history is zeros).
 
     Stores `x` in conv-state `slot` of cache layer `layer_idx` (time last, as transformers' conv states are), so
     decoding, beam search (reorder), static caches and assisted decoding (crop) all keep it right.
@@ -137,9 +141,17 @@ def token_history(x, kernel_size, cache, layer_idx, slot):
     full = cache.update_conv_state(flat, layer_idx, state_idx=slot, conv_kernel_size=kernel_size - 1)
     if not had_past:
         return None
-    past = full[..., : full.shape[-1] - seq_len][..., -(kernel_size - 1) :]  # (B, C, <=K-1)
-    past = F.pad(past, (kernel_size - 1 - past.shape[-1], 0))
-    return past.transpose(1, 2).reshape(batch, kernel_size - 1, *x.shape[2:])
+    width = kernel_size - 1 + seq_len
+    window = full[..., -width:]
+    return F.pad(window, (width - window.shape[-1], 0)) if window.shape[-1] < width else window
+
+
+def window_history(window, x):
+    """The inputs before x in a `cached_window`, in x's own layout `(B, K-1, ...)` (None stays None)."""
+    if window is None:
+        return None
+    past = window[..., : window.shape[-1] - x.shape[1]]
+    return past.transpose(1, 2).reshape(x.shape[0], past.shape[-1], *x.shape[2:])
 
 
 def _mask_padding(x, pad_mask):
@@ -149,12 +161,14 @@ def _mask_padding(x, pad_mask):
     return x * pad_mask.view(*pad_mask.shape, *([1] * (x.dim() - 2)))  # (B, T) -> (B, T, 1[, 1])
 
 
-# The one place where `ddl_impl` chooses the implementations (same signatures, same numbers; tested against each other).
+# The one place where `ddl_impl` chooses the implementations (per key one signature and the same numbers, tested
+# against each other; None: the reference has no such shortcut).
 _IMPLEMENTATIONS = {
     "fused": {"update": fused_delta_update, "readout": fused_token_readout, "conv": fused_token_conv,
-              "seam": cpu_residual, "decoding": decoding_residual},
+              "seam": cpu_residual, "decoding": decoding_residual,
+              "readout_step": decoding_token_readout, "conv_step": decoding_token_conv},
     "reference": {"update": delta_update, "readout": causal_token_readout, "conv": causal_token_conv,
-                  "seam": None, "decoding": None},
+                  "seam": None, "decoding": None, "readout_step": None, "conv_step": None},
 }
 
 
@@ -229,6 +243,7 @@ class DDLCompressor(nn.Module):
         self.kind = config.ddl_compressor
         self.layer_idx, self.cache_slot = layer_idx, cache_slot
         self.readout = _IMPLEMENTATIONS[config.ddl_impl]["readout"]
+        self.step = _IMPLEMENTATIONS[config.ddl_impl]["readout_step"]
         d, dv = config.hidden_size, config.ddl_value_channels
         if self.kind == "cc":
             self.weight = nn.Parameter(torch.empty(d, dv))
@@ -240,8 +255,11 @@ class DDLCompressor(nn.Module):
         if self.kind == "cc":
             return self.readout(state, self.weight.unsqueeze(0))  # (B, T, d)
         state = _mask_padding(state, pad_mask)
-        history = token_history(state, self.conv_weight.shape[0], cache, self.layer_idx, self.cache_slot)
-        return self.readout(state, self.conv_weight * self.read, history)  # (B, T, d)
+        taps = self.conv_weight * self.read
+        window = cached_window(state, taps.shape[0], cache, self.layer_idx, self.cache_slot)
+        if self.step is not None and window is not None and state.shape[1] == 1:
+            return self.step(window, taps)  # a decoding step: one window, read where the cache holds it
+        return self.readout(state, taps, window_history(window, state))  # (B, T, d)
 
 
 class DDLEmbedConv(nn.Module):
@@ -251,14 +269,17 @@ class DDLEmbedConv(nn.Module):
         super().__init__()
         self.cache_slot = cache_slot
         self.conv = _IMPLEMENTATIONS[config.ddl_impl]["conv"]
+        self.step = _IMPLEMENTATIONS[config.ddl_impl]["conv_step"]
         self.weight = nn.Parameter(
             torch.empty(config.ddl_embed_kernel_size, config.hidden_size, config.ddl_value_channels)
         )
 
     def forward(self, embeds, cache=None, pad_mask=None):
         embeds = _mask_padding(embeds, pad_mask)
-        history = token_history(embeds, self.weight.shape[0], cache, 0, self.cache_slot)
-        return self.conv(embeds, self.weight, history)  # (B, T, d_v, d)
+        window = cached_window(embeds, self.weight.shape[0], cache, 0, self.cache_slot)
+        if self.step is not None and window is not None and embeds.shape[1] == 1:
+            return self.step(window, self.weight)  # a decoding step
+        return self.conv(embeds, self.weight, window_history(window, embeds))  # (B, T, d_v, d)
 
 
 class DDLDecoderLayer(GradientCheckpointingLayer):

@@ -5,7 +5,14 @@ import torch
 
 from conftest import assert_same_loss_and_gradients, tiny_config
 from ddl import DDLForCausalLM
-from ddl.kernels import decoding_residual, fused_delta_update, fused_token_readout, is_cpu_decoding_step
+from ddl.kernels import (
+    decoding_residual,
+    decoding_token_conv,
+    decoding_token_readout,
+    fused_delta_update,
+    fused_token_readout,
+    is_cpu_decoding_step,
+)
 from ddl.modeling_ddl import DDLDeltaResidual, causal_token_conv, causal_token_readout, delta_update
 
 
@@ -175,6 +182,30 @@ def test_token_readout_inference_paths_match_reference(seq_len, cpu_kernel_on_or
         torch.testing.assert_close(fused_token_readout(x, weight, past), causal_token_readout(x, weight, past))
 
 
+def _cache_window(history, x):
+    """A decoding step's window as the cache holds it (`modeling_ddl.cached_window`): time last, `(B, C, K)`."""
+    full = torch.cat([history, x], dim=1)
+    return full.reshape(full.shape[0], full.shape[1], -1).transpose(1, 2)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_decoding_steps_of_the_token_convolutions_match_reference(dtype, cpu_kernel_on_or_off):
+    """One new token read from its cached window (TC readout: the C++ kernel or PyTorch; EC) equals the spec given
+    the same inputs as history; also for a window that is a slice of a longer cache (assisted decoding's)."""
+    g = torch.Generator().manual_seed(0)
+    x, history = torch.randn(3, 1, 2, 5, generator=g, dtype=dtype), torch.randn(3, 3, 2, 5, generator=g, dtype=dtype)
+    weight = torch.randn(4, 5, 2, generator=g, dtype=dtype)
+    window = _cache_window(history, x)
+    longer = torch.cat([torch.randn(3, 10, 2, generator=g, dtype=dtype), window], dim=-1)[..., -4:]
+    expected = causal_token_readout(x, weight, history)
+    for w in (window, longer):
+        torch.testing.assert_close(decoding_token_readout(w, weight), expected, rtol=0, atol=1e-6)
+    embeds, past = torch.randn(3, 1, 5, generator=g, dtype=dtype), torch.randn(3, 3, 5, generator=g, dtype=dtype)
+    torch.testing.assert_close(decoding_token_conv(_cache_window(past, embeds), weight),
+                               causal_token_conv(embeds, weight, past), rtol=0, atol=1e-6)
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_token_readout_low_precision_decoding_equals_prefill(dtype):
@@ -184,7 +215,8 @@ def test_token_readout_low_precision_decoding_equals_prefill(dtype):
     weight = torch.randn(4, 64, 4, generator=g).to(dtype)
     prefill = fused_token_readout(x, weight)
     padded = torch.cat([x.new_zeros(2, 3, 4, 64), x], dim=1)
-    steps = torch.cat([fused_token_readout(x[:, t : t + 1], weight, padded[:, t : t + 3]) for t in range(12)], dim=1)
+    steps = torch.cat([decoding_token_readout(_cache_window(padded[:, t : t + 3], x[:, t : t + 1]), weight)
+                       for t in range(12)], dim=1)
     torch.testing.assert_close(steps, prefill, rtol=2**-7, atol=1e-3)
     exact = causal_token_readout(x.double(), weight.double())
     torch.testing.assert_close(prefill.double(), exact, rtol=2**-7, atol=1e-2)
