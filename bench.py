@@ -5,8 +5,8 @@
     python bench.py --size small --device cuda --dtype bfloat16   # the paper's small model on a GPU
     python bench.py --variants llama ddl-dv1 --compile
 
-Every figure is measured for all models in one process, interleaved (A B C, B C A, C A B, ...: each repeat runs
-every model once, and the order rotates so that no model always runs first or right after another), and reported
+Every figure is measured for all models in one process, interleaved (each repeat runs every model once, in an order
+that balances, over the repeats, which position each model runs in and which model runs right before it), and reported
 as a ratio to Llama: each repeat's figure over Llama's in the same repeat, the median and the spread (min-max) of
 those paired ratios. Machine noise that drifts over seconds then hits both sides of a ratio alike.
 - train tok/s: forward + backward + AdamW step on random tokens,
@@ -167,10 +167,22 @@ class Runner:
         self.results.setdefault(key, []).append(value)
 
 
-def rotation(runners, repeat):
-    """The order of the models in one repeat: A B C, then B C A, C A B, ..."""
-    shift = repeat % len(runners)
-    return runners[shift:] + runners[:shift]
+def balanced_order(runners, repeat):
+    """The order of the models in one repeat, from a Williams design: over n repeats (2n for an odd n) every model
+    runs in every position equally often and right after every other model equally often, so that neither a
+    position nor a predecessor (whose allocations and caches a model inherits) favours one model."""
+    n = len(runners)
+    first, low, high = [0], 1, n - 1  # 0, 1, n-1, 2, n-2, ...
+    while len(first) < n:
+        first.append(low)
+        low += 1
+        if len(first) < n:
+            first.append(high)
+            high -= 1
+    rows = [[(i + shift) % n for i in first] for shift in range(n)]
+    if n % 2:
+        rows += [row[::-1] for row in rows]
+    return [runners[i] for i in rows[repeat % len(rows)]]
 
 
 def summarise(runners):
@@ -248,12 +260,13 @@ def main(argv=None):
         "decode_b8_tok_s": ("decode", lambda r: r.time_decode(min(8, size.batch_size), args.new_tokens)),
     }
     # One measurement at a time (so that decoding never disturbs the allocator state of training), and within it
-    # the models interleaved in a rotating order: every model sees the same machine conditions and every position.
+    # the models interleaved in a balanced order: every model sees the same machine conditions, positions and
+    # predecessors.
     for key, (group, measure) in measurements.items():
         if group in args.skip:
             continue
         for repeat in range(args.repeats):
-            for runner in rotation(runners, repeat):
+            for runner in balanced_order(runners, repeat):
                 runner.record(key, measure(runner))
         print(f"{key}: {args.repeats} repeats done", flush=True)
     if "memory" not in args.skip:

@@ -1,5 +1,6 @@
 r"""C++ kernels for CPU: one sublayer's whole residual seam (the gate, the value and the delta update, forward and
-backward, in one pass over each token's rows), and the TC readout (CC: one tap). Built on first use with PyTorch's
+backward, in one pass over each token's rows), the TC readout (CC: one tap), and a TC decoding step's readout of
+its cached window. Built on first use with PyTorch's
 C++ extension tools (`torch.utils.cpp_extension.load_inline`, cached under `~/.cache/torch_extensions`), on Linux;
 never required: without a C++ compiler or ninja, on other systems, or with `DDL_CPU_KERNEL=0`, DDL runs the PyTorch
 functions of `ddl.kernels`, which compute the same numbers up to rounding (summation order; an fp64 model's gate
@@ -330,9 +331,10 @@ void window_readout_impl(const T* w, const T* taps, int64_t batch, int64_t nv, i
 }
 
 at::Tensor window_readout(const at::Tensor& w, const at::Tensor& taps) {
-  const int64_t batch = w.size(0), nv = taps.size(0), d = taps.size(1), k = taps.size(2);
-  TORCH_CHECK(w.dim() == 3 && w.size(1) == nv * d && w.size(2) == k && w.is_contiguous() && taps.is_contiguous(),
+  TORCH_CHECK(w.dim() == 3 && taps.dim() == 3 && w.is_contiguous() && taps.is_contiguous(),
               "ddl window_readout: the window must be (B, d_v*d, K) and the taps (d_v, d, K), both contiguous");
+  const int64_t batch = w.size(0), nv = taps.size(0), d = taps.size(1), k = taps.size(2);
+  TORCH_CHECK(w.size(1) == nv * d && w.size(2) == k, "ddl window_readout: the window must be (B, d_v*d, K)");
   auto y = at::empty({batch, d}, w.options());
   AT_DISPATCH_FLOATING_TYPES(w.scalar_type(), "ddl_window_readout", [&] {
     window_readout_impl<scalar_t>(w.data_ptr<scalar_t>(), taps.data_ptr<scalar_t>(), batch, nv, d, k,
@@ -364,8 +366,8 @@ _ops = None  # the built module; False when the build failed or is switched off
 
 
 def cpu_kernel():
-    """The compiled functions (`residual_forward` / `residual_backward`, `readout_forward` / `readout_backward`), or
-    None: built once per machine (20-40 s on first use, then loaded from torch's extension cache), never required."""
+    """The compiled functions (`residual_forward` / `residual_backward`, `readout_forward` / `readout_backward`,
+    `window_readout`), or None: built once per machine (20-40 s on first use, then loaded from torch's extension cache), never required."""
     global _ops
     if _ops is None:
         _ops = _build() or False
@@ -454,7 +456,7 @@ def eager_cpu_float(x):
 
 def _cpu_ready(x):
     """`eager_cpu_float` and the kernel built."""
-    return (_ops or (_ops is None and cpu_kernel() is not None)) and eager_cpu_float(x)
+    return eager_cpu_float(x) and bool(_ops or (_ops is None and cpu_kernel() is not None))  # never builds in a trace
 
 
 def cpu_readout_applies(x, taps):

@@ -1,6 +1,7 @@
 """Fast paths for `delta_update`, `causal_token_readout` and `causal_token_conv`, with their exact signatures, and
-`decoding_residual` (gate, value and update of a CPU decoding step in one function); the references in modeling_ddl.py
-are the specs, and `ddl_impl` chooses between the two sets (`modeling_ddl._IMPLEMENTATIONS`).
+`decoding_residual` (gate, value and update of a CPU decoding step in one function), `decoding_token_readout` and
+`decoding_token_conv` (one decoding step of TC and EC, read from the cache's window); the references in
+modeling_ddl.py are the specs, and `ddl_impl` chooses between the two sets (`modeling_ddl._IMPLEMENTATIONS`).
 
 On CUDA tensors (fp32, bf16, fp16) with triton installed, `fused_delta_update`, `fused_token_readout` (TC, CC) and
 `fused_token_conv` (EC) run the Triton kernels of `ddl.triton_kernels` (imported lazily, never required; they
@@ -261,8 +262,9 @@ def fused_token_readout(x, weight, history=None):
 
 
 # One decoding step of the token convolutions, computed from the window where the cache holds it (time last,
-# `modeling_ddl.cached_window`): no history copied into the state layout and concatenated, a product and a sum.
-# (In a TC decoding step the general route cost ~125 us per compressor in ~15 small operations, 17 compressors.)
+# `modeling_ddl.cached_window`): on CPU no history copied into the state layout and concatenated, a product and a
+# sum (in a TC decoding step at bench size the general route took ~126 us per compressor, ~15 small operations).
+# On CUDA the window goes back to the state layout for the Triton kernels: one launch instead of several.
 
 
 def decoding_token_readout(window, weight):
@@ -271,7 +273,9 @@ def decoding_token_readout(window, weight):
 
         y[b, i] = sum_s sum_j weight[s, i, j] * window[b, j*d + i, s]
     """
-    _, d, dv = weight.shape
+    kernel, d, dv = weight.shape
+    if _use_triton(window):  # CUDA: one Triton readout over the window, in the state's layout
+        return fused_token_readout(*_state_layout(window, kernel, (dv, d)), weight)
     taps = weight.permute(2, 1, 0).contiguous()  # (d_v, d, K): the window's layout (a small copy)
     if cpu_window_readout_applies(window, taps):
         return cpu_window_readout(window, taps).unsqueeze(1)
@@ -287,7 +291,18 @@ def decoding_token_conv(window, weight):
 
         y[b, j, i] = sum_s weight[s, i, j] * window[b, i, s]
     """
-    return (window.unsqueeze(1) * weight.permute(2, 1, 0)).sum(-1).unsqueeze(1)
+    kernel, d, _ = weight.shape
+    if _use_triton(window):
+        return fused_token_conv(*_state_layout(window, kernel, (d,)), weight)
+    dtype = torch.promote_types(window.dtype, weight.dtype)
+    acc = torch.promote_types(dtype, torch.float32)  # summed in fp32, like the Triton prefill
+    return (window.unsqueeze(1).to(acc) * weight.permute(2, 1, 0).to(acc)).sum(-1).to(dtype).unsqueeze(1)
+
+
+def _state_layout(window, kernel, features):
+    """A decoding step's window `(B, C, K)` as the new input `(B, 1, *features)` and its history `(B, K-1, ...)`."""
+    tokens = window.transpose(1, 2).reshape(window.shape[0], kernel, *features)
+    return tokens[:, -1:], tokens[:, :-1]
 
 
 def fused_token_conv(x, weight, history=None):
@@ -314,5 +329,6 @@ def _triton_available():
 
 
 __all__ = [
-    "decoding_residual", "fused_delta_update", "fused_token_conv", "fused_token_readout", "is_cpu_decoding_step",
+    "decoding_residual", "decoding_token_conv", "decoding_token_readout", "fused_delta_update", "fused_token_conv",
+    "fused_token_readout", "is_cpu_decoding_step",
 ]

@@ -1,6 +1,9 @@
 """bench.py runs end to end and reports every figure as a ratio to Llama (the speed itself is not asserted)."""
 
 import json
+from collections import Counter
+
+import pytest
 
 import bench
 
@@ -32,8 +35,15 @@ def test_ratios_are_paired_by_repeat():
     assert row["median"] == 72.0
 
 
-def test_rotation_puts_every_model_in_every_position():
-    models = ["a", "b", "c"]
-    orders = [bench.rotation(models, repeat) for repeat in range(3)]
-    assert orders[0] == models and all(sorted(order) == models for order in orders)
-    assert all({order[position] for order in orders} == set(models) for position in range(3))
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 6])
+def test_order_balances_positions_and_predecessors(n):
+    """Over one cycle of the design every model runs in every position, and right after every other model, equally
+    often (a cyclic rotation A B C, B C A, ... fails: B always follows A but in the one round where B runs first)."""
+    models = list(range(n))
+    cycle = 2 * n if n % 2 else n
+    orders = [bench.balanced_order(models, repeat) for repeat in range(cycle)]
+    assert all(sorted(order) == models for order in orders)
+    positions = Counter((order.index(m), m) for order in orders for m in models)
+    assert set(positions.values()) == {cycle // n} and len(positions) == n * n
+    pairs = Counter(pair for order in orders for pair in zip(order, order[1:]))
+    assert len(pairs) == n * (n - 1) and len(set(pairs.values())) == 1

@@ -8,6 +8,7 @@ import torch
 from conftest import assert_same_loss_and_gradients, tiny_config
 from ddl import DDLForCausalLM, cpu_kernels, modeling_ddl
 from ddl.cpu_kernels import (
+    cpu_window_readout_applies,
     cpu_kernel,
     cpu_readout_backward,
     cpu_readout_forward,
@@ -157,6 +158,17 @@ def test_kernel_applies_only_where_it_serves():
         torch.jit.trace(lambda a: seen.append(cpu_residual_applies(a, a, a, a, *params)) or a * 2, x,
                         check_trace=False)
     assert seen and not any(seen)
+
+
+def test_window_readout_applies_only_without_autograd_in_one_dtype():
+    window, taps = torch.zeros(2, 6, 4), torch.zeros(2, 3, 4)
+    with torch.no_grad():
+        assert cpu_window_readout_applies(window, taps) and cpu_window_readout_applies(window.double(), taps.double())
+        assert not cpu_window_readout_applies(window, taps.double())
+        assert not cpu_window_readout_applies(window.bfloat16(), taps.bfloat16())
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert not cpu_window_readout_applies(window, taps)
+    assert not cpu_window_readout_applies(window, taps)  # grad enabled: the kernel has no backward
 
 
 @pytest.mark.parametrize("overrides", [{"ddl_value_channels": 1}, {}, {"ddl_compressor": "tc", "ddl_embed_conv": False},

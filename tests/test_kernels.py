@@ -10,6 +10,7 @@ from ddl.kernels import (
     decoding_token_conv,
     decoding_token_readout,
     fused_delta_update,
+    fused_token_conv,
     fused_token_readout,
     is_cpu_decoding_step,
 )
@@ -175,7 +176,7 @@ def test_cc_reference_readout_keeps_no_copy_of_the_state():
 @torch.no_grad()
 @pytest.mark.parametrize("seq_len", [1, 2, 6], ids=["decode-step", "two-tokens", "prefill"])
 def test_token_readout_inference_paths_match_reference(seq_len, cpu_kernel_on_or_off):
-    """Without autograd the readout takes other routes (one decoding step is a single product and sum)."""
+    """Without autograd the readout takes other routes (the C++ kernel, or the in-place PyTorch loop)."""
     x, weight = (t.detach() for t in _readout_inputs(4, seq_len))
     history = torch.randn(3, 3, 2, 5, dtype=torch.float64)
     for past in (None, history):
@@ -204,6 +205,21 @@ def test_decoding_steps_of_the_token_convolutions_match_reference(dtype, cpu_ker
     embeds, past = torch.randn(3, 1, 5, generator=g, dtype=dtype), torch.randn(3, 3, 5, generator=g, dtype=dtype)
     torch.testing.assert_close(decoding_token_conv(_cache_window(past, embeds), weight),
                                causal_token_conv(embeds, weight, past), rtol=0, atol=1e-6)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_token_conv_low_precision_decoding_steps_sum_in_fp32(dtype):
+    """EC token by token from the cache: one rounding of the fp32 sum (closer to exact than the prefill's
+    low-precision accumulation, and within its rounding)."""
+    g = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(2, 12, 64, generator=g).to(dtype), torch.randn(4, 64, 4, generator=g).to(dtype)
+    padded = torch.cat([x.new_zeros(2, 3, 64), x], dim=1)
+    steps = torch.cat([decoding_token_conv(_cache_window(padded[:, t : t + 3], x[:, t : t + 1]), weight)
+                       for t in range(12)], dim=1)
+    exact = causal_token_conv(x.double(), weight.double())
+    torch.testing.assert_close(steps.double(), exact, rtol=2**-8, atol=1e-6)
+    torch.testing.assert_close(steps, fused_token_conv(x, weight), rtol=2**-6, atol=1e-2)
 
 
 @torch.no_grad()

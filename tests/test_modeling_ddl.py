@@ -127,6 +127,33 @@ def test_cpu_decoding_takes_the_decoding_path_and_equals_full_forward(overrides,
     torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("batch", [1, 2], ids=["one-sequence", "batch"])
+def test_tc_and_ec_decoding_steps_read_the_cached_window(batch, cpu_kernel_on_or_off, monkeypatch):
+    """Each decoding step's TC readouts and EC go through the window steps (with the C++ kernel and without) and
+    give the full forward."""
+    calls = {"readout_step": 0, "conv_step": 0}
+    for key in calls:
+        step = modeling_ddl._IMPLEMENTATIONS["fused"][key]
+
+        def counted(*args, _step=step, _key=key):
+            calls[_key] += 1
+            return _step(*args)
+
+        monkeypatch.setitem(modeling_ddl._IMPLEMENTATIONS["fused"], key, counted)
+    model = _model(ddl_value_channels=4, ddl_compressor="tc", ddl_embed_conv=True)
+    ids = _ids(batch, 9)
+    with torch.no_grad():
+        full = model(ids).logits
+        out = model(ids[:, :5], use_cache=True)
+        pieces = [out.logits]
+        assert calls == {"readout_step": 0, "conv_step": 0}  # a prefill takes the general route
+        for t in range(5, 9):
+            out = model(ids[:, t : t + 1], cache=out.cache, use_cache=True)
+            pieces.append(out.logits)
+    assert calls == {"readout_step": 4 * (2 * model.config.num_hidden_layers + 1), "conv_step": 4}
+    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("overrides", [{"ddl_value_channels": 1}, {}], ids=["dv1", "dv4-cc-ec"])
 def test_batch_1_generation_under_cpu_autocast(overrides):
     """Under bf16 autocast the sublayer outputs are bf16 while the state stays fp32: decoding must not take the
