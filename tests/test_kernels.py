@@ -6,6 +6,7 @@ import torch
 from conftest import assert_same_loss_and_gradients, tiny_config
 from ddl import DDLForCausalLM
 from ddl.kernels import (
+    _state_layout,
     decoding_residual,
     decoding_token_conv,
     decoding_token_readout,
@@ -205,6 +206,10 @@ def test_decoding_steps_of_the_token_convolutions_match_reference(dtype, cpu_ker
     embeds, past = torch.randn(3, 1, 5, generator=g, dtype=dtype), torch.randn(3, 3, 5, generator=g, dtype=dtype)
     torch.testing.assert_close(decoding_token_conv(_cache_window(past, embeds), weight),
                                causal_token_conv(embeds, weight, past), rtol=0, atol=1e-6)
+    # the route CUDA takes (back to the state layout for the Triton kernels), checked here on its layout
+    torch.testing.assert_close(fused_token_readout(*_state_layout(longer, 4, (2, 5)), weight), expected)
+    torch.testing.assert_close(fused_token_conv(*_state_layout(_cache_window(past, embeds), 4, (5,)), weight),
+                               causal_token_conv(embeds, weight, past))
 
 
 @torch.no_grad()
