@@ -275,7 +275,8 @@ def decoding_token_readout(window, weight):
     """
     kernel, d, dv = weight.shape
     if _use_triton(window):  # CUDA: one Triton readout over the window, in the state's layout
-        return fused_token_readout(*_state_layout(window, kernel, (dv, d)), weight)
+        x, history = _state_layout(window, kernel, (dv, d))
+        return fused_token_readout(x, weight, history)
     taps = weight.permute(2, 1, 0).contiguous()  # (d_v, d, K): the window's layout (a small copy)
     if cpu_window_readout_applies(window, taps):
         return cpu_window_readout(window, taps).unsqueeze(1)
@@ -293,7 +294,8 @@ def decoding_token_conv(window, weight):
     """
     kernel, d, _ = weight.shape
     if _use_triton(window):
-        return fused_token_conv(*_state_layout(window, kernel, (d,)), weight)
+        x, history = _state_layout(window, kernel, (d,))
+        return fused_token_conv(x, weight, history)
     dtype = torch.promote_types(window.dtype, weight.dtype)
     acc = torch.promote_types(dtype, torch.float32)  # summed in fp32, like the Triton prefill
     return (window.unsqueeze(1).to(acc) * weight.permute(2, 1, 0).to(acc)).sum(-1).to(dtype).unsqueeze(1)

@@ -207,9 +207,10 @@ def test_decoding_steps_of_the_token_convolutions_match_reference(dtype, cpu_ker
     torch.testing.assert_close(decoding_token_conv(_cache_window(past, embeds), weight),
                                causal_token_conv(embeds, weight, past), rtol=0, atol=1e-6)
     # the route CUDA takes (back to the state layout for the Triton kernels), checked here on its layout
-    torch.testing.assert_close(fused_token_readout(*_state_layout(longer, 4, (2, 5)), weight), expected)
-    torch.testing.assert_close(fused_token_conv(*_state_layout(_cache_window(past, embeds), 4, (5,)), weight),
-                               causal_token_conv(embeds, weight, past))
+    new, before = _state_layout(longer, 4, (2, 5))
+    torch.testing.assert_close(fused_token_readout(new, weight, before), expected)
+    new, before = _state_layout(_cache_window(past, embeds), 4, (5,))
+    torch.testing.assert_close(fused_token_conv(new, weight, before), causal_token_conv(embeds, weight, past))
 
 
 @torch.no_grad()
