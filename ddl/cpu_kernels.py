@@ -367,7 +367,8 @@ _ops = None  # the built module; False when the build failed or is switched off
 
 def cpu_kernel():
     """The compiled functions (`residual_forward` / `residual_backward`, `readout_forward` / `readout_backward`,
-    `window_readout`), or None: built once per machine (20-40 s on first use, then loaded from torch's extension cache), never required."""
+    `window_readout`), or None: built once per machine (20-40 s on first use, then loaded from torch's extension
+    cache), never required."""
     global _ops
     if _ops is None:
         _ops = _build() or False
@@ -508,9 +509,10 @@ class _Residual(torch.autograd.Function):
 def cpu_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, erase):
     """Gate, value and delta update of one sublayer through the C++ kernel (check `cpu_residual_applies` first);
     the same contract as `kernels.decoding_residual`, for any number of tokens, with autograd."""
+    u_kind = 1 if u is c else (2 if u is x and x.dim() == h.dim() else 0)  # before any copy: by identity
     x = x.contiguous()  # the stride-0 repeated embeddings of a d_v > 1 model without EC
-    u_kind = 1 if u is c else (2 if u is x and x.dim() == h.dim() else 0)
-    args = (x, h.contiguous(), c.contiguous(), u.contiguous(), gate_weight.contiguous(), gate_bias.contiguous(),
+    u = x if u_kind == 2 else u.contiguous()
+    args = (x, h.contiguous(), c.contiguous(), u, gate_weight.contiguous(), gate_bias.contiguous(),
             value_weight.contiguous(), value_bias.contiguous(), -1.0 if v_scale is None else float(v_scale),
             float(k_eps), erase)
     if torch.is_grad_enabled():

@@ -263,7 +263,8 @@ def fused_token_readout(x, weight, history=None):
 
 # One decoding step of the token convolutions, computed from the window where the cache holds it (time last,
 # `modeling_ddl.cached_window`): on CPU no history copied into the state layout and concatenated, a product and a
-# sum (in a TC decoding step at bench size the general route took ~126 us per compressor, ~15 small operations).
+# sum (profiled in a TC decoding step at bench size: 12 tensor operations per compressor where the general route
+# took 27, 80 us where it took 126).
 # On CUDA the window goes back to the state layout for the Triton kernels: one launch instead of several.
 
 
