@@ -55,10 +55,12 @@ def tokenizer():
 def cpu_kernel_on_or_off(request, monkeypatch):
     """Runs a test twice: with DDL's C++ CPU kernels (where they build) and with them off, so that the PyTorch fast
     paths, which machines without a compiler run, stay tested on CPU too."""
-    if request.param == "pytorch":
-        from ddl import cpu_kernels
+    from ddl import cpu_kernels
 
+    if request.param == "pytorch":
         monkeypatch.setattr(cpu_kernels, "_ops", False)
+    elif cpu_kernels.cpu_kernel() is None:
+        pytest.skip("the C++ CPU kernel could not be built here: the 'pytorch' case covers this machine")
     return request.param
 
 

@@ -39,7 +39,7 @@ def test_ratios_are_paired_by_repeat():
 def test_order_balances_positions_and_predecessors(n):
     """Over one cycle of the design every model runs in every position, and right after every other model, equally
     often (a cyclic rotation A B C, B C A, ... fails: B always follows A but in the one round where B runs first)."""
-    models = list(range(n))
+    models = [f"model-{i}" for i in range(n)]
     cycle = 2 * n if n % 2 else n
     orders = [bench.balanced_order(models, repeat) for repeat in range(cycle)]
     assert all(sorted(order) == models for order in orders)
