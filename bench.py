@@ -26,8 +26,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ddl import DDLConfig, DDLForCausalLM
+from ddl.configuration_ddl import DDL_IMPLEMENTATIONS
 from ddl.cpu_kernels import cpu_kernel
-from ddl.training import PAPER_RECIPE, PRESETS
+from ddl_tools.training import PAPER_RECIPE, PRESETS
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ VARIANTS = {
 }
 
 
-def build(variant, size, device, dtype, impl="fused"):
+def build(variant, size, device, dtype, implementation="auto"):
     dims = dict(
         hidden_size=size.hidden_size,
         num_hidden_layers=size.num_hidden_layers,
@@ -84,7 +85,7 @@ def build(variant, size, device, dtype, impl="fused"):
     torch.manual_seed(0)
     overrides = VARIANTS[variant]
     model = LlamaForCausalLM(LlamaConfig(**dims)) if overrides is None else DDLForCausalLM(
-        DDLConfig(**dims, **overrides, ddl_impl=impl)
+        DDLConfig(**dims, **overrides, ddl_implementation=implementation)
     )
     return model.to(device=device, dtype=dtype)
 
@@ -239,7 +240,8 @@ def main(argv=None):
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    parser.add_argument("--impl", choices=["fused", "reference"], default="fused", help="DDL's update path")
+    parser.add_argument("--implementation", choices=list(DDL_IMPLEMENTATIONS), default="auto",
+                        help="DDL's ddl_implementation (see ddl/kernels.py)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model for training and prefill")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--train_steps", type=int, default=2, help="timed training steps per repeat")
@@ -249,7 +251,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     device, dtype, size = torch.device(args.device), getattr(torch, args.dtype), SIZES[args.size]
-    runners = [Runner(v, build(v, size, device, dtype, args.impl), size, device, args.compile) for v in args.variants]
+    runners = [Runner(v, build(v, size, device, dtype, args.implementation), size, device, args.compile) for v in args.variants]
     for runner in runners:  # warm-up: allocations, optimizer state, compilation
         runner.train_step()
         runner.time_prefill(1)
@@ -275,11 +277,11 @@ def main(argv=None):
 
     rows = summarise(runners)
     # whether DDL's fused path ran its C++ CPU kernel (built on first use; without a compiler, the PyTorch path)
-    kernel = (device.type == "cpu" and dtype in (torch.float32, torch.float64) and args.impl == "fused"
+    kernel = (device.type == "cpu" and dtype in (torch.float32, torch.float64) and args.implementation in ("auto", "triton")
               and not args.compile and any(v != "llama" for v in args.variants) and cpu_kernel() is not None)
     header = (
         f"### bench.py --size {args.size} ({size}), device {args.device}, {args.dtype}"
-        f", ddl_impl={args.impl}{' (C++ CPU kernel)' if kernel else ''}{', compiled' if args.compile else ''}"
+        f", ddl_implementation={args.implementation}{' (C++ CPU kernel)' if kernel else ''}{', compiled' if args.compile else ''}"
         f", {args.repeats} repeats, torch {torch.__version__}"
     )
     print(markdown(rows, header))

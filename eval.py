@@ -39,7 +39,8 @@ from dataclasses import asdict, dataclass, field, fields
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
-from ddl import evaluation
+from ddl_tools import evaluation
+from ddl_tools.outputs import write_json
 
 
 @dataclass
@@ -107,7 +108,7 @@ def load_texts(cfg: EvalConfig) -> tuple[list[str], str]:
                 "pick one with --text_column."
             )
         return list(data[cfg.text_column]), f"{cfg.dataset_name}/{cfg.dataset_config or ''}:{cfg.split}"
-    from ddl.data import CORPUS_NAME, shakespeare_splits
+    from ddl_tools.data import CORPUS_NAME, shakespeare_splits
 
     splits = shakespeare_splits()
     if cfg.split not in splits:
@@ -211,10 +212,10 @@ class Writer:
             f.write(content)
 
     def json(self, rel, obj):
-        evaluation.write_json(self.path(rel), obj)
+        write_json(self.path(rel), obj)
 
     def close(self):
-        evaluation.write_json(os.path.join(self.root, MANIFEST), {"files": sorted(set(self.files))})
+        write_json(os.path.join(self.root, MANIFEST), {"files": sorted(set(self.files))})
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -222,6 +223,7 @@ class Writer:
 
 
 def evaluate_checkpoint(cfg, ckpt, name, texts, text_source, writer, device, dtype) -> dict:
+    """Every measurement of one checkpoint; each one fails on its own (its error is recorded, the others run)."""
     result = {"name": name, "checkpoint": ckpt, "errors": []}
     print(f"\n=== {name} ({ckpt})")
     try:
@@ -235,75 +237,80 @@ def evaluate_checkpoint(cfg, ckpt, name, texts, text_source, writer, device, dty
 
     context = getattr(model.config, "max_position_embeddings", None) or 1024
     block_size = min(cfg.block_size or context, context)
-    windows, ids = [], None
+    ids = windows = None
     if texts is not None and (not cfg.skip_perplexity or cfg.audit):
         ids = evaluation.tokenize_documents(tokenizer, texts, cfg.max_eval_tokens)
         windows = evaluation.token_windows(ids, block_size, cfg.stride, cfg.drop_remainder)
         if not windows:
-            message = f"the evaluation text {text_source} has fewer than two tokens: perplexity and audit skipped"
-            print(f"error: {message}")
-            result["errors"].append(message)
-
-    # 1. perplexity
+            _fail(result, f"the evaluation text {text_source} has fewer than two tokens: perplexity and audit skipped")
     if windows and not cfg.skip_perplexity:
-        ppl = evaluation.perplexity(model, windows, cfg.batch_size, block_size, cfg.stride)
-        result["perplexity"] = {**asdict(ppl), "text": text_source}
-        print(
-            f"perplexity on {text_source}: mean NLL {ppl.mean_nll:.4f}  PPL {ppl.perplexity:.2f}  "
-            f"({ppl.tokens:,} tokens, {ppl.windows} windows of {ppl.block_size} / stride {ppl.stride}, "
-            f"{ppl.tokens_per_second:,.0f} tok/s)"
-        )
-
-    # 2. downstream tasks
+        measure_perplexity(cfg, model, windows, block_size, text_source, result)
     if cfg.tasks:
-        task_names = [t.strip() for t in cfg.tasks.split(",") if t.strip()]
-        if not evaluation.lm_eval_available():
-            message = f"lm-evaluation-harness is not installed; tasks skipped. Install it: {evaluation.LM_EVAL_INSTALL}"
-            print(f"error: {message}")
-            result["errors"].append(message)
-        else:
-            try:
-                scores = evaluation.run_lm_eval(
-                    model, tokenizer, task_names, cfg.num_fewshot, cfg.batch_size, cfg.limit, block_size
-                )
-            except (ValueError, KeyError, OSError, RuntimeError) as err:  # e.g. an unknown task, data not reachable
-                message = f"lm-eval: {type(err).__name__}: {err}"
-                print(f"error: {message}")
-                result["errors"].append(message)
-            else:
-                result["tasks"] = {k: v for k, v in scores.items() if not k.startswith("_")}
-                writer.json(os.path.join(name, "lm_eval.json"), scores["_raw"])
-                for task, metrics in result["tasks"].items():
-                    print(f"{task}: " + "  ".join(f"{m} {v:.4f}" for m, v in metrics.items()))
-
-    # 3. gate audit
+        run_tasks(cfg, model, tokenizer, block_size, name, writer, result)
     if cfg.audit and windows:
-        audit_windows = evaluation.token_windows(ids[: cfg.audit_tokens], block_size)  # non-overlapping blocks
-        try:
-            rows = evaluation.audit_gates(model, audit_windows, cfg.batch_size)
-        except ValueError as err:  # not a DDL model: a note, not a failure (a Llama baseline in a comparison)
-            print(f"audit skipped: {err} The other measurements are unaffected.")
-            result["notes"] = [f"audit skipped: {err}"]
-        else:
-            result["audit"] = rows
-            table = evaluation.audit_markdown(rows)
-            summary = evaluation.audit_paragraph(rows)
-            result["audit_summary"] = summary
-            writer.json(os.path.join(name, "audit.json"), {"text": text_source, "rows": rows, "summary": summary})
-            writer.text(os.path.join(name, "audit.md"), f"# Gate audit: {name}\n\nText: {text_source}\n\n{table}\n{summary}\n")
-            for png in evaluation.plot_audit(rows, os.path.join(writer.root, name), name):
-                writer.register(png)
-            print(f"gate audit ({rows[0]['tokens']:,} tokens):\n{table}")
-
-    # 4. sample generation
+        run_audit(cfg, model, ids, block_size, name, text_source, writer, result)
     if cfg.max_new_tokens > 0 and cfg.prompt:
-        generator = pipeline("text-generation", model=model, tokenizer=tokenizer)
-        out = generator(cfg.prompt, max_new_tokens=cfg.max_new_tokens, do_sample=False, return_full_text=True)
-        result["generation"] = {"prompt": cfg.prompt, "text": out[0]["generated_text"]}
-        print(f"sample (greedy, {cfg.max_new_tokens} new tokens): {out[0]['generated_text']!r}")
-
+        generate_sample(cfg, model, tokenizer, result)
     writer.json(os.path.join(name, "results.json"), result)
     return result
+
+
+def _fail(result, message):
+    print(f"error: {message}")
+    result["errors"].append(message)
+
+
+def measure_perplexity(cfg, model, windows, block_size, text_source, result):
+    """1. Perplexity: the mean next-token NLL over the (sliding) windows."""
+    ppl = evaluation.perplexity(model, windows, cfg.batch_size, block_size, cfg.stride)
+    result["perplexity"] = {**asdict(ppl), "text": text_source}
+    print(f"perplexity on {text_source}: mean NLL {ppl.mean_nll:.4f}  PPL {ppl.perplexity:.2f}  ({ppl.tokens:,} "
+          f"tokens, {ppl.windows} windows of {ppl.block_size} / stride {ppl.stride}, {ppl.tokens_per_second:,.0f} tok/s)")
+
+
+def run_tasks(cfg, model, tokenizer, block_size, name, writer, result):
+    """2. Downstream tasks through lm-evaluation-harness."""
+    task_names = [t.strip() for t in cfg.tasks.split(",") if t.strip()]
+    if not evaluation.lm_eval_available():
+        _fail(result, f"lm-evaluation-harness is not installed; tasks skipped. Install it: {evaluation.LM_EVAL_INSTALL}")
+        return
+    try:
+        scores = evaluation.run_lm_eval(model, tokenizer, task_names, cfg.num_fewshot, cfg.batch_size, cfg.limit,
+                                        block_size)
+    except (ValueError, KeyError, OSError, RuntimeError) as err:  # e.g. an unknown task, data not reachable
+        _fail(result, f"lm-eval: {type(err).__name__}: {err}")
+        return
+    result["tasks"] = {k: v for k, v in scores.items() if not k.startswith("_")}
+    writer.json(os.path.join(name, "lm_eval.json"), scores["_raw"])
+    for task, metrics in result["tasks"].items():
+        print(f"{task}: " + "  ".join(f"{m} {v:.4f}" for m, v in metrics.items()))
+
+
+def run_audit(cfg, model, ids, block_size, name, text_source, writer, result):
+    """3. The gate audit, on non-overlapping blocks of the first --audit_tokens tokens (a model without DDL layers
+    gets a note, not a failure: a Llama baseline in a comparison)."""
+    audit_windows = evaluation.token_windows(ids[: cfg.audit_tokens], block_size)
+    try:
+        rows = evaluation.audit_gates(model, audit_windows, cfg.batch_size)
+    except ValueError as err:
+        print(f"audit skipped: {err} The other measurements are unaffected.")
+        result["notes"] = [f"audit skipped: {err}"]
+        return
+    table, summary = evaluation.audit_markdown(rows), evaluation.audit_paragraph(rows)
+    result.update(audit=rows, audit_summary=summary)
+    writer.json(os.path.join(name, "audit.json"), {"text": text_source, "rows": rows, "summary": summary})
+    writer.text(os.path.join(name, "audit.md"), f"# Gate audit: {name}\n\nText: {text_source}\n\n{table}\n{summary}\n")
+    for png in evaluation.plot_audit(rows, os.path.join(writer.root, name), name):
+        writer.register(png)
+    print(f"gate audit ({rows[0]['tokens']:,} tokens):\n{table}")
+
+
+def generate_sample(cfg, model, tokenizer, result):
+    """4. A greedy sample through `pipeline("text-generation")`."""
+    generator = pipeline("text-generation", model=model, tokenizer=tokenizer)
+    out = generator(cfg.prompt, max_new_tokens=cfg.max_new_tokens, do_sample=False, return_full_text=True)
+    result["generation"] = {"prompt": cfg.prompt, "text": out[0]["generated_text"]}
+    print(f"sample (greedy, {cfg.max_new_tokens} new tokens): {out[0]['generated_text']!r}")
 
 
 def main(argv=None) -> int:

@@ -1,4 +1,5 @@
-"""One-command study: does the delta rule help? Seeds, matched controls and a compute-matched view (PAPER.md §5).
+"""One-command study: does the delta rule help? Seeds, matched controls and a compute-matched view (the paper,
+arXiv 2601.00417, lists all three among what it leaves open).
 
 Trains a grid of variants at equal dimensions, equal tokens and equal data order, for several seeds, each through
 train.py's own code path (`python train.py ...` in a subprocess), evaluates every run on the same validation blocks
@@ -77,14 +78,14 @@ class StudySettings:
 
     @property
     def max_steps(self) -> int:
-        from ddl.study import steps_for_tokens
+        from ddl_tools.study import steps_for_tokens
 
         return steps_for_tokens(self.max_tokens, self.tokens_per_step)
 
 
 def parse_args(argv):
-    from ddl.study import DEFAULT_SEEDS, DEFAULT_VARIANTS
-    from ddl.training import PRESET_RUN_DEFAULTS, PRESETS
+    from ddl_tools.study import DEFAULT_SEEDS, DEFAULT_VARIANTS
+    from ddl_tools.training import PRESET_RUN_DEFAULTS, PRESETS
     from train import ModelArguments
 
     train_args = []
@@ -151,7 +152,7 @@ def parse_args(argv):
 def train_command(settings: StudySettings, variant: str, seed: int, out: str, stats_path: str, tokenizer: str):
     """The command line of one training run: train.py's flags, run through this file's child entry (which records
     peak memory). No evaluation during training: the study evaluates every run afterwards on the same blocks."""
-    from ddl.study import variant_flags
+    from ddl_tools.study import variant_flags
 
     steps = settings.max_steps
     flags = {
@@ -201,7 +202,7 @@ class Evaluator:
         self.texts, self.source = validation_texts(settings)
 
     def __call__(self, model_dir: str, audit: bool) -> dict:
-        from ddl import evaluation
+        from ddl_tools import evaluation
 
         model, tokenizer = self.eval_script.load_checkpoint(model_dir, self.device, self.dtype)
         ids = evaluation.tokenize_documents(tokenizer, self.texts, self.settings.eval_tokens)
@@ -223,7 +224,7 @@ def validation_texts(settings: StudySettings) -> tuple[list[str], str]:
     """The fixed validation text of every run: the embedded corpus's held-out works, --validation_file, or a split
     of --dataset_name (streamed when --streaming, stopping after about --eval_tokens tokens' worth of rows)."""
     if settings.validation_file:
-        from ddl.training import load_raw_datasets
+        from ddl_tools.training import load_raw_datasets
 
         raw, _ = load_raw_datasets(train_file=settings.train_file, validation_file=settings.validation_file)
         return list(raw["validation"]["text"]), settings.validation_file
@@ -239,7 +240,7 @@ def validation_texts(settings: StudySettings) -> tuple[list[str], str]:
             if settings.eval_tokens and chars > 8 * settings.eval_tokens:
                 break
         return texts, f"{settings.dataset_name}:{settings.eval_split}"
-    from ddl.data import CORPUS_NAME, shakespeare_splits
+    from ddl_tools.data import CORPUS_NAME, shakespeare_splits
 
     return shakespeare_splits()["validation"], f"{CORPUS_NAME}:validation (held-out works)"
 
@@ -252,7 +253,7 @@ def shared_tokenizer(settings: StudySettings, study_dir: str) -> str:
     path = os.path.join(study_dir, "tokenizer")
     if os.path.isfile(os.path.join(path, "tokenizer.json")):
         return path
-    from ddl.training import (ensure_validation_split, load_raw_datasets, prepare_tokenizer_for_generation,
+    from ddl_tools.training import (ensure_validation_split, load_raw_datasets, prepare_tokenizer_for_generation,
                               text_batches, train_bpe_tokenizer)
     from train import DataArguments  # train.py's defaults: the same split and tokenizer rows as a training run
 
@@ -309,54 +310,53 @@ def make_launcher(settings: StudySettings, study_dir: str, first_seed: int):
 # ---------------------------------------------------------------------------------------------------- main
 
 
-def main(argv: list[str]) -> int:
-    settings, args = parse_args(argv)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from transformers.utils import logging
+def check_settings(settings: StudySettings, args):
+    """The grid, and a study folder that holds runs of these settings only (raises ValueError)."""
+    from ddl_tools import study
 
-    from ddl import study
-
-    logging.set_verbosity_warning()
-    logging.disable_progress_bar()
-    try:
-        grid = study.build_grid(settings.variants, settings.seeds)
-        if settings.max_tokens < settings.tokens_per_step:
-            raise ValueError(f"--max_tokens {settings.max_tokens:,} is less than one step "
-                             f"({settings.tokens_per_step:,} tokens).")
-        config = {k: v for k, v in asdict(settings).items() if k not in ("variants", "seeds", "launcher")}
-        if not args.report_only:
-            study.check_study_config(args.study_dir, config)
-    except ValueError as err:
-        print(f"study.py: error: {err}", file=sys.stderr)
-        return 2
-    baseline = study.BASELINE if study.BASELINE in settings.variants else settings.variants[0]
-    print(f"study: {len(settings.variants)} variants x {len(settings.seeds)} seeds = {len(grid)} runs; "
-          f"{settings.preset} preset, {settings.max_steps} steps x {settings.tokens_per_step:,} tokens = "
-          f"{settings.max_steps * settings.tokens_per_step:,} tokens per run; runs in {args.study_dir}")
-    summary = {"failed": {}}
+    grid = study.build_grid(settings.variants, settings.seeds)
+    if settings.max_tokens < settings.tokens_per_step:
+        raise ValueError(f"--max_tokens {settings.max_tokens:,} is less than one step ({settings.tokens_per_step:,} "
+                         "tokens).")
+    config = {k: v for k, v in asdict(settings).items() if k not in ("variants", "seeds", "launcher")}
     if not args.report_only:
-        load = os.getloadavg()[0]
-        if load > 0.5 * (os.cpu_count() or 1):
-            print(f"warning: the machine is busy (load average {load:.1f} on {os.cpu_count()} cores): runs will be "
-                  "slower than the budget assumes, and tokens/s and the wall-clock curves will be distorted.")
-        start = time.time()
-        launch = make_launcher(settings, args.study_dir, settings.seeds[0])
+        study.check_study_config(args.study_dir, config)
+    return grid
 
-        def on_event(kind, spec, result):
-            stamp = f"[{(time.time() - start) / 60:5.1f} min]"
-            if kind == "skip":
-                print(f"{stamp} {spec.name}: finished earlier, skipped")
-            elif kind == "start":
-                print(f"{stamp} {spec.name}: training ...", flush=True)
-            elif kind == "done":
-                print(f"{stamp} {spec.name}: val loss {result['val_loss']:.4f} (ppl {result['val_perplexity']:.1f}), "
-                      f"{result['tokens_per_s']:,.0f} tokens/s, {result['parameters']:,} parameters")
-            else:
-                print(f"{stamp} {spec.name}: FAILED: {result['error']}")
 
-        summary = study.run_study(args.study_dir, grid, launch, on_event)
-        print(f"done in {(time.time() - start) / 60:.1f} min: {len(summary['done'])} run(s) trained, "
-              f"{len(summary['skipped'])} skipped, {len(summary['failed'])} failed")
+def train_grid(settings: StudySettings, args, grid) -> dict:
+    """Train and evaluate every run of the grid that is not finished yet, printing one line per event."""
+    from ddl_tools import study
+
+    load = os.getloadavg()[0]
+    if load > 0.5 * (os.cpu_count() or 1):
+        print(f"warning: the machine is busy (load average {load:.1f} on {os.cpu_count()} cores): runs will be "
+              "slower than the budget assumes, and tokens/s and the wall-clock curves will be distorted.")
+    start = time.time()
+
+    def on_event(kind, spec, result):
+        stamp = f"[{(time.time() - start) / 60:5.1f} min] {spec.name}:"
+        if kind == "skip":
+            print(f"{stamp} finished earlier, skipped")
+        elif kind == "start":
+            print(f"{stamp} training ...", flush=True)
+        elif kind == "done":
+            print(f"{stamp} val loss {result['val_loss']:.4f} (ppl {result['val_perplexity']:.1f}), "
+                  f"{result['tokens_per_s']:,.0f} tokens/s, {result['parameters']:,} parameters")
+        else:
+            print(f"{stamp} FAILED: {result['error']}")
+
+    summary = study.run_study(args.study_dir, grid, make_launcher(settings, args.study_dir, settings.seeds[0]),
+                              on_event)
+    print(f"done in {(time.time() - start) / 60:.1f} min: {len(summary['done'])} run(s) trained, "
+          f"{len(summary['skipped'])} skipped, {len(summary['failed'])} failed")
+    return summary
+
+
+def report(settings: StudySettings, args, grid, failed: dict) -> int:
+    """Write the report from the finished runs of the grid and print its headline."""
+    from ddl_tools import study
+
     wanted = {(s.variant, s.seed) for s in grid}
     results = [r for r in study.load_results(args.study_dir) if (r["variant"], r["seed"]) in wanted]
     if not results:
@@ -367,13 +367,33 @@ def main(argv: list[str]) -> int:
              "data": settings.dataset_name or settings.train_file or "embedded Shakespeare (4 held-out works)",
              "seeds": settings.seeds, "extra train.py flags": " ".join(settings.train_args) or "none",
              "device": results[0].get("device")}
-    path = study.write_report(results, args.report_dir, shown, summary["failed"], baseline, settings.variants)
+    baseline = study.BASELINE if study.BASELINE in settings.variants else settings.variants[0]
+    path = study.write_report(results, args.report_dir, shown, failed, baseline, settings.variants)
     print(f"\nreport: {path}\n")
     with open(path, encoding="utf-8") as f:
         text = f.read()
     print(text[text.find("## Final validation loss"):text.find("## Learning curves")].strip())
     print("\n" + text[text.find("## Conclusion"):].strip())
-    return 1 if summary["failed"] else 0
+    return 1 if failed else 0
+
+
+def main(argv: list[str]) -> int:
+    settings, args = parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers.utils import logging
+
+    logging.set_verbosity_warning()
+    logging.disable_progress_bar()
+    try:
+        grid = check_settings(settings, args)
+    except ValueError as err:
+        print(f"study.py: error: {err}", file=sys.stderr)
+        return 2
+    print(f"study: {len(settings.variants)} variants x {len(settings.seeds)} seeds = {len(grid)} runs; "
+          f"{settings.preset} preset, {settings.max_steps} steps x {settings.tokens_per_step:,} tokens = "
+          f"{settings.max_steps * settings.tokens_per_step:,} tokens per run; runs in {args.study_dir}")
+    failed = {} if args.report_only else train_grid(settings, args, grid)["failed"]
+    return report(settings, args, grid, failed)
 
 
 if __name__ == "__main__":

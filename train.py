@@ -73,7 +73,7 @@ from transformers.utils import logging
 import ddl  # noqa: F401  (registers the DDL Auto classes and the code files saved with checkpoints)
 from ddl import DDLConfig, DDLForCausalLM
 from ddl.cpu_kernels import cpu_kernel
-from ddl.training import (
+from ddl_tools.training import (
     PAPER_RECIPE,
     PRESET_RUN_DEFAULTS,
     PRESETS,
@@ -362,32 +362,18 @@ def final_train_loss(log_history) -> float | None:
     return losses[-1] if losses else None
 
 
-# ------------------------------------------------------------------------------------------------------- main
+@dataclass
+class Blocks:
+    """The packed training and validation blocks, and what the run reports about them."""
+
+    train: object
+    eval: object
+    block_size: int
+    train_tokens: int | None  # None when streaming (no length)
+    unigram: float | None  # the context-free reference loss (not computed when streaming)
 
 
-def main(argv: list[str]) -> None:
-    model_args, data_args, run_args, training_args = parse_args(argv)
-    if training_args.should_log:
-        logging.set_verbosity_warning()
-    resume = resolve_resume(training_args, run_args)
-    check_model_source(model_args)
-    with training_args.main_process_first():  # every process checks the output folder before any writes to it
-        pass
-    set_seed(training_args.seed)
-    start = time.time()
-
-    # 1. data: raw text, a validation split, the tokenizer
-    raw, data_info = load_raw_datasets(data_args.dataset_name, data_args.dataset_config_name, data_args.train_file,
-                                       data_args.validation_file, data_args.streaming)
-    raw = ensure_validation_split(raw, data_args.validation_split_percentage, training_args.seed,
-                                  data_info["documents"], data_args.streaming_validation_examples)
-    if data_args.streaming and training_args.do_train and training_args.max_steps <= 0:
-        raise UsageError("--streaming needs --max_steps (a streamed dataset has no length).")
-    tokenizer, tokenizer_source = get_tokenizer(model_args, data_args, training_args, raw, resume)
-
-    # 2. the model
-    model = build_model(model_args, tokenizer, resume)
-    config = model.config
+def choose_block_size(data_args, config) -> int:
     block_size = data_args.block_size or min(PRESET_RUN_DEFAULTS["tiny"]["block_size"], config.max_position_embeddings)
     if block_size > config.max_position_embeddings:
         raise UsageError(f"--block_size {block_size} exceeds the model's context (max_position_embeddings = "
@@ -395,38 +381,58 @@ def main(argv: list[str]) -> None:
                          f"--config_overrides max_position_embeddings={block_size}.")
     if block_size < 2:
         raise UsageError(f"--block_size must be at least 2 (one input and one target token), got {block_size}.")
+    return block_size
 
-    # 3. tokenise and pack
+
+def load_text(data_args, training_args):
+    """Step 1: the raw text with a validation split, and how it is organised."""
+    raw, data_info = load_raw_datasets(data_args.dataset_name, data_args.dataset_config_name, data_args.train_file,
+                                       data_args.validation_file, data_args.streaming)
+    raw = ensure_validation_split(raw, data_args.validation_split_percentage, training_args.seed,
+                                  data_info["documents"], data_args.streaming_validation_examples)
+    if data_args.streaming and training_args.do_train and training_args.max_steps <= 0:
+        raise UsageError("--streaming needs --max_steps (a streamed dataset has no length).")
+    return raw, data_info
+
+
+def pack_blocks(raw, data_info, tokenizer, block_size, vocab_size, data_args, training_args) -> Blocks:
+    """Step 3: tokenise and pack (one process at a time, so that the others reuse the datasets cache)."""
     with training_args.main_process_first(desc="tokenising and packing"):
         packed = tokenize_and_pack(raw, tokenizer, data_args.text_column, block_size, data_info["documents"],
                                    data_args.preprocessing_num_workers, data_args.overwrite_cache)
-    train_dataset, eval_dataset = packed["train"], packed["validation"]
+    train, evaluation = packed["train"], packed["validation"]
     if data_args.max_eval_samples is not None:
-        eval_dataset = (eval_dataset.take(data_args.max_eval_samples) if data_args.streaming
-                        else eval_dataset.select(range(min(len(eval_dataset), data_args.max_eval_samples))))
-    train_tokens = None if data_args.streaming else len(train_dataset) * block_size
+        evaluation = (evaluation.take(data_args.max_eval_samples) if data_args.streaming
+                      else evaluation.select(range(min(len(evaluation), data_args.max_eval_samples))))
+    train_tokens = None if data_args.streaming else len(train) * block_size
     unigram = None
     if not data_args.streaming and training_args.process_index == 0:
-        unigram = unigram_loss(train_dataset, eval_dataset, config.vocab_size)
-    n_params = model.num_parameters()
-    if training_args.process_index == 0:
-        print(f"model: {describe_variant(config)}, {n_params / 1e6:.2f}M parameters, {config.num_hidden_layers} "
-              f"layers x {config.hidden_size}; vocab {config.vocab_size}; block {block_size}")
-        print(f"data: {data_info['name']}" + (f"; {len(train_dataset):,} train blocks ({train_tokens:,} tokens), "
-              f"{len(eval_dataset):,} validation blocks; unigram validation loss {unigram:.3f}"
-              if train_tokens else " (streaming)") + f"; prepared in {time.time() - start:.1f}s")
+        unigram = unigram_loss(train, evaluation, vocab_size)
+    return Blocks(train, evaluation, block_size, train_tokens, unigram)
 
-    # 4. train and evaluate
-    if tokenizer.model_max_length > config.max_position_embeddings:
-        tokenizer.model_max_length = config.max_position_embeddings  # saved with the checkpoint (after packing)
-    trainer = DDLTrainer(model=model, args=training_args, train_dataset=train_dataset if training_args.do_train
-                         else None, eval_dataset=eval_dataset,
-                         processing_class=tokenizer, data_collator=default_data_collator)
+
+def describe_run(model, blocks, data_info, seconds):
+    config = model.config
+    print(f"model: {describe_variant(config)}, {model.num_parameters() / 1e6:.2f}M parameters, "
+          f"{config.num_hidden_layers} layers x {config.hidden_size}; vocab {config.vocab_size}; block "
+          f"{blocks.block_size}")
+    sizes = (f"; {len(blocks.train):,} train blocks ({blocks.train_tokens:,} tokens), {len(blocks.eval):,} validation "
+             f"blocks; unigram validation loss {blocks.unigram:.3f}" if blocks.train_tokens else " (streaming)")
+    print(f"data: {data_info['name']}{sizes}; prepared in {seconds:.1f}s")
+
+
+def build_kernels(config, training_args):
+    """DDL's C++ CPU kernels, built (20-40 s on a fresh machine, once) before the clock of `train_runtime` starts,
+    by one process while the others wait and then load them. Not for bf16/fp16 runs: autocast takes PyTorch."""
+    low_precision = training_args.bf16 or training_args.fp16
+    if training_args.device.type == "cpu" and config.ddl_implementation in ("auto", "triton") and not low_precision:
+        with training_args.main_process_first(desc="DDL's C++ CPU kernel"):
+            cpu_kernel()
+
+
+def train_and_evaluate(trainer, training_args, resume) -> dict:
+    """Step 4: train (from `resume`, if given), then the validation loss of the final weights."""
     metrics = {}
-    low_precision = training_args.bf16 or training_args.fp16  # autocast: the kernel does not serve it
-    if training_args.device.type == "cpu" and config.ddl_impl == "fused" and not low_precision:
-        with training_args.main_process_first(desc="DDL's C++ CPU kernel"):  # one process builds, the others load
-            cpu_kernel()  # its one-time build (20-40 s on a fresh machine) before the clock of train_runtime starts
     if training_args.do_train:
         result = trainer.train(resume_from_checkpoint=resume)
         metrics.update(result.metrics)
@@ -443,46 +449,87 @@ def main(argv: list[str]) -> None:
         eval_metrics["eval_perplexity"] = math.exp(min(eval_metrics["eval_loss"], 50))
         trainer.log_metrics("eval", eval_metrics)
         metrics.update(eval_metrics)
+    return metrics
 
-    # 5. save a complete checkpoint folder: weights, config + code, tokenizer, generation config, state, card
-    finalize_for_saving(model, tokenizer)
+
+def run_metrics(trainer, metrics, model_args, training_args, blocks) -> dict:
+    """What all_results.json and the model card report, beyond Trainer's own metrics."""
+    state = trainer.state
+    tokens_seen = state.num_input_tokens_seen or (
+        state.global_step * training_args.per_device_train_batch_size * blocks.block_size
+        * training_args.gradient_accumulation_steps * training_args.world_size)
+    device = (torch.cuda.get_device_name() if training_args.device.type == "cuda"
+              else f"CPU, {torch.get_num_threads()} torch threads")
+    metrics = dict(metrics, final_train_loss=final_train_loss(state.log_history), tokens_seen=tokens_seen,
+                   unigram_loss=blocks.unigram, device=device)
+    if model_args.init_from_llama or model_args.model_name_or_path:
+        metrics["init_from"] = (f"the Llama checkpoint `{model_args.init_from_llama}`" if model_args.init_from_llama
+                                else f"the DDL checkpoint `{model_args.model_name_or_path}`")
+    return metrics
+
+
+def generate_sample(out, data_args, data_info, seed) -> tuple[str, str]:
+    """Step 6: a sample through `pipeline("text-generation")` from the saved folder (by remote code, as a user
+    would load it)."""
+    generator = pipeline("text-generation", model=out, tokenizer=out, trust_remote_code=True, device="cpu")
+    prompt = data_args.sample_prompt or ("Romeo.\n" if data_info["name"].startswith("shakespeare") else "The")
+    torch.manual_seed(seed)
+    return prompt, generator(prompt, max_new_tokens=data_args.sample_max_new_tokens)[0]["generated_text"]
+
+
+# ------------------------------------------------------------------------------------------------------- main
+
+
+def main(argv: list[str]) -> None:
+    model_args, data_args, run_args, training_args = parse_args(argv)
+    if training_args.should_log:
+        logging.set_verbosity_warning()
+    resume = resolve_resume(training_args, run_args)
+    check_model_source(model_args)
+    set_seed(training_args.seed)
+    start = time.time()
+
+    raw, data_info = load_text(data_args, training_args)  # 1. the text
+    tokenizer, tokenizer_source = get_tokenizer(model_args, data_args, training_args, raw, resume)
+    model = build_model(model_args, tokenizer, resume)  # 2. the model
+    config = model.config
+    block_size = choose_block_size(data_args, config)
+    blocks = pack_blocks(raw, data_info, tokenizer, block_size, config.vocab_size, data_args, training_args)  # 3.
+    if training_args.process_index == 0:
+        describe_run(model, blocks, data_info, time.time() - start)
+    if tokenizer.model_max_length > config.max_position_embeddings:
+        tokenizer.model_max_length = config.max_position_embeddings  # saved with the checkpoint (after packing)
+
+    trainer = DDLTrainer(model=model, args=training_args, train_dataset=blocks.train if training_args.do_train
+                         else None, eval_dataset=blocks.eval, processing_class=tokenizer,
+                         data_collator=default_data_collator)
+    build_kernels(config, training_args)
+    metrics = train_and_evaluate(trainer, training_args, resume)  # 4. train and evaluate
+
+    finalize_for_saving(model, tokenizer)  # 5. a complete checkpoint folder
     trainer.save_model()
     trainer.save_state()
     if not trainer.is_world_process_zero():
         return
     out = training_args.output_dir
-    log_history = trainer.state.log_history
-    tokens_seen = trainer.state.num_input_tokens_seen or (
-        trainer.state.global_step * training_args.per_device_train_batch_size * block_size
-        * training_args.gradient_accumulation_steps * training_args.world_size)
-    device = (torch.cuda.get_device_name() if training_args.device.type == "cuda"
-              else f"CPU, {torch.get_num_threads()} torch threads")
-    metrics.update(final_train_loss=final_train_loss(log_history), tokens_seen=tokens_seen, unigram_loss=unigram,
-                   device=device)
-    if model_args.init_from_llama or model_args.model_name_or_path:
-        metrics["init_from"] = (f"the Llama checkpoint `{model_args.init_from_llama}`" if model_args.init_from_llama
-                                else f"the DDL checkpoint `{model_args.model_name_or_path}`")
+    metrics = run_metrics(trainer, metrics, model_args, training_args, blocks)
     with open(os.path.join(out, "all_results.json"), "w") as f:
         json.dump(metrics, f, indent=2)
-    curve = plot_loss_curve(log_history, os.path.join(out, "loss_curve.png"),
-                            title=f"{describe_variant(config)} on {data_info['name'].split(' (')[0]}", unigram=unigram)
-
-    # 6. a sample through pipeline("text-generation") from the saved folder
-    generator = pipeline("text-generation", model=out, tokenizer=out, trust_remote_code=True, device="cpu")
-    prompt = data_args.sample_prompt or ("Romeo.\n" if data_info["name"].startswith("shakespeare") else "The")
-    torch.manual_seed(training_args.seed)
-    sample = generator(prompt, max_new_tokens=data_args.sample_max_new_tokens)[0]["generated_text"]
-    card = model_card(repo_name=training_args.hub_model_id or os.path.basename(os.path.abspath(out)), config=config,
-                      num_parameters=n_params, data_name=data_info["name"], block_size=block_size,
-                      tokenizer_source=tokenizer_source, train_tokens=train_tokens, tokens_seen=tokens_seen,
-                      steps=trainer.state.global_step, metrics=metrics, training_args=training_args,
-                      loss_curve=curve, unigram=unigram, sample=sample, prompt=prompt)
-    trainer.ddl_model_card = card
+    curve = plot_loss_curve(trainer.state.log_history, os.path.join(out, "loss_curve.png"),
+                            title=f"{describe_variant(config)} on {data_info['name'].split(' (')[0]}",
+                            unigram=blocks.unigram)
+    prompt, sample = generate_sample(out, data_args, data_info, training_args.seed)  # 6. a sample
+    trainer.ddl_model_card = model_card(
+        repo_name=training_args.hub_model_id or os.path.basename(os.path.abspath(out)), config=config,
+        num_parameters=model.num_parameters(), data_name=data_info["name"], block_size=blocks.block_size,
+        tokenizer_source=tokenizer_source, train_tokens=blocks.train_tokens, steps=trainer.state.global_step,
+        metrics=metrics, training_args=training_args, loss_curve=curve, unigram=blocks.unigram, sample=sample,
+        prompt=prompt)
     trainer.create_model_card()
     if training_args.push_to_hub:
         trainer.push_to_hub(commit_message="End of training")
     val = metrics.get("eval_loss")
-    print(f"\nsaved {out} in {time.time() - start:.0f}s: {tokens_seen:,} tokens seen; final train loss "
+    print(f"\nsaved {out} in {time.time() - start:.0f}s: {metrics['tokens_seen']:,} tokens seen; final train loss "
           f"{metrics['final_train_loss']}; validation loss {val if val is None else f'{val:.4f}'} (perplexity "
           f"{metrics.get('eval_perplexity', float('nan')):.2f})")
     print(f"\n--- sample from {out} via pipeline('text-generation') ---\n{sample}")

@@ -1,9 +1,15 @@
-"""Deep Delta Learning for 🤗 transformers: `import ddl` registers the Auto classes."""
+"""Deep Delta Learning for 🤗 transformers: `import ddl` registers the Auto classes.
+
+What a checkpoint ships: `configuration_ddl` (DDLConfig), `modeling_ddl` (the model), `reference` (the operations'
+specifications), `kernels` (the one place that chooses each operation's implementation), and the fast paths it
+chooses from: `fused` (PyTorch), `cpu_kernels` (C++, source in `cpu_kernels_source`), `triton_kernels` (CUDA).
+"""
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .configuration_ddl import DDLConfig
-from .modeling_ddl import DDLForCausalLM, DDLModel, DDLPreTrainedModel, delta_update
+from .modeling_ddl import DDLForCausalLM, DDLModel, DDLPreTrainedModel
+from .reference import delta_update
 
 
 AutoConfig.register(DDLConfig.model_type, DDLConfig, exist_ok=True)

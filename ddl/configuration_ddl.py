@@ -1,5 +1,7 @@
 """DDL model configuration: Llama's configuration plus one group of `ddl_*` fields."""
 
+import os
+
 from huggingface_hub.dataclasses import strict
 from transformers.models.llama.configuration_llama import LlamaConfig
 
@@ -7,7 +9,8 @@ from transformers.models.llama.configuration_llama import LlamaConfig
 DDL_COMPRESSORS = ("cc", "tc")
 DDL_RESIDUAL_MODES = ("delta", "write_only", "additive")
 DDL_VALUE_INPUTS = ("state", "context")
-DDL_IMPLS = ("fused", "reference")
+# How the operations run: a runtime choice, never saved with a checkpoint (see `ddl.kernels`).
+DDL_IMPLEMENTATIONS = ("auto", "triton", "torch", "reference")
 # A saved folder carries these two files; the map lets AutoConfig/AutoModel/AutoModelForCausalLM load it with
 # trust_remote_code=True for someone who never installed `ddl` (save_pretrained alone would record only the
 # class that was saved).
@@ -91,17 +94,14 @@ class DDLConfig(LlamaConfig):
             What the value projection reads: `"state"` = the un-normalised sublayer input x_in (the residual state for
             d_v = 1, the compressed state for d_v > 1), as in the authors' reference code that produced the paper's
             numbers, hence the default; `"context"` = the normalised context c, as written in the paper's text.
-        ddl_impl (`str`, *optional*, defaults to `"fused"`):
-            Implementation of the update, the TC/CC readout and EC: `"reference"` = the pure-PyTorch specifications
-            `delta_update`, `causal_token_readout` and `causal_token_conv` (autograd keeps every intermediate);
-            `"fused"` = `ddl.kernels.fused_delta_update` and `fused_token_readout`, same numbers, custom autograd
-            functions that keep only their inputs and write their gradients in place (faster, less training memory),
-            plus, on CPU, C++ kernels for each sublayer's gate + value + update and for the readout
-            (`ddl.cpu_kernels`, built on first use; without them, `decoding_residual` for CPU decoding steps), and
-            Triton kernels for the update, the readout and EC on CUDA when triton is installed.
         qk_norm (`bool`, *optional*, defaults to False):
             RMSNorm on queries and keys per head (the paper's runs used it; Llama does not). Uses transformers'
             Qwen3 attention, whose parameters add `self_attn.q_norm` / `self_attn.k_norm` to Llama's names.
+
+    Runtime choice, not saved with a checkpoint (like transformers' `attn_implementation`): `ddl_implementation`
+    (`"auto"` | `"triton"` | `"torch"` | `"reference"`, see `ddl.kernels`) chooses how the update, the compressors and
+    EC run on this machine. Set it on the config, pass it to `from_pretrained(..., ddl_implementation="torch")`, or
+    set the environment variable `DDL_IMPLEMENTATION`; default `"auto"`.
 
     Derived fields (set from the above; do not edit): `layer_types` marks the layers whose cache also holds
     token-axis convolution histories (`"hybrid"`), and `number_of_conv_states` / `per_layer_config` say how many
@@ -131,12 +131,17 @@ class DDLConfig(LlamaConfig):
     ddl_k_eps: float = 1e-5
     ddl_v_sigmoid_scale: float | None = 4.0
     ddl_value_input: str = "state"
-    ddl_impl: str = "fused"
     qk_norm: bool = False
     layer_types: list[str] | None = None
     number_of_conv_states: int = 0
 
     def __post_init__(self, **kwargs):
+        # A runtime choice (checkpoints saved before it was one carry `ddl_impl`: "fused" = "auto").
+        legacy = kwargs.pop("ddl_impl", None)
+        implementation = kwargs.pop("ddl_implementation", None)
+        self._ddl_implementation = None
+        if implementation is not None or legacy == "reference":
+            self.ddl_implementation = implementation or "reference"
         if self.ddl_embed_conv is None:
             self.ddl_embed_conv = self.ddl_value_channels > 1
         # The cache layout is derived, never taken from the caller (a saved config.json carries a copy of it).
@@ -155,6 +160,27 @@ class DDLConfig(LlamaConfig):
             kwargs["per_layer_config"] = overrides
         super().__post_init__(**kwargs)
 
+    @property
+    def ddl_implementation(self) -> str:
+        """How DDL's operations run here (`ddl.kernels`): set on this config, else `DDL_IMPLEMENTATION`, else auto."""
+        if self._ddl_implementation is not None:
+            return self._ddl_implementation
+        name = os.environ.get("DDL_IMPLEMENTATION", "").strip().lower() or "auto"
+        if name not in DDL_IMPLEMENTATIONS:
+            raise ValueError(f"DDL_IMPLEMENTATION={name!r} must be one of {DDL_IMPLEMENTATIONS}; unset it or pick one.")
+        return name
+
+    @ddl_implementation.setter
+    def ddl_implementation(self, name: str | None):
+        if name is not None and name not in DDL_IMPLEMENTATIONS:
+            raise ValueError(f"ddl_implementation must be one of {DDL_IMPLEMENTATIONS} (see ddl.kernels), got {name!r}.")
+        self._ddl_implementation = name
+
+    def to_dict(self):
+        output = super().to_dict()
+        output.pop("_ddl_implementation", None)  # a runtime choice: a checkpoint must not pin another machine's
+        return output
+
     def validate_architecture(self):
         """Checked at construction (and by `config.validate()`): every DDL field, with what is allowed."""
         super().validate_architecture()
@@ -170,8 +196,6 @@ class DDLConfig(LlamaConfig):
             raise bad("ddl_residual", f"one of {DDL_RESIDUAL_MODES}")
         if self.ddl_value_input not in DDL_VALUE_INPUTS:
             raise bad("ddl_value_input", f"one of {DDL_VALUE_INPUTS}")
-        if self.ddl_impl not in DDL_IMPLS:
-            raise bad("ddl_impl", f"one of {DDL_IMPLS}")
         if not 0.0 <= self.ddl_beta_init <= 2.0:
             raise bad("ddl_beta_init", "in [0, 2] (0 = identity, 1 = projection, 2 = reflection)")
         for field in ("ddl_state_kernel_size", "ddl_embed_kernel_size"):

@@ -1,22 +1,24 @@
 r"""C++ kernels for CPU: one sublayer's whole residual seam (the gate, the value and the delta update, forward and
 backward, in one pass over each token's rows), the TC readout (CC: one tap), and a TC decoding step's readout of
-its cached window. Built on first use with PyTorch's
-C++ extension tools (`torch.utils.cpp_extension.load_inline`, cached under `~/.cache/torch_extensions`), on Linux;
-never required: without a C++ compiler or ninja, on other systems, or with `DDL_CPU_KERNEL=0`, DDL runs the PyTorch
-functions of `ddl.kernels`, which compute the same numbers up to rounding (summation order; an fp64 model's gate
-logit is fp64 here, fp32 there).
+its cached window. `ddl.kernels` calls them where they apply (Linux, CPU tensors in fp32 or fp64, eager mode).
 
-Why: in eager PyTorch each of the ~17 operations of a sublayer's seam is a separate pass over a `(B, T, d)` tensor
-(the gate and value projections to 1-4 outputs run as matrix-vector products at a fraction of the memory speed), and
-a decoding step pays ~12 dispatches for a handful of numbers. Here each token's row is read once for its dot
-products and once for its writes, while it is in cache, and a decoding step is one call.
+They are built on first use with PyTorch's C++ extension tools (`torch.utils.cpp_extension.load_inline`, cached under
+`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`), from the source in `ddl.cpu_kernels_source`, and never
+required: without a C++ compiler or ninja, on other systems, or with `DDL_CPU_KERNEL=0` (or the implementation
+"torch"), DDL runs the PyTorch functions of `ddl.fused`, which compute the same numbers up to rounding (summation
+order; an fp64 model's gate logit is fp64 here, fp32 there).
+
+Why: in eager PyTorch each operation of a sublayer's seam is a separate pass over a `(B, T, d)` tensor (the gate and
+value projections to 1-4 outputs run as matrix-vector products, far below the memory speed), and a decoding step pays
+a dispatch per operation for a handful of numbers. Here each token's row is read once for its dot products and once
+for its writes, while it is in cache, and a decoding step is one call.
 
 Per token (rows of length d; the state X has d_v rows, `(B, T, d)` when d_v = 1 or `(B, T, d_v, d)`), the same
-numbers as `gate -> value -> delta_update` (modeling_ddl):
+numbers as `reference.delta_residual`:
     beta = 2 sigmoid(w . c + b),   v_j = s_v sigmoid(W_v[j] . u + b_v[j])  (or W_v[j] . u + b_v[j] when s_v = None)
     s = 1 / sqrt(|h|^2 + eps^2),   t_j = v_j - s h . X_j  (write-only: t_j = v_j)
     X_next_j = X_j + h (beta s t_j)
-and the backward of `kernels._DeltaUpdate`, followed by the gate's and the value's:
+and the backward of `fused._DeltaUpdate`, followed by the gate's and the value's:
     b_j = h . G_j,   c_j = s b_j,   dv_j = beta c_j,   dbeta = sum_j c_j t_j
     dX_j = G_j - h (beta s c_j),   dh = sum_j G_j (s beta t_j) - X_j (s beta c_j) - h s^3 beta (sum_j b_j t_j - hX_j c_j)
     dz = dbeta beta (1 - beta/2),  dy_j = dv_j v_j (1 - v_j / s_v)  (dv_j without the sigmoid)
@@ -33,324 +35,17 @@ import torch
 from torch.autograd.function import once_differentiable
 from transformers.utils import logging
 
+from .cpu_kernels_source import SOURCE
+from .fused import readout_backward, readout_with_history
+
 
 logger = logging.get_logger(__name__)
-
-_SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <algorithm>
-#include <cmath>
-#include <mutex>
-#include <vector>
-
-namespace {
-
-// Sums over tokens of per-token vectors (the weight gradients). Each chunk of tokens accumulates in T (vectorised,
-// in a buffer of its own: no false sharing) and flushes into double every 64 tokens; the chunks' sums are then added
-// in token order, so the result does not depend on which thread finished first.
-class TokenSums {
- public:
-  explicit TokenSums(int64_t width) : width_(width) {}
-  template <typename T>
-  void flush(std::vector<T>& partial, std::vector<double>& sums) {
-    for (int64_t k = 0; k < width_; ++k) { sums[k] += double(partial[k]); partial[k] = T(0); }
-  }
-  void add(int64_t begin, std::vector<double>&& sums) {
-    std::lock_guard<std::mutex> guard(lock_);
-    chunks_.emplace_back(begin, std::move(sums));
-  }
-  std::vector<double> total() {
-    std::sort(chunks_.begin(), chunks_.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
-    std::vector<double> out(width_, 0.0);
-    for (const auto& chunk : chunks_)
-      for (int64_t k = 0; k < width_; ++k) out[k] += chunk.second[k];
-    return out;
-  }
-  static constexpr int64_t kFlushEvery = 64;
-
- private:
-  int64_t width_;
-  std::mutex lock_;
-  std::vector<std::pair<int64_t, std::vector<double>>> chunks_;
-};
-
-// u_kind: 0 = u is its own tensor, 1 = u is c (value from the normalised input), 2 = u is the d_v = 1 state X.
-template <typename T>
-void seam_forward(const T* x, const T* h, const T* c, const T* u, const T* wb, T bb, const T* wv, const T* bv,
-                  double scale, double eps, bool erase, int64_t n, int64_t nv, int64_t d, T* out, T* beta_out,
-                  T* v_out, T* s_out, T* hx_out) {
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    std::vector<T> coef(nv);
-    for (int64_t t = begin; t < end; ++t) {
-      const T* xt = x + t * nv * d; const T* ht = h + t * d; const T* ct = c + t * d; const T* ut = u + t * d;
-      T z = 0, hh = 0;
-#pragma omp simd reduction(+ : z, hh)
-      for (int64_t i = 0; i < d; ++i) { z += ct[i] * wb[i]; hh += ht[i] * ht[i]; }
-      const T beta = T(2) / (T(1) + std::exp(-(z + bb)));
-      const T s = T(1) / std::sqrt(hh + T(eps * eps));
-      for (int64_t j = 0; j < nv; ++j) {
-        const T* xj = xt + j * d; const T* wj = wv + j * d;
-        T y = 0, hx = 0;
-        if (erase) {
-#pragma omp simd reduction(+ : y, hx)
-          for (int64_t i = 0; i < d; ++i) { y += ut[i] * wj[i]; hx += ht[i] * xj[i]; }
-        } else {
-#pragma omp simd reduction(+ : y)
-          for (int64_t i = 0; i < d; ++i) y += ut[i] * wj[i];
-        }
-        y += bv[j];
-        const T v = scale > 0 ? T(scale) / (T(1) + std::exp(-y)) : y;
-        coef[j] = beta * s * (v - s * hx);
-        if (v_out) { v_out[t * nv + j] = v; hx_out[t * nv + j] = hx; }
-      }
-      if (beta_out) { beta_out[t] = beta; s_out[t] = s; }
-      T* ot = out + t * nv * d;
-      for (int64_t j = 0; j < nv; ++j) {
-        const T* xj = xt + j * d; T* oj = ot + j * d; const T cj = coef[j];
-#pragma omp simd
-        for (int64_t i = 0; i < d; ++i) oj[i] = xj[i] + ht[i] * cj;
-      }
-    }
-  });
-}
-
-template <typename T>
-void seam_backward(const T* g, const T* x, const T* h, const T* c, const T* u, const T* wb, const T* wv,
-                   const T* beta_s, const T* v_s, const T* s_s, const T* hx_s, double scale, bool erase, int64_t u_kind,
-                   int64_t n, int64_t nv, int64_t d, T* gx, T* gh, T* gc, T* gu, T* gwb, T* gbb, T* gwv, T* gbv) {
-  const int64_t width = d + 1 + nv * d + nv;  // the weight gradients: dw, db, dW_v, db_v
-  TokenSums sums(width);
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    std::vector<T> partial(width, T(0));
-    std::vector<double> chunk(width, 0.0);
-    T* acc = partial.data();
-    std::vector<T> b(nv), a_g(nv), a_x(nv), dy(nv);
-    for (int64_t t = begin; t < end; ++t) {
-      const T* gt = g + t * nv * d; const T* xt = x + t * nv * d; const T* ht = h + t * d;
-      const T* ct = c + t * d; const T* ut = u + t * d;
-      const T beta = beta_s[t], s = s_s[t];
-      T dbeta = 0, h_dot = 0;
-      for (int64_t j = 0; j < nv; ++j) {
-        const T* gj = gt + j * d; T bj = 0;
-#pragma omp simd reduction(+ : bj)
-        for (int64_t i = 0; i < d; ++i) bj += ht[i] * gj[i];
-        const T v = v_s[t * nv + j], hx = erase ? hx_s[t * nv + j] : T(0);
-        const T tj = v - s * hx, cj = s * bj;
-        dbeta += cj * tj;
-        h_dot += bj * tj - hx * cj;
-        b[j] = bj;
-        a_g[j] = s * beta * tj;                      // dh += G_j a_g
-        a_x[j] = erase ? s * beta * cj : T(0);       // dh -= X_j a_x,  dX_j = G_j - h a_x
-        const T dv = beta * cj;
-        dy[j] = scale > 0 ? dv * v * (T(1) - v / T(scale)) : dv;
-      }
-      const T a_h = s * s * s * beta * h_dot;       // dh -= h a_h
-      const T dz = dbeta * beta * (T(1) - beta / T(2));
-      T* ght = gh + t * d; T* gxt = gx + t * nv * d; T* gct = gc + t * d;
-      for (int64_t i = 0; i < d; ++i) ght[i] = -ht[i] * a_h;
-      for (int64_t j = 0; j < nv; ++j) {
-        const T* gj = gt + j * d; const T* xj = xt + j * d; T* gxj = gxt + j * d;
-        const T ag = a_g[j], ax = a_x[j];
-#pragma omp simd
-        for (int64_t i = 0; i < d; ++i) {
-          ght[i] += gj[i] * ag - xj[i] * ax;
-          gxj[i] = gj[i] - ht[i] * ax;
-        }
-      }
-#pragma omp simd
-      for (int64_t i = 0; i < d; ++i) gct[i] = dz * wb[i];
-      // the value's input gradient: into dc (u = c), dX (u = the d_v = 1 state) or its own tensor
-      T* gut = u_kind == 1 ? gct : (u_kind == 2 ? gxt : gu + t * d);
-      if (u_kind == 0) for (int64_t i = 0; i < d; ++i) gut[i] = 0;
-      for (int64_t j = 0; j < nv; ++j) {
-        const T* wj = wv + j * d; const T dyj = dy[j];
-#pragma omp simd
-        for (int64_t i = 0; i < d; ++i) gut[i] += dyj * wj[i];
-      }
-      T* awb = acc; T* awv = acc + d + 1;
-#pragma omp simd
-      for (int64_t i = 0; i < d; ++i) awb[i] += dz * ct[i];
-      acc[d] += dz;
-      for (int64_t j = 0; j < nv; ++j) {
-        T* awj = awv + j * d; const T dyj = dy[j];
-#pragma omp simd
-        for (int64_t i = 0; i < d; ++i) awj[i] += dyj * ut[i];
-        awv[nv * d + j] += dyj;
-      }
-      if ((t - begin + 1) % TokenSums::kFlushEvery == 0) sums.flush(partial, chunk);
-    }
-    sums.flush(partial, chunk);
-    sums.add(begin, std::move(chunk));
-  });
-  const std::vector<double> total = sums.total();
-  for (int64_t k = 0; k < width; ++k) {
-    T* dst = k < d ? gwb + k : (k == d ? gbb : (k < d + 1 + nv * d ? gwv + (k - d - 1) : gbv + (k - d - 1 - nv * d)));
-    *dst = T(total[k]);
-  }
-}
-
-std::vector<at::Tensor> residual_forward(const at::Tensor& x, const at::Tensor& h, const at::Tensor& c,
-                                         const at::Tensor& u, const at::Tensor& wb, const at::Tensor& bb,
-                                         const at::Tensor& wv, const at::Tensor& bv, double scale, double eps,
-                                         bool erase, bool save) {
-  const int64_t d = h.size(-1), n = h.numel() / d, nv = wv.size(0);
-  TORCH_CHECK(x.numel() == n * nv * d && c.numel() == n * d && u.numel() == n * d && wb.numel() == d &&
-              bb.numel() == 1 && wv.size(1) == d && bv.numel() == nv, "ddl residual_forward: mismatched shapes");
-  auto out = at::empty_like(x);
-  at::Tensor stats;  // None when nothing is saved (inference)
-  if (save) stats = at::empty({n * (2 + 2 * nv)}, h.options());
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "ddl_residual_forward", [&] {
-    scalar_t* st = save ? stats.data_ptr<scalar_t>() : nullptr;
-    seam_forward<scalar_t>(x.data_ptr<scalar_t>(), h.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(),
-                           u.data_ptr<scalar_t>(), wb.data_ptr<scalar_t>(), *bb.data_ptr<scalar_t>(),
-                           wv.data_ptr<scalar_t>(), bv.data_ptr<scalar_t>(), scale, eps, erase, n, nv, d,
-                           out.data_ptr<scalar_t>(), save ? st : nullptr, save ? st + 2 * n : nullptr,
-                           save ? st + n : nullptr, save ? st + 2 * n + n * nv : nullptr);
-  });
-  return {out, stats};
-}
-
-std::vector<at::Tensor> residual_backward(const at::Tensor& g, const at::Tensor& x, const at::Tensor& h,
-                                          const at::Tensor& c, const at::Tensor& u, const at::Tensor& wb,
-                                          const at::Tensor& wv, const at::Tensor& stats, double scale, bool erase,
-                                          int64_t u_kind) {
-  const int64_t d = h.size(-1), n = h.numel() / d, nv = wv.size(0);
-  TORCH_CHECK(g.numel() == x.numel() && x.numel() == n * nv * d && stats.numel() == n * (2 + 2 * nv),
-              "ddl residual_backward: mismatched shapes");
-  auto gx = at::empty_like(x), gh = at::empty_like(h), gc = at::empty_like(c);
-  auto gu = u_kind == 0 ? at::empty_like(u) : at::empty({0}, u.options());
-  auto gwb = at::empty_like(wb), gbb = at::empty({1}, wb.options()), gwv = at::empty_like(wv);
-  auto gbv = at::empty({nv}, wv.options());
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "ddl_residual_backward", [&] {
-    const scalar_t* st = stats.data_ptr<scalar_t>();
-    seam_backward<scalar_t>(g.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), h.data_ptr<scalar_t>(),
-                            c.data_ptr<scalar_t>(), u.data_ptr<scalar_t>(), wb.data_ptr<scalar_t>(),
-                            wv.data_ptr<scalar_t>(), st, st + 2 * n, st + n, st + 2 * n + n * nv, scale, erase, u_kind,
-                            n, nv, d, gx.data_ptr<scalar_t>(), gh.data_ptr<scalar_t>(), gc.data_ptr<scalar_t>(),
-                            u_kind == 0 ? gu.data_ptr<scalar_t>() : nullptr, gwb.data_ptr<scalar_t>(),
-                            gbb.data_ptr<scalar_t>(), gwv.data_ptr<scalar_t>(), gbv.data_ptr<scalar_t>());
-  });
-  return {gx, gh, gc, gu, gwb, gbb, gwv, gbv};
-}
-
-
-// The TC readout (CC: one tap): y[t, i] = sum_s sum_j taps[s, j, i] X[t - (K-1) + s, j, i], zero before token 0.
-template <typename T>
-void readout_forward_impl(const T* x, const T* taps, int64_t batch, int64_t len, int64_t k, int64_t nv, int64_t d,
-                          T* y) {
-  at::parallel_for(0, batch * len, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t bt = begin; bt < end; ++bt) {
-      const int64_t t = bt % len;
-      T* yt = y + bt * d;
-      for (int64_t i = 0; i < d; ++i) yt[i] = 0;
-      for (int64_t s = std::max<int64_t>(0, k - 1 - t); s < k; ++s) {
-        const T* xs = x + (bt - (k - 1) + s) * nv * d;
-        for (int64_t j = 0; j < nv; ++j) {
-          const T* xj = xs + j * d; const T* w = taps + (s * nv + j) * d;
-#pragma omp simd
-          for (int64_t i = 0; i < d; ++i) yt[i] += w[i] * xj[i];
-        }
-      }
-    }
-  });
-}
-
-// dX[t, j, i] = sum_s taps[s, j, i] G[t + (K-1) - s, i];  dtaps[s, j, i] = sum_t X[t - (K-1) + s, j, i] G[t, i].
-template <typename T>
-void readout_backward_impl(const T* g, const T* x, const T* taps, int64_t batch, int64_t len, int64_t k, int64_t nv,
-                           int64_t d, T* gx, T* gtaps) {
-  const int64_t width = k * nv * d;  // the tap gradients
-  TokenSums sums(width);
-  at::parallel_for(0, batch * len, 16, [&](int64_t begin, int64_t end) {
-    std::vector<T> partial(width, T(0));
-    std::vector<double> chunk(width, 0.0);
-    for (int64_t bt = begin; bt < end; ++bt) {
-      const int64_t t = bt % len;
-      T* gxt = gx + bt * nv * d; const T* xt = x + bt * nv * d;
-      for (int64_t i = 0; i < nv * d; ++i) gxt[i] = 0;
-      for (int64_t s = std::max<int64_t>(0, t + k - len); s < k; ++s) {  // output t + (K-1) - s reads t via tap s
-        const T* gs = g + (bt + (k - 1) - s) * d;
-        for (int64_t j = 0; j < nv; ++j) {
-          const T* w = taps + (s * nv + j) * d; T* gxj = gxt + j * d; const T* xj = xt + j * d;
-          T* pw = partial.data() + (s * nv + j) * d;
-#pragma omp simd
-          for (int64_t i = 0; i < d; ++i) { gxj[i] += w[i] * gs[i]; pw[i] += xj[i] * gs[i]; }
-        }
-      }
-      if ((bt - begin + 1) % TokenSums::kFlushEvery == 0) sums.flush(partial, chunk);
-    }
-    sums.flush(partial, chunk);
-    sums.add(begin, std::move(chunk));
-  });
-  const std::vector<double> total = sums.total();
-  for (int64_t q = 0; q < width; ++q) gtaps[q] = T(total[q]);
-}
-
-at::Tensor readout_forward(const at::Tensor& x, const at::Tensor& taps) {
-  const int64_t batch = x.size(0), len = x.size(1), nv = x.size(2), d = x.size(3), k = taps.size(0);
-  TORCH_CHECK(taps.size(1) == nv && taps.size(2) == d, "ddl readout_forward: taps must be (K, d_v, d)");
-  auto y = at::empty({batch, len, d}, x.options());
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "ddl_readout_forward", [&] {
-    readout_forward_impl<scalar_t>(x.data_ptr<scalar_t>(), taps.data_ptr<scalar_t>(), batch, len, k, nv, d,
-                                   y.data_ptr<scalar_t>());
-  });
-  return y;
-}
-
-std::vector<at::Tensor> readout_backward(const at::Tensor& g, const at::Tensor& x, const at::Tensor& taps) {
-  const int64_t batch = x.size(0), len = x.size(1), nv = x.size(2), d = x.size(3), k = taps.size(0);
-  TORCH_CHECK(taps.size(1) == nv && taps.size(2) == d && g.numel() == batch * len * d,
-              "ddl readout_backward: taps must be (K, d_v, d) and the gradient (B, T, d)");
-  auto gx = at::empty_like(x), gtaps = at::empty_like(taps);
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "ddl_readout_backward", [&] {
-    readout_backward_impl<scalar_t>(g.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), taps.data_ptr<scalar_t>(), batch,
-                                    len, k, nv, d, gx.data_ptr<scalar_t>(), gtaps.data_ptr<scalar_t>());
-  });
-  return {gx, gtaps};
-}
-
-// One decoding step of the TC readout from its window where the cache holds it, time last: w (B, d_v*d, K) and
-// taps (d_v, d, K) in the same layout; y[b, i] = sum_j sum_s taps[j, i, s] w[b, j*d + i, s].
-template <typename T>
-void window_readout_impl(const T* w, const T* taps, int64_t batch, int64_t nv, int64_t d, int64_t k, T* y) {
-  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const T* wb = w + b * nv * d * k; T* yb = y + b * d;
-      for (int64_t i = 0; i < d; ++i) yb[i] = 0;
-      for (int64_t j = 0; j < nv; ++j) {
-        const T* wj = wb + j * d * k; const T* tj = taps + j * d * k;
-        for (int64_t i = 0; i < d; ++i) {
-          T acc = 0;
-          for (int64_t s = 0; s < k; ++s) acc += wj[i * k + s] * tj[i * k + s];
-          yb[i] += acc;
-        }
-      }
-    }
-  });
-}
-
-at::Tensor window_readout(const at::Tensor& w, const at::Tensor& taps) {
-  TORCH_CHECK(w.dim() == 3 && taps.dim() == 3 && w.is_contiguous() && taps.is_contiguous(),
-              "ddl window_readout: the window must be (B, d_v*d, K) and the taps (d_v, d, K), both contiguous");
-  const int64_t batch = w.size(0), nv = taps.size(0), d = taps.size(1), k = taps.size(2);
-  TORCH_CHECK(w.size(1) == nv * d && w.size(2) == k, "ddl window_readout: the window must be (B, d_v*d, K)");
-  auto y = at::empty({batch, d}, w.options());
-  AT_DISPATCH_FLOATING_TYPES(w.scalar_type(), "ddl_window_readout", [&] {
-    window_readout_impl<scalar_t>(w.data_ptr<scalar_t>(), taps.data_ptr<scalar_t>(), batch, nv, d, k,
-                                  y.data_ptr<scalar_t>());
-  });
-  return y;
-}
-
-}  // namespace
-"""
 
 
 def _library_name():
     """One name per source text, so that an edited kernel is rebuilt instead of loading a stale build; AVX2 builds
     get their own name, so that a cache shared by machines with different instruction sets keeps one of each."""
-    return "ddl_cpu_" + hashlib.sha1((_SOURCE + " ".join(_flags())).encode()).hexdigest()[:12]
+    return "ddl_cpu_" + hashlib.sha1((SOURCE + " ".join(_flags())).encode()).hexdigest()[:12]
 
 
 def _flags():
@@ -401,7 +96,7 @@ def _build():
                 "torch's extension cache (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions)."
             )
         functions = ["residual_forward", "residual_backward", "readout_forward", "readout_backward", "window_readout"]
-        return load_inline(name, cpp_sources=_SOURCE, functions=functions, extra_cflags=_flags(), verbose=False)
+        return load_inline(name, cpp_sources=SOURCE, functions=functions, extra_cflags=_flags(), verbose=False)
     except Exception as error:  # no compiler, no ninja, a failed build: the PyTorch path serves
         logger.warning(f"DDL: the C++ CPU kernel could not be built, so DDL uses the PyTorch path (same numbers up "
                        f"to rounding, slower): {type(error).__name__}: {str(error)[-1500:]}")
@@ -418,10 +113,32 @@ def _is_built(name):
         return False
 
 
+def eager_cpu_float(x):
+    """CPU, fp32 or fp64, no autocast, not traced by torch.compile or torch.jit.trace: where the C++ kernels compute
+    the specs' numbers (under autocast the sublayer outputs come in another dtype; a trace must not build)."""
+    dtype = x.dtype
+    return (
+        x.is_cpu
+        and (dtype is torch.float32 or dtype is torch.float64)
+        and not _autocast_enabled("cpu")
+        and not _is_compiling()
+        and not _is_tracing()
+    )
+
+
+# looked up once: attribute lookups through `torch.` cost microseconds per sublayer of a decoding step
+_autocast_enabled, _is_compiling = torch.is_autocast_enabled, torch.compiler.is_compiling
+_is_tracing = torch.jit.is_tracing
+
+
+def _ready(x):
+    """`eager_cpu_float` and the kernel built (never built inside a trace)."""
+    return eager_cpu_float(x) and bool(_ops or (_ops is None and cpu_kernel() is not None))
+
+
 def cpu_residual_applies(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias):
     """Whether `cpu_residual` serves these inputs: all on the CPU and all fp32 or all fp64 (the parameters
-    included), no autocast, not traced. Checked on every sublayer of every decoding step, so written out flat: in
-    a decoding step a generic version cost ~5 us per sublayer, as much as the kernel itself."""
+    included), no autocast, not traced. Checked on every sublayer of every decoding step, so written out flat."""
     dtype = x.dtype
     return (
         h.dtype is dtype
@@ -433,58 +150,8 @@ def cpu_residual_applies(x, h, c, u, gate_weight, gate_bias, value_weight, value
         and value_bias.dtype is dtype
         and gate_weight.is_cpu
         and value_weight.is_cpu
-        and _cpu_ready(x)
+        and _ready(x)
     )
-
-
-# looked up once: attribute lookups through `torch.` cost a few microseconds per decoding sublayer in context
-_autocast_enabled, _is_compiling = torch.is_autocast_enabled, torch.compiler.is_compiling
-_is_tracing = torch.jit.is_tracing
-
-
-def eager_cpu_float(x):
-    """CPU, fp32 or fp64, no autocast, not traced by torch.compile or torch.jit.trace: where the CPU fast paths
-    (these kernels, and `kernels.decoding_residual` without them) compute the specs' numbers."""
-    dtype = x.dtype
-    return (
-        x.is_cpu
-        and (dtype is torch.float32 or dtype is torch.float64)
-        and not _autocast_enabled("cpu")
-        and not _is_compiling()
-        and not _is_tracing()
-    )
-
-
-def _cpu_ready(x):
-    """`eager_cpu_float` and the kernel built."""
-    return eager_cpu_float(x) and bool(_ops or (_ops is None and cpu_kernel() is not None))  # never builds in a trace
-
-
-def cpu_readout_applies(x, taps):
-    """Whether `cpu_readout_forward` / `cpu_readout_backward` serve a state `(B, T, d_v, d)` and taps `(K, d_v, d)`."""
-    return taps.dtype is x.dtype and taps.is_cpu and _cpu_ready(x)
-
-
-def cpu_readout_forward(x, taps):
-    """`kernels._readout_forward` (the TC readout, CC with one tap) in one pass over the state (a stride-0 repeated
-    state, d_v > 1 without EC, is copied first)."""
-    return cpu_kernel().readout_forward(x.contiguous(), taps.contiguous())
-
-
-def cpu_readout_backward(grad, x, taps):
-    """The gradients of the state and of the taps in one pass: `(dX, dtaps)`."""
-    return tuple(cpu_kernel().readout_backward(grad.contiguous(), x.contiguous(), taps.contiguous()))
-
-
-def cpu_window_readout_applies(window, taps):
-    """Whether `cpu_window_readout` serves a decoding step's window `(B, d_v*d, K)` and taps `(d_v, d, K)`: no
-    autograd (it has no backward), same dtype."""
-    return taps.dtype is window.dtype and taps.is_cpu and not torch.is_grad_enabled() and _cpu_ready(window)
-
-
-def cpu_window_readout(window, taps):
-    """`kernels.decoding_token_readout` in one pass: `(B, d)`."""
-    return cpu_kernel().window_readout(window.contiguous(), taps.contiguous())
 
 
 class _Residual(torch.autograd.Function):
@@ -506,15 +173,67 @@ class _Residual(torch.autograd.Function):
         return gx, gh, gc, gu if ctx.u_kind == 0 else None, gw, gb, gwv, gbv, None, None, None, None
 
 
-def cpu_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, erase):
-    """Gate, value and delta update of one sublayer through the C++ kernel (check `cpu_residual_applies` first);
-    the same contract as `kernels.decoding_residual`, for any number of tokens, with autograd."""
+def cpu_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale=4.0, k_eps=1e-5,
+                 mode="delta"):
+    """`reference.delta_residual` (a single linear gate) through the C++ kernel, for any number of tokens, with
+    autograd (check `cpu_residual_applies` first)."""
     u_kind = 1 if u is c else (2 if u is x and x.dim() == h.dim() else 0)  # before any copy: by identity
     x = x.contiguous()  # the stride-0 repeated embeddings of a d_v > 1 model without EC
     u = x if u_kind == 2 else u.contiguous()
     args = (x, h.contiguous(), c.contiguous(), u, gate_weight.contiguous(), gate_bias.contiguous(),
             value_weight.contiguous(), value_bias.contiguous(), -1.0 if v_scale is None else float(v_scale),
-            float(k_eps), erase)
+            float(k_eps), mode == "delta")
     if torch.is_grad_enabled():
         return _Residual.apply(*args, u_kind)
     return cpu_kernel().residual_forward(*args, False)[0]
+
+
+def cpu_readout_applies(x, weight):
+    """Whether `cpu_token_readout` serves a state `(B, T, d_v, d)` and a weight `(K, d, d_v)`."""
+    return weight.dtype is x.dtype and weight.is_cpu and _ready(x)
+
+
+class _Readout(torch.autograd.Function):
+    """The readout of a state `(B, T, d_v, d)` by taps `(K, d_v, d)`, forward and backward in one pass each."""
+
+    @staticmethod
+    def forward(ctx, x, taps):
+        ctx.save_for_backward(x, taps)
+        return cpu_kernel().readout_forward(x.contiguous(), taps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, taps = ctx.saved_tensors
+        if torch.is_grad_enabled() or grad.dtype is not x.dtype:  # create_graph: the C++ gradients carry no graph
+            return readout_backward(grad, x, taps, *ctx.needs_input_grad)
+        return tuple(cpu_kernel().readout_backward(grad.contiguous(), x.contiguous(), taps))
+
+
+def _readout(x, taps):
+    if torch.is_grad_enabled():
+        return _Readout.apply(x, taps)
+    return cpu_kernel().readout_forward(x.contiguous(), taps)  # (a stride-0 repeated state is copied first)
+
+
+def cpu_token_readout(x, weight, history=None):
+    """`reference.causal_token_readout` (TC; CC with one tap) through the C++ kernel (check `cpu_readout_applies`)."""
+    return readout_with_history(_readout, x, weight, history)
+
+
+def cpu_window_readout_applies(window, weight):
+    """Whether `cpu_window_readout` serves a decoding step's window `(B, d_v*d, K)` and a weight `(K, d, d_v)`: no
+    autograd (it has no backward), the same dtype."""
+    return weight.dtype is window.dtype and weight.is_cpu and not torch.is_grad_enabled() and _ready(window)
+
+
+def cpu_window_readout(window, weight):
+    r"""The TC readout of one new token from its window as the cache holds it, `(B, d_v*d, K)` (channel j*d + i,
+    time last), in one pass: `(B, 1, d)`, y[b, i] = sum_s sum_j weight[s, i, j] * window[b, j*d + i, s]."""
+    taps = weight.permute(2, 1, 0).contiguous()  # (d_v, d, K): the window's layout (a small copy)
+    return cpu_kernel().window_readout(window.contiguous(), taps).unsqueeze(1)
+
+
+__all__ = [
+    "cpu_kernel", "cpu_readout_applies", "cpu_residual", "cpu_residual_applies", "cpu_token_readout",
+    "cpu_window_readout", "cpu_window_readout_applies", "eager_cpu_float",
+]

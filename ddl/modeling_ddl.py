@@ -4,8 +4,9 @@ Llama's architecture with one change: each of the two residual additions of a de
 update of the residual state. Attention, MLP, RMSNorm and rotary embeddings are transformers' own Llama modules
 (Qwen3's attention when `qk_norm=True`), so parameter names, attention backends and caches are Llama's.
 
-Reading order: the delta update (the method, one function), the token-axis convolutions of EC and TC, the
-DDL modules (delta residual, compressor, embedding convolution), the decoder layer, the models.
+Reading order: the cache helpers of the token-axis convolutions, the DDL modules (delta residual, compressor,
+embedding convolution), the decoder layer, the models. The operations themselves are specified in
+`ddl.reference` (the update is `reference.delta_update`) and dispatched to their fast paths by `ddl.kernels`.
 """
 
 import math
@@ -28,101 +29,14 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_ddl import DDLConfig, conv_state_slots
-from .cpu_kernels import cpu_residual, cpu_residual_applies
-from .kernels import (
-    decoding_residual,
-    decoding_token_conv,
-    decoding_token_readout,
-    fused_delta_update,
-    fused_token_conv,
-    fused_token_readout,
-    is_cpu_decoding_step,
-)
+from .kernels import delta_residual, token_conv, token_readout
+from .reference import delta_gate, delta_update, delta_value
 
 
 logger = logging.get_logger(__name__)
 
 # beta = 2 sigmoid(b) can only reach 0 or 2 in the limit; the bias for beta_init in {0, 2} is clamped to this logit.
 _MAX_GATE_LOGIT = 9.21
-
-
-def delta_update(x, h, v=None, beta=None, mode="delta", k_eps=1e-5):
-    r"""The DDL residual update of one sublayer (paper Eq. 2.1-2.2).
-
-        delta:       X_next = X + beta k (v^T - k^T X) = (I - beta k k^T) X + beta k v^T
-        write_only:  X_next = X + beta k v^T                   (same branches, no erase term)
-        additive:    X_next = X + h                             (the plain residual; h added to every value channel)
-
-    with the direction k = h / sqrt(|h|^2 + k_eps^2), the sublayer output normalised (zero when h = 0).
-
-    Args:
-        x: the residual state X, `(B, T, d)` for d_v = 1 or `(B, T, d_v, d)` for the expanded state (its d_v
-            columns of length d stored one after another, so every per-token operation runs along contiguous d).
-        h: `(B, T, d)`, the sublayer output F(c) that gives the direction k.
-        v: `(B, T, d_v)`, the target value (unused by `additive`).
-        beta: `(B, T, 1)`, the gate in [0, 2] (unused by `additive`).
-    Returns X_next, shaped and typed like `x`. k, the readout k^T X and the coefficient beta (v - k^T X) are
-    computed in fp32 (as the reference code does, for stability in bf16/fp16); the state and the rank-1 write
-    stay in the model dtype.
-    This function is the specification: a fused implementation must match it on outputs and gradients.
-    """
-    scalar_state = x.dim() == h.dim()
-    if mode == "additive":
-        return x + (h if scalar_state else h.unsqueeze(-2))
-    acc = torch.promote_types(x.dtype, torch.float32)  # fp32 at least (fp64 stays fp64)
-    h32 = h.to(acc)
-    k = h32 * torch.rsqrt(h32.pow(2).sum(-1, keepdim=True) + k_eps**2)  # (B, T, d), |k| < 1
-    state = x.unsqueeze(-2) if scalar_state else x  # (B, T, d_v, d)
-    if mode == "delta":
-        readout = torch.einsum("btd,btvd->btv", k, state.to(acc))  # k^T X: (B, T, d_v)
-        coef = beta * (v.to(acc) - readout)  # (B, T, d_v)
-    elif mode == "write_only":
-        coef = beta * v.to(acc)
-    else:
-        raise ValueError(f"delta_update: unknown mode {mode!r}; expected 'delta', 'write_only' or 'additive'.")
-    out = state + coef.to(x.dtype).unsqueeze(-1) * k.to(x.dtype).unsqueeze(-2)  # rank-1 write along k
-    return out.squeeze(-2) if scalar_state else out
-
-
-def _causal_window(x, kernel, history):
-    """x with the K-1 inputs before it prepended (the cached history, or zeros at the start of a sequence)."""
-    if kernel == 1:  # no window (CC): x itself, not a copy that autograd would keep for backward
-        return x
-    if history is None:
-        history = x.new_zeros(x.shape[0], kernel - 1, *x.shape[2:])
-    return torch.cat([history, x], dim=1)
-
-
-def causal_token_conv(x, weight, history=None):
-    r"""EC: depthwise causal convolution over the token axis, from d input features to d x d_v channels.
-
-        y[t, j, i] = sum_s weight[s, i, j] * x[t - (K - 1) + s, i]
-
-    x: `(B, T, d)`; weight: `(K, d, d_v)`, tap K-1 is the current token; history: `(B, K-1, d)`, the inputs
-    before x (zeros at the start of a sequence). Returns the state layout `(B, T, d_v, d)`.
-    """
-    kernel, seq_len = weight.shape[0], x.shape[1]
-    full = _causal_window(x, kernel, history).unsqueeze(-2)  # (B, K-1+T, 1, d)
-    weight = weight.transpose(1, 2).contiguous()  # (K, d_v, d): a tiny copy, so every product runs along d
-    out = full[:, kernel - 1 :] * weight[kernel - 1]
-    for s in range(kernel - 1):
-        out.addcmul_(full[:, s : s + seq_len], weight[s])  # in place: no new state-sized tensor per tap
-    return out
-
-
-def causal_token_readout(x, weight, history=None):
-    r"""TC: a causal depthwise token convolution of the state and the read over its d_v channels, in one step.
-
-        y[t, i] = sum_j sum_s weight[s, i, j] * x[t - (K - 1) + s, j, i]      (weight = conv taps c * read r)
-
-    x: `(B, T, d_v, d)`; weight: `(K, d, d_v)`; history: `(B, K-1, d_v, d)` or None (zeros). Returns `(B, T, d)`.
-    CC is the one-tap case (K = 1, weight = w). This is the specification; `ddl.kernels.fused_token_readout` is
-    the same function with a hand-written backward (the default).
-    """
-    kernel, seq_len = weight.shape[0], x.shape[1]
-    full = _causal_window(x, kernel, history)  # (B, K-1+T, d_v, d)
-    weight = weight.transpose(1, 2).contiguous()  # (K, d_v, d), like the state
-    return sum((full[:, s : s + seq_len] * weight[s]).sum(-2) for s in range(kernel))
 
 
 def cached_window(x, kernel_size, cache, layer_idx, slot):
@@ -146,14 +60,6 @@ def cached_window(x, kernel_size, cache, layer_idx, slot):
     return F.pad(window, (width - window.shape[-1], 0)) if window.shape[-1] < width else window
 
 
-def window_history(window, x):
-    """The inputs before x in a `cached_window`, in x's own layout `(B, K-1, ...)` (None stays None)."""
-    if window is None:
-        return None
-    past = window[..., : window.shape[-1] - x.shape[1]]
-    return past.transpose(1, 2).reshape(x.shape[0], past.shape[-1], *x.shape[2:])
-
-
 def _mask_padding(x, pad_mask):
     """Zero padded positions before a token-axis convolution, so pads never leak into real tokens."""
     if pad_mask is None:
@@ -161,22 +67,12 @@ def _mask_padding(x, pad_mask):
     return x * pad_mask.view(*pad_mask.shape, *([1] * (x.dim() - 2)))  # (B, T) -> (B, T, 1[, 1])
 
 
-# The one place where `ddl_impl` chooses the implementations (per key one signature and the same numbers, tested
-# against each other; None: the reference has no such shortcut).
-_IMPLEMENTATIONS = {
-    "fused": {"update": fused_delta_update, "readout": fused_token_readout, "conv": fused_token_conv,
-              "seam": cpu_residual, "decoding": decoding_residual,
-              "readout_step": decoding_token_readout, "conv_step": decoding_token_conv},
-    "reference": {"update": delta_update, "readout": causal_token_readout, "conv": causal_token_conv,
-                  "seam": None, "decoding": None, "readout_step": None, "conv_step": None},
-}
-
-
 class DDLDeltaResidual(nn.Module):
-    r"""One sublayer's residual seam: the gate beta, the target v, and `delta_update`.
+    r"""One sublayer's residual seam: the gate beta, the target v, and the delta update (`reference.delta_residual`).
 
         beta = 2 sigmoid(w . c + b)                 (fp32; or w2 . tanh(W1 c + b1) + b2 with ddl_beta_hidden_size)
         v    = s sigmoid(W_v u + b_v)   in (0, s)   (or W_v u + b_v when ddl_v_sigmoid_scale is None)
+        X   <- X + beta k (v^T - k^T X),  k = h / sqrt(|h|^2 + eps^2)
 
     c is the normalised sublayer input and u is the value input (`ddl_value_input`: the un-normalised sublayer
     input x_in, or c). In `additive` mode the module has no parameters and computes X + h.
@@ -184,18 +80,11 @@ class DDLDeltaResidual(nn.Module):
 
     def __init__(self, config: DDLConfig):
         super().__init__()
+        self.config = config
         self.mode = config.ddl_residual
-        self.k_eps = config.ddl_k_eps
-        self.value_input = config.ddl_value_input
-        self.v_scale = config.ddl_v_sigmoid_scale
-        self.update = _IMPLEMENTATIONS[config.ddl_impl]["update"]
         if self.mode == "additive":
             return
         d, dv, hb = config.hidden_size, config.ddl_value_channels, config.ddl_beta_hidden_size
-        # The whole seam in one function (for the single-linear gate): the C++ kernel on CPU, else for a CPU
-        # decoding step the PyTorch `decoding_residual`.
-        self.seam = _IMPLEMENTATIONS[config.ddl_impl]["seam"] if hb is None else None
-        self.decoding = _IMPLEMENTATIONS[config.ddl_impl]["decoding"] if hb is None else None
         if hb is not None:
             self.beta_hidden_weight = nn.Parameter(torch.empty(hb, d))
             self.beta_hidden_bias = nn.Parameter(torch.empty(hb))
@@ -204,29 +93,26 @@ class DDLDeltaResidual(nn.Module):
         self.value_weight = nn.Parameter(torch.empty(dv, d))
         self.value_bias = nn.Parameter(torch.empty(dv))
 
-    def gate(self, c):
-        """beta: `(B, T, 1)` in fp32 (only the gate logit is computed in fp32, for stability)."""
-        c = c.float()
-        if hasattr(self, "beta_hidden_weight"):
-            c = torch.tanh(F.linear(c, self.beta_hidden_weight.float(), self.beta_hidden_bias.float()))
-        return 2.0 * torch.sigmoid(F.linear(c, self.beta_weight.float().unsqueeze(0), self.beta_bias.float()))
-
-    def value(self, u):
-        """v: `(B, T, d_v)`."""
-        v = F.linear(u, self.value_weight, self.value_bias)
-        return v if self.v_scale is None else self.v_scale * torch.sigmoid(v)
-
     def forward(self, x, h, context, sublayer_input):
         """x: state X; h: sublayer output (gives k); context: c = RMSNorm(x_in); sublayer_input: x_in."""
         if self.mode == "additive":
             return delta_update(x, h, mode="additive")
-        u = sublayer_input if self.value_input == "state" else context
-        params = (self.beta_weight, self.beta_bias, self.value_weight, self.value_bias)
-        if self.seam is not None and cpu_residual_applies(x, h, context, u, *params):
-            return self.seam(x, h, context, u, *params, self.v_scale, self.k_eps, erase=self.mode == "delta")
-        if self.decoding is not None and is_cpu_decoding_step(x):
-            return self.decoding(x, h, context, u, *params, self.v_scale, self.k_eps, erase=self.mode == "delta")
-        return self.update(x, h, self.value(u), self.gate(context), mode=self.mode, k_eps=self.k_eps)
+        config = self.config
+        u = sublayer_input if config.ddl_value_input == "state" else context
+        return delta_residual(x, h, context, u, self.beta_weight, self.beta_bias, self.value_weight, self.value_bias,
+                              v_scale=config.ddl_v_sigmoid_scale, k_eps=config.ddl_k_eps, mode=self.mode,
+                              gate_hidden=self._gate_hidden(), implementation=config.ddl_implementation)
+
+    def _gate_hidden(self):
+        return (self.beta_hidden_weight, self.beta_hidden_bias) if self.config.ddl_beta_hidden_size else None
+
+    def gate(self, context):
+        """beta `(B, T, 1)` (fp32) for normalised sublayer inputs c, as the forward computes it (for probing)."""
+        return delta_gate(context, self.beta_weight, self.beta_bias, *(self._gate_hidden() or ()))
+
+    def value(self, u):
+        """v `(B, T, d_v)` for value inputs u, as the forward computes it (for probing)."""
+        return delta_value(u, self.value_weight, self.value_bias, self.config.ddl_v_sigmoid_scale)
 
 
 class DDLCompressor(nn.Module):
@@ -235,15 +121,14 @@ class DDLCompressor(nn.Module):
         CC:  x_in[t, i] = sum_j w[i, j] X[t, j, i]                                 (w initialised to 1/d_v)
         TC:  x_in[t, i] = sum_j r_j sum_s c[s, i, j] X[t - (K-1) + s, j, i]         (c = identity, r = 1/d_v)
 
-    Both are `causal_token_readout` (CC with one tap), through the implementation chosen by `ddl_impl`.
+    Both are `reference.causal_token_readout` (CC with one tap), run by `kernels.token_readout`.
     """
 
     def __init__(self, config: DDLConfig, layer_idx: int, cache_slot: int | None):
         super().__init__()
+        self.config = config
         self.kind = config.ddl_compressor
         self.layer_idx, self.cache_slot = layer_idx, cache_slot
-        self.readout = _IMPLEMENTATIONS[config.ddl_impl]["readout"]
-        self.step = _IMPLEMENTATIONS[config.ddl_impl]["readout_step"]
         d, dv = config.hidden_size, config.ddl_value_channels
         if self.kind == "cc":
             self.weight = nn.Parameter(torch.empty(d, dv))
@@ -252,14 +137,13 @@ class DDLCompressor(nn.Module):
             self.read = nn.Parameter(torch.empty(dv))
 
     def forward(self, state, cache=None, pad_mask=None):
+        implementation = self.config.ddl_implementation
         if self.kind == "cc":
-            return self.readout(state, self.weight.unsqueeze(0))  # (B, T, d)
+            return token_readout(state, self.weight.unsqueeze(0), implementation=implementation)  # (B, T, d)
         state = _mask_padding(state, pad_mask)
-        taps = self.conv_weight * self.read
+        taps = self.conv_weight * self.read  # (K, d, d_v): the conv taps times the read vector
         window = cached_window(state, taps.shape[0], cache, self.layer_idx, self.cache_slot)
-        if self.step is not None and window is not None and state.shape[1] == 1:
-            return self.step(window, taps)  # a decoding step: one window, read where the cache holds it
-        return self.readout(state, taps, window_history(window, state))  # (B, T, d)
+        return token_readout(state, taps, window, implementation=implementation)  # (B, T, d)
 
 
 class DDLEmbedConv(nn.Module):
@@ -267,9 +151,8 @@ class DDLEmbedConv(nn.Module):
 
     def __init__(self, config: DDLConfig, cache_slot: int | None):
         super().__init__()
+        self.config = config
         self.cache_slot = cache_slot
-        self.conv = _IMPLEMENTATIONS[config.ddl_impl]["conv"]
-        self.step = _IMPLEMENTATIONS[config.ddl_impl]["conv_step"]
         self.weight = nn.Parameter(
             torch.empty(config.ddl_embed_kernel_size, config.hidden_size, config.ddl_value_channels)
         )
@@ -277,9 +160,7 @@ class DDLEmbedConv(nn.Module):
     def forward(self, embeds, cache=None, pad_mask=None):
         embeds = _mask_padding(embeds, pad_mask)
         window = cached_window(embeds, self.weight.shape[0], cache, 0, self.cache_slot)
-        if self.step is not None and window is not None and embeds.shape[1] == 1:
-            return self.step(window, self.weight)  # a decoding step
-        return self.conv(embeds, self.weight, window_history(window, embeds))  # (B, T, d_v, d)
+        return token_conv(embeds, self.weight, window, implementation=self.config.ddl_implementation)  # (B, T, d_v, d)
 
 
 class DDLDecoderLayer(GradientCheckpointingLayer):
@@ -535,4 +416,4 @@ class DDLForCausalLM(DDLPreTrainedModel, GenerationMixin):
         )
 
 
-__all__ = ["DDLForCausalLM", "DDLModel", "DDLPreTrainedModel", "delta_update"]
+__all__ = ["DDLForCausalLM", "DDLModel", "DDLPreTrainedModel"]

@@ -40,7 +40,7 @@ def tiny_config(**overrides):
 
 def tiny_tokenizer(text=None, vocab_size=300):
     """A byte-level BPE trained in-process (no Hub access) by train.py's own trainer, left padding, as it saves it."""
-    from ddl.training import train_bpe_tokenizer
+    from ddl_tools.training import train_bpe_tokenizer
 
     text = text or ("To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n" * 20)
     return train_bpe_tokenizer([text.splitlines()], vocab_size)

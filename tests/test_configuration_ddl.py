@@ -89,3 +89,36 @@ def test_wrong_types_are_rejected():
 def test_boundary_beta_init_values_are_allowed():
     for beta in (0.0, 2.0):
         assert DDLConfig(ddl_beta_init=beta).ddl_beta_init == beta
+
+
+def test_implementation_is_a_runtime_choice_not_saved(tmp_path, monkeypatch):
+    """`ddl_implementation` chooses the kernels on this machine (like attn_implementation): never written to
+    config.json, so a checkpoint does not pin another machine's; the environment gives the default."""
+    monkeypatch.delenv("DDL_IMPLEMENTATION", raising=False)
+    config = DDLConfig(ddl_implementation="reference")
+    assert config.ddl_implementation == "reference"
+    assert "ddl_implementation" not in config.to_dict() and "_ddl_implementation" not in config.to_dict()
+    config.save_pretrained(tmp_path)
+    assert "implementation" not in (tmp_path / "config.json").read_text()
+    assert DDLConfig.from_pretrained(tmp_path).ddl_implementation == "auto"
+    assert DDLConfig.from_pretrained(tmp_path, ddl_implementation="torch").ddl_implementation == "torch"
+    monkeypatch.setenv("DDL_IMPLEMENTATION", "torch")
+    assert DDLConfig.from_pretrained(tmp_path).ddl_implementation == "torch"
+    assert DDLConfig(ddl_implementation="auto").ddl_implementation == "auto"  # an explicit choice wins
+    monkeypatch.setenv("DDL_IMPLEMENTATION", "fast")
+    with pytest.raises(ValueError, match="DDL_IMPLEMENTATION='fast' must be one of"):
+        DDLConfig().ddl_implementation
+    with pytest.raises(ValueError, match="ddl_implementation must be one of"):
+        DDLConfig(ddl_implementation="cuda")
+
+
+def test_checkpoints_saved_with_the_old_ddl_impl_field_load(tmp_path):
+    """config.json files written before the implementation became a runtime choice carry `ddl_impl`."""
+    import json
+
+    DDLConfig().save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    for legacy, expected in (("fused", "auto"), ("reference", "reference")):
+        path.write_text(json.dumps({**json.loads(path.read_text()), "ddl_impl": legacy}))
+        config = DDLConfig.from_pretrained(tmp_path)
+        assert config.ddl_implementation == expected and "ddl_impl" not in config.to_dict()

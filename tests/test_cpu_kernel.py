@@ -1,22 +1,22 @@
-"""The C++ CPU kernels (`ddl.cpu_kernels`): the residual seam equals gate -> value -> delta_update and the readout
-equals `causal_token_readout`, outputs and every gradient, and the models take them wherever they apply (and only
-there). The token readout's own tests (test_kernels.py) also run through the kernel on CPU in fp32/fp64."""
+"""The C++ CPU kernels (`ddl.cpu_kernels`): the residual seam equals `reference.delta_residual` and the readout
+equals `reference.causal_token_readout`, outputs and every gradient, and the models take them wherever they apply
+(and only there)."""
 
 import pytest
 import torch
 
 from conftest import assert_same_loss_and_gradients, tiny_config
-from ddl import DDLForCausalLM, cpu_kernels, modeling_ddl
+from ddl import DDLForCausalLM, cpu_kernels, kernels
 from ddl.cpu_kernels import (
-    cpu_window_readout_applies,
     cpu_kernel,
-    cpu_readout_backward,
-    cpu_readout_forward,
+    cpu_readout_applies,
     cpu_residual,
     cpu_residual_applies,
+    cpu_token_readout,
+    cpu_window_readout_applies,
 )
-from ddl.kernels import fused_token_readout
-from ddl.modeling_ddl import DDLDeltaResidual, causal_token_readout, delta_update
+from ddl.modeling_ddl import DDLDeltaResidual
+from ddl.reference import causal_token_readout, delta_update
 
 
 pytestmark = pytest.mark.skipif(cpu_kernel() is None, reason="the C++ CPU kernel could not be built here")
@@ -44,16 +44,17 @@ def _run(residual, x, h, c, u, use_kernel):
     """Output and the gradients of all inputs and parameters for a fixed random cotangent."""
     leaves = [t.clone().requires_grad_() for t in (x, h, c, u)]
     x, h, c, u = leaves
-    if residual.value_input == "context":
+    if residual.config.ddl_value_input == "context":
         u = c
     elif x.dim() == h.dim():  # d_v = 1: the value reads the state itself (x_in = X)
         u = x
     params = (residual.beta_weight, residual.beta_bias, residual.value_weight, residual.value_bias)
     if use_kernel:
-        out = cpu_residual(x, h, c, u, *params, residual.v_scale, residual.k_eps, erase=residual.mode == "delta")
+        out = cpu_residual(x, h, c, u, *params, residual.config.ddl_v_sigmoid_scale, residual.config.ddl_k_eps,
+                           residual.mode)
     else:  # the spec; its gate logit in the inputs' dtype (`gate` rounds it to fp32, the kernel keeps fp64 in fp64)
         beta = 2 * torch.sigmoid(torch.nn.functional.linear(c, residual.beta_weight.unsqueeze(0), residual.beta_bias))
-        out = delta_update(x, h, residual.value(u), beta, mode=residual.mode, k_eps=residual.k_eps)
+        out = delta_update(x, h, residual.value(u), beta, mode=residual.mode, k_eps=residual.config.ddl_k_eps)
     cotangent = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(out.dtype)
     grads = torch.autograd.grad(out, leaves + list(params), cotangent, allow_unused=True)
     return [out] + [torch.zeros_like(t) if gr is None else gr for t, gr in zip(leaves + list(params), grads)]
@@ -99,7 +100,7 @@ def test_second_derivative_raises():
     residual, x, h, c, u = _seam(1, "delta", "state", 4.0, torch.float64, edge_rows=False)
     h.requires_grad_()
     params = (residual.beta_weight, residual.beta_bias, residual.value_weight, residual.value_bias)
-    out = cpu_residual(x, h, c, x, *params, 4.0, 1e-5, erase=True)
+    out = cpu_residual(x, h, c, x, *params, 4.0, 1e-5, "delta")
     cotangent = torch.ones_like(out, requires_grad=True)
     (grad_h,) = torch.autograd.grad(out, h, cotangent, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable"):
@@ -118,7 +119,7 @@ def test_kernel_gradcheck_float64(dv, mode, value_input):
 
     def seam(x, h, c, u, *args):
         u = c if value_input == "context" else (x if dv == 1 else u)
-        return cpu_residual(x, h, c, u, *args, 4.0, 1e-5, erase=mode == "delta")
+        return cpu_residual(x, h, c, u, *args, 4.0, 1e-5, mode)
 
     inputs = [t.requires_grad_() for t in (x, h, c, u)]
     args = (p["beta_weight"], p["beta_bias"], p["value_weight"], p["value_bias"])
@@ -128,10 +129,10 @@ def test_kernel_gradcheck_float64(dv, mode, value_input):
 def test_inference_forward_equals_training_forward():
     residual, x, h, c, u = _seam(3, "delta", "state", 4.0, torch.float32, batch=3, seq_len=1, edge_rows=False)
     params = (residual.beta_weight, residual.beta_bias, residual.value_weight, residual.value_bias)
-    trained = cpu_residual(x, h, c, u, *params, 4.0, 1e-5, erase=True)
+    trained = cpu_residual(x, h, c, u, *params, 4.0, 1e-5, "delta")
     assert trained.requires_grad
     with torch.no_grad():
-        inferred = cpu_residual(x, h, c, u, *params, 4.0, 1e-5, erase=True)
+        inferred = cpu_residual(x, h, c, u, *params, 4.0, 1e-5, "delta")
     assert torch.equal(inferred, trained.detach())
 
 
@@ -161,7 +162,7 @@ def test_kernel_applies_only_where_it_serves():
 
 
 def test_window_readout_applies_only_without_autograd_in_one_dtype():
-    window, taps = torch.zeros(2, 6, 4), torch.zeros(2, 3, 4)
+    window, taps = torch.zeros(2, 6, 4), torch.zeros(4, 3, 2)  # (B, d_v*d, K), (K, d, d_v)
     with torch.no_grad():
         assert cpu_window_readout_applies(window, taps) and cpu_window_readout_applies(window.double(), taps.double())
         assert not cpu_window_readout_applies(window, taps.double())
@@ -178,14 +179,13 @@ def test_models_take_the_kernel_in_training_and_decoding(overrides, monkeypatch)
     """Every sublayer of a training forward and of each decoding step goes through the kernel; the loss, every
     parameter's gradient and greedy generation equal the reference implementation's."""
     calls = []
-    monkeypatch.setitem(modeling_ddl._IMPLEMENTATIONS["fused"], "seam",
-                        lambda *a, **k: calls.append(1) or cpu_residual(*a, **k))
+    monkeypatch.setattr(kernels, "cpu_residual", lambda *a, **k: calls.append(1) or cpu_residual(*a, **k))
     models = {}
-    for impl in ("reference", "fused"):
+    for name, impl in (("reference", "reference"), ("fused", "auto")):
         torch.manual_seed(0)
-        models[impl] = DDLForCausalLM(tiny_config(ddl_impl=impl, **overrides))
+        models[name] = DDLForCausalLM(tiny_config(ddl_implementation=impl, **overrides))
         with torch.no_grad():
-            for name, param in models[impl].named_parameters():
+            for name, param in models[name].named_parameters():
                 if "_delta." in name:
                     param.add_(0.1 * torch.randn_like(param))
     layers = models["fused"].config.num_hidden_layers
@@ -220,27 +220,30 @@ def test_build_failure_and_switch_fall_back_to_pytorch(monkeypatch, caplog):
     assert cpu_kernel() is None
 
 
+@pytest.mark.parametrize("with_history", [False, True], ids=["start", "history"])
 @pytest.mark.parametrize("kernel", [1, 4], ids=["cc", "tc"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_readout_kernel_equals_spec(kernel, threads):
+def test_readout_kernel_equals_spec(kernel, threads, with_history):
     """The TC readout (CC: one tap) and its gradients, over enough tokens (3 x 40) to be split over threads."""
     g = torch.Generator().manual_seed(kernel)
     x = torch.randn(3, 40, 3, 8, generator=g, dtype=torch.float64, requires_grad=True)  # (B, T, d_v, d)
     weight = torch.randn(kernel, 8, 3, generator=g, dtype=torch.float64, requires_grad=True)  # (K, d, d_v)
-    taps = weight.detach().transpose(1, 2).contiguous()
+    history = torch.randn(3, kernel - 1, 3, 8, generator=g, dtype=torch.float64) if with_history else None
     cotangent = torch.randn(3, 40, 8, generator=g, dtype=torch.float64)
-    spec = causal_token_readout(x, weight)
+    spec = causal_token_readout(x, weight, history)
     spec_grads = torch.autograd.grad(spec, (x, weight), cotangent)
+    assert cpu_readout_applies(x, weight)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out = cpu_readout_forward(x.detach(), taps)
-        grad_x, grad_taps = cpu_readout_backward(cotangent, x.detach(), taps)
+        out = cpu_token_readout(x, weight, history)
+        grads = torch.autograd.grad(out, (x, weight), cotangent)
+        with torch.no_grad():
+            inferred = cpu_token_readout(x, weight, history)
     finally:
         torch.set_num_threads(previous)
-    torch.testing.assert_close(out, spec.detach(), rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(grad_x, spec_grads[0], rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(grad_taps, spec_grads[1].transpose(1, 2), rtol=1e-12, atol=1e-12)
+    for got, expected in zip((out, inferred, *grads), (spec, spec, *spec_grads)):
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
 
 
 def test_readout_second_derivative_takes_the_pytorch_backward():
@@ -249,7 +252,8 @@ def test_readout_second_derivative_takes_the_pytorch_backward():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 5, 2, 3, generator=g, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(3, 3, 2, generator=g, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradgradcheck(fused_token_readout, (x, weight))
+    assert torch.autograd.gradcheck(cpu_token_readout, (x, weight))
+    assert torch.autograd.gradgradcheck(cpu_token_readout, (x, weight))
 
 
 def test_weight_gradients_are_repeatable_on_several_threads():

@@ -1,6 +1,6 @@
 """The embedded corpus: 42 modern-spelling works, no Gutenberg boilerplate, a fixed document-level split."""
 
-from ddl.data import VALIDATION_WORKS, shakespeare_splits, shakespeare_works
+from ddl_tools.data import VALIDATION_WORKS, shakespeare_splits, shakespeare_works
 
 
 def test_corpus_is_the_42_modern_spelling_works_without_gutenberg_text():

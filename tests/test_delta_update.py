@@ -1,9 +1,10 @@
-"""The paper's algebra (section 1 of PAPER.md), checked on the update function itself."""
+"""The paper's algebra (arXiv 2601.00417, section 2: identity at beta = 0, projection at 1, reflection at 2, error
+contraction by 1 - beta, the spectrum of I - beta k k^T), checked on the update function itself."""
 
 import pytest
 import torch
 
-from ddl.modeling_ddl import delta_update
+from ddl.reference import delta_update
 
 
 B, T, D = 2, 3, 8

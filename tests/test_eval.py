@@ -21,7 +21,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import eval as eval_script  # noqa: E402
 from ddl import DDLConfig, DDLForCausalLM  # noqa: E402
-from ddl import evaluation  # noqa: E402
+from ddl_tools import evaluation  # noqa: E402
 
 
 TEXT = (
@@ -241,13 +241,14 @@ def test_audit_finds_remote_code_classes(checkpoints, tmp_path):
     import subprocess
 
     script = f"""
-import importlib.util, sys
-spec = importlib.util.spec_from_file_location("evaluation", {os.path.join(ROOT, "ddl", "evaluation.py")!r})
-evaluation = importlib.util.module_from_spec(spec); spec.loader.exec_module(evaluation)
+import sys
+sys.modules["ddl"] = None  # `import ddl` raises: only the checkpoint's own code is there
+sys.path.insert(0, {ROOT!r})
+from ddl_tools import evaluation
 from transformers import AutoModelForCausalLM, AutoTokenizer
 model = AutoModelForCausalLM.from_pretrained({checkpoints["write_only"]!r}, trust_remote_code=True)
 tok = AutoTokenizer.from_pretrained({checkpoints["write_only"]!r}, trust_remote_code=True)
-assert "ddl" not in sys.modules and type(model).__module__.startswith("transformers_modules"), type(model).__module__
+assert sys.modules["ddl"] is None and type(model).__module__.startswith("transformers_modules"), type(model).__module__
 ids = evaluation.tokenize_documents(tok, ["To be, or not to be, that is the question."])
 rows = evaluation.audit_gates(model, evaluation.token_windows(ids, 8))
 assert [(r["layer"], r["sublayer"], r["mode"]) for r in rows] == [

@@ -1,21 +1,14 @@
-"""The fused update equals the reference `delta_update` on outputs and gradients."""
+"""The PyTorch fast paths (`ddl.fused`) and the dispatchers (`ddl.kernels`) equal the specifications (`ddl.reference`)
+on outputs and gradients; the Triton kernels too, through Triton's CPU interpreter."""
 
 import pytest
 import torch
 
 from conftest import assert_same_loss_and_gradients, tiny_config
-from ddl import DDLForCausalLM
-from ddl.kernels import (
-    _state_layout,
-    decoding_residual,
-    decoding_token_conv,
-    decoding_token_readout,
-    fused_delta_update,
-    fused_token_conv,
-    fused_token_readout,
-    is_cpu_decoding_step,
-)
-from ddl.modeling_ddl import DDLDeltaResidual, causal_token_conv, causal_token_readout, delta_update
+from ddl import DDLForCausalLM, cpu_kernels, kernels
+from ddl.fused import fused_delta_update, fused_token_readout
+from ddl.kernels import token_conv, token_readout, window_readout
+from ddl.reference import causal_token_conv, causal_token_readout, delta_update
 
 
 def _inputs(dv, dtype, seed=0, zero_h=False):
@@ -65,67 +58,14 @@ def test_zero_branch_output_gives_finite_gradients():
 
 @pytest.mark.parametrize("overrides", [{"ddl_value_channels": 1}, {}, {"ddl_compressor": "tc", "ddl_residual": "write_only"},
                                        {"ddl_compressor": "tc"}])
-def test_models_with_either_implementation_agree(overrides, cpu_kernel_on_or_off):
+@pytest.mark.parametrize("implementation", ["auto", "torch"])
+def test_models_with_either_implementation_agree(overrides, implementation, cpu_kernel_on_or_off):
     models = {}
-    for impl in ("reference", "fused"):
+    for name, impl in (("reference", "reference"), ("fused", implementation)):
         torch.manual_seed(0)
-        models[impl] = DDLForCausalLM(tiny_config(ddl_impl=impl, **overrides))
+        models[name] = DDLForCausalLM(tiny_config(ddl_implementation=impl, **overrides))
     ids = torch.randint(3, 99, (2, 8), generator=torch.Generator().manual_seed(1))
     assert_same_loss_and_gradients(models, ids)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# A CPU decoding step: gate, value and update in one function (Python floats for one sequence, tensors for a batch)
-
-
-@torch.no_grad()
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
-@pytest.mark.parametrize("v_scale", [4.0, None], ids=["sigmoid-v", "linear-v"])
-@pytest.mark.parametrize("value_input", ["state", "context"])
-@pytest.mark.parametrize("mode", ["delta", "write_only"])
-@pytest.mark.parametrize("dv", [1, 4], ids=["dv1", "dv4"])
-@pytest.mark.parametrize("batch", [1, 3], ids=["one-sequence", "batch"])
-def test_decoding_residual_equals_gate_value_and_delta_update(batch, dv, mode, value_input, v_scale, dtype):
-    config = tiny_config(ddl_value_channels=dv, ddl_residual=mode, ddl_value_input=value_input,
-                         ddl_v_sigmoid_scale=v_scale)
-    residual = DDLDeltaResidual(config).to(dtype)
-    g = torch.Generator().manual_seed(dv)
-    for param in residual.parameters():
-        param.copy_(torch.randn(param.shape, generator=g))
-    d = config.hidden_size
-    x = torch.randn((batch, 1, d) if dv == 1 else (batch, 1, dv, d), generator=g).to(dtype)
-    c, u = (torch.randn(batch, 1, d, generator=g).to(dtype) for _ in range(2))
-    h = torch.randn(batch, 1, d, generator=g).to(dtype)
-    # zero h (also beside other rows), and |h| ~ k_eps, where how k_eps enters matters
-    for h in (h, h * (torch.arange(batch) > 0).view(-1, 1, 1), torch.zeros_like(h), h * 1e-5):
-        for logit_shift in (0.0, 1e4, -1e4):  # saturated gates: beta = 2 and 0, and no overflow on the way
-            residual.beta_bias.fill_(logit_shift)
-            assert is_cpu_decoding_step(x)
-            args = (residual.beta_weight, residual.beta_bias, residual.value_weight, residual.value_bias)
-            out = decoding_residual(x, h, c, u if value_input == "state" else c, *args, v_scale, config.ddl_k_eps,
-                                     erase=mode == "delta")
-            v = residual.value(u if value_input == "state" else c)
-            ref = delta_update(x, h, v, residual.gate(c), mode=mode, k_eps=config.ddl_k_eps)
-            assert out.dtype == x.dtype and out.shape == x.shape
-            # the gate logit is fp32 in both (so fp64 agrees to fp32's precision); the rest is rounded differently
-            torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
-
-
-def test_decoding_path_only_where_it_applies():
-    one = torch.zeros(1, 1, 8)
-    with torch.no_grad():
-        assert is_cpu_decoding_step(one) and is_cpu_decoding_step(torch.zeros(8, 1, 4, 8))
-        assert not is_cpu_decoding_step(torch.zeros(1, 2, 8))  # a prefill
-        assert not is_cpu_decoding_step(one.bfloat16())  # low precision keeps the reference's rounding
-    assert not is_cpu_decoding_step(one)  # autograd on: training goes through the custom autograd function
-    with torch.inference_mode():
-        assert is_cpu_decoding_step(one)
-        with torch.autocast("cpu", dtype=torch.bfloat16):  # sublayer outputs in bf16, the value too
-            assert not is_cpu_decoding_step(one)
-    seen = []
-    with torch.no_grad():  # a trace would record the Python-float scalars as constants
-        torch.jit.trace(lambda x: seen.append(is_cpu_decoding_step(x)) or x * 2, one, check_trace=False)
-    assert seen and not any(seen)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -140,7 +80,7 @@ def _readout_inputs(kernel, seq_len, dtype=torch.float64, seed=0):
 
 
 @pytest.mark.parametrize("kernel, seq_len", [(1, 4), (3, 5), (4, 2)], ids=["cc", "tc", "tc-short"])
-def test_token_readout_gradcheck_float64(kernel, seq_len, cpu_kernel_on_or_off):
+def test_token_readout_gradcheck_float64(kernel, seq_len):
     x, weight = _readout_inputs(kernel, seq_len)
     assert torch.autograd.gradcheck(fused_token_readout, (x, weight))
     history = torch.randn(3, kernel - 1, 2, 5, dtype=torch.float64)
@@ -149,7 +89,7 @@ def test_token_readout_gradcheck_float64(kernel, seq_len, cpu_kernel_on_or_off):
 
 @pytest.mark.parametrize("with_history", [False, True])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
-def test_token_readout_matches_reference(with_history, dtype, tol, cpu_kernel_on_or_off):
+def test_token_readout_matches_reference(with_history, dtype, tol):
     ref_x, ref_w = _readout_inputs(4, 9, dtype)
     x, w = (t.detach().clone().requires_grad_() for t in (ref_x, ref_w))
     history = torch.randn(3, 3, 2, 5).to(dtype) if with_history else None
@@ -176,58 +116,72 @@ def test_cc_reference_readout_keeps_no_copy_of_the_state():
 
 @torch.no_grad()
 @pytest.mark.parametrize("seq_len", [1, 2, 6], ids=["decode-step", "two-tokens", "prefill"])
-def test_token_readout_inference_paths_match_reference(seq_len, cpu_kernel_on_or_off):
-    """Without autograd the readout takes other routes (the C++ kernel, or the in-place PyTorch loop)."""
+def test_token_readout_inference_paths_match_reference(seq_len):
+    """Without autograd the readout skips its autograd function (the in-place loop alone)."""
     x, weight = (t.detach() for t in _readout_inputs(4, seq_len))
     history = torch.randn(3, 3, 2, 5, dtype=torch.float64)
     for past in (None, history):
         torch.testing.assert_close(fused_token_readout(x, weight, past), causal_token_readout(x, weight, past))
 
 
+def test_token_readout_second_derivative():
+    """Its backward is differentiable itself (gradgradcheck through `readout_backward`)."""
+    x, weight = _readout_inputs(3, 5)
+    assert torch.autograd.gradgradcheck(fused_token_readout, (x, weight))
+
+
 def _cache_window(history, x):
-    """A decoding step's window as the cache holds it (`modeling_ddl.cached_window`): time last, `(B, C, K)`."""
+    """A decoding step's window as the cache holds it (`modeling_ddl.cached_window`): time last, `(B, C, K-1+T)`."""
     full = torch.cat([history, x], dim=1)
     return full.reshape(full.shape[0], full.shape[1], -1).transpose(1, 2)
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("implementation", ["auto", "torch", "reference"])
+@pytest.mark.parametrize("seq_len", [1, 3], ids=["decoding-step", "continuation"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_decoding_steps_of_the_token_convolutions_match_reference(dtype, cpu_kernel_on_or_off):
-    """One new token read from its cached window (TC readout: the C++ kernel or PyTorch; EC) equals the spec given
-    the same inputs as history; also for a window that is a slice of a longer cache (assisted decoding's)."""
+def test_dispatched_token_convolutions_with_a_cached_window_match_reference(dtype, seq_len, implementation,
+                                                                           cpu_kernel_on_or_off):
+    """The readout and EC given their window as the cache holds it (a decoding step reads it in place: the C++
+    window readout or `window_readout`; longer inputs go back to the state layout) equal the specs given the same
+    inputs as history; also for a window sliced from a longer cache (assisted decoding's)."""
     g = torch.Generator().manual_seed(0)
-    x, history = torch.randn(3, 1, 2, 5, generator=g, dtype=dtype), torch.randn(3, 3, 2, 5, generator=g, dtype=dtype)
+    x = torch.randn(3, seq_len, 2, 5, generator=g, dtype=dtype)
+    history = torch.randn(3, 3, 2, 5, generator=g, dtype=dtype)
     weight = torch.randn(4, 5, 2, generator=g, dtype=dtype)
     window = _cache_window(history, x)
-    longer = torch.cat([torch.randn(3, 10, 2, generator=g, dtype=dtype), window], dim=-1)[..., -4:]
+    longer = torch.cat([torch.randn(3, 10, 10, generator=g, dtype=dtype), window], dim=-1)[..., -window.shape[-1]:]
     expected = causal_token_readout(x, weight, history)
     for w in (window, longer):
-        torch.testing.assert_close(decoding_token_readout(w, weight), expected, rtol=0, atol=1e-6)
-    embeds, past = torch.randn(3, 1, 5, generator=g, dtype=dtype), torch.randn(3, 3, 5, generator=g, dtype=dtype)
-    torch.testing.assert_close(decoding_token_conv(_cache_window(past, embeds), weight),
+        torch.testing.assert_close(token_readout(x, weight, w, implementation=implementation), expected, rtol=0,
+                                   atol=1e-6)
+    embeds, past = torch.randn(3, seq_len, 5, generator=g, dtype=dtype), torch.randn(3, 3, 5, generator=g, dtype=dtype)
+    torch.testing.assert_close(token_conv(embeds, weight, _cache_window(past, embeds), implementation=implementation),
                                causal_token_conv(embeds, weight, past), rtol=0, atol=1e-6)
-    # the route CUDA takes (back to the state layout for the Triton kernels), checked here on its layout
-    new, before = _state_layout(longer, 4, (2, 5))
-    torch.testing.assert_close(fused_token_readout(new, weight, before), expected)
-    new, before = _state_layout(_cache_window(past, embeds), 4, (5,))
-    torch.testing.assert_close(fused_token_conv(new, weight, before), causal_token_conv(embeds, weight, past))
+
+
+@torch.no_grad()
+def test_window_readout_equals_the_spec_for_one_token():
+    g = torch.Generator().manual_seed(1)
+    x, history = torch.randn(2, 1, 3, 4, generator=g, dtype=torch.float64), torch.randn(2, 2, 3, 4, generator=g,
+                                                                                         dtype=torch.float64)
+    weight = torch.randn(3, 4, 3, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(window_readout(_cache_window(history, x), weight),
+                               causal_token_readout(x, weight, history), rtol=1e-12, atol=1e-12)
 
 
 @torch.no_grad()
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_token_conv_low_precision_decoding_steps_sum_in_fp32(dtype):
-    """EC token by token from the cache: one rounding of the fp32 sum (closer to exact than the prefill's
-    low-precision accumulation, and within its rounding)."""
+def test_token_conv_low_precision_decoding_steps_equal_prefill(dtype):
+    """EC token by token from the cache computes what the whole sequence computes, in the same order: bit for bit."""
     g = torch.Generator().manual_seed(0)
     x, weight = torch.randn(2, 12, 64, generator=g).to(dtype), torch.randn(4, 64, 4, generator=g).to(dtype)
     padded = torch.cat([x.new_zeros(2, 3, 64), x], dim=1)
-    steps = torch.cat([decoding_token_conv(_cache_window(padded[:, t : t + 3], x[:, t : t + 1]), weight)
+    steps = torch.cat([token_conv(x[:, t : t + 1], weight, _cache_window(padded[:, t : t + 3], x[:, t : t + 1]))
                        for t in range(12)], dim=1)
+    assert torch.equal(steps, token_conv(x, weight))
     exact = causal_token_conv(x.double(), weight.double())
-    prefill = fused_token_conv(x, weight)
-    torch.testing.assert_close(steps.double(), exact, rtol=2**-8, atol=1e-6)
-    torch.testing.assert_close(steps, prefill, rtol=2**-6, atol=1e-2)
-    assert (steps.double() - exact).abs().max() < (prefill.double() - exact).abs().max()
+    torch.testing.assert_close(steps.double(), exact, rtol=2**-6, atol=1e-2)
 
 
 @torch.no_grad()
@@ -237,9 +191,9 @@ def test_token_readout_low_precision_decoding_equals_prefill(dtype):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 12, 4, 64, generator=g).to(dtype)
     weight = torch.randn(4, 64, 4, generator=g).to(dtype)
-    prefill = fused_token_readout(x, weight)
+    prefill = token_readout(x, weight)
     padded = torch.cat([x.new_zeros(2, 3, 4, 64), x], dim=1)
-    steps = torch.cat([decoding_token_readout(_cache_window(padded[:, t : t + 3], x[:, t : t + 1]), weight)
+    steps = torch.cat([token_readout(x[:, t : t + 1], weight, _cache_window(padded[:, t : t + 3], x[:, t : t + 1]))
                        for t in range(12)], dim=1)
     torch.testing.assert_close(steps, prefill, rtol=2**-7, atol=1e-3)
     exact = causal_token_readout(x.double(), weight.double())
@@ -305,6 +259,32 @@ def test_triton_token_convolutions_match_reference(kind, kernel, dv, with_histor
     (out * upstream.to(device=device, dtype=dtype)).sum().backward()
     torch.testing.assert_close(x.grad.double(), ref_x.grad.double(), rtol=tol, atol=tol * 4)
     torch.testing.assert_close(weight.grad.double(), ref_w.grad.double(), rtol=tol, atol=tol * 20)  # 38-token sums
+
+
+def test_a_failing_triton_kernel_falls_back_to_pytorch_with_one_warning(monkeypatch, caplog):
+    """Under "triton" a kernel that fails to compile or launch is replaced by the PyTorch path (same numbers), with
+    one warning naming it, and not tried again."""
+    triton_kernels = _triton_kernels()
+    calls = []
+
+    def broken(*args):
+        calls.append(1)
+        raise RuntimeError("ptxas fatal: unsupported GPU")
+
+    monkeypatch.setattr(triton_kernels, "triton_delta_update", broken)
+    monkeypatch.setattr(kernels, "_triton_serves", lambda x: True)  # as if these CPU tensors were on a GPU
+    monkeypatch.setattr(kernels, "_triton_failed", set())
+    monkeypatch.setattr(cpu_kernels, "_ops", False)  # the C++ seam would come first on CPU
+    model = DDLForCausalLM(tiny_config(ddl_value_channels=1, ddl_implementation="triton"))
+    reference = DDLForCausalLM(tiny_config(ddl_value_channels=1, ddl_implementation="reference"))
+    reference.load_state_dict(model.state_dict())
+    ids = torch.randint(3, 99, (2, 6), generator=torch.Generator().manual_seed(0))
+    with caplog.at_level("WARNING"):
+        loss = model(ids, labels=ids).loss
+        model(ids, labels=ids)
+    torch.testing.assert_close(loss, reference(ids, labels=ids).loss)
+    assert len(calls) == 1 and caplog.text.count("triton_delta_update failed") == 1
+    assert "ptxas fatal" in caplog.text
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

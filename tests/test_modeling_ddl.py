@@ -15,8 +15,7 @@ from transformers import (
 )
 
 from conftest import TINY, tiny_config
-from ddl import DDLConfig, DDLForCausalLM, DDLModel
-from ddl import modeling_ddl
+from ddl import DDLConfig, DDLForCausalLM, DDLModel, kernels
 from ddl.modeling_ddl import DDLCompressor, DDLDeltaResidual, DDLEmbedConv
 
 
@@ -85,9 +84,10 @@ def test_llama_state_dict_loads_by_name_into_delta_model():
 # Every variant
 
 
+@pytest.mark.parametrize("implementation", ["auto", "torch", "reference"])
 @pytest.mark.parametrize("overrides", VARIANTS)
-def test_cached_decoding_equals_full_forward(overrides):
-    model = _model(**overrides)
+def test_cached_decoding_equals_full_forward(overrides, implementation):
+    model = _model(**overrides, ddl_implementation=implementation)
     ids = _ids(2, 9)
     with torch.no_grad():
         full = model(ids).logits
@@ -104,69 +104,41 @@ def test_cached_decoding_equals_full_forward(overrides):
 
 
 @pytest.mark.parametrize("batch", [1, 2], ids=["one-sequence", "batch"])
-@pytest.mark.parametrize("overrides", [v for v in VARIANTS if "additive" not in v.id])
-def test_cpu_decoding_takes_the_decoding_path_and_equals_full_forward(overrides, batch, monkeypatch):
-    """Decoding steps on CPU go through `decoding_residual` where the C++ kernel is not available (switched off
-    here); they must give the full forward."""
-    monkeypatch.setitem(modeling_ddl._IMPLEMENTATIONS["fused"], "seam", None)
+def test_tc_decoding_steps_read_the_cached_window(batch, cpu_kernel_on_or_off, monkeypatch):
+    """Each decoding step's TC readouts read their window where the cache keeps it (the C++ window readout, or
+    `window_readout` without the kernel) and give the full forward."""
     calls = []
-    decoding = modeling_ddl._IMPLEMENTATIONS["fused"]["decoding"]
-    monkeypatch.setitem(modeling_ddl._IMPLEMENTATIONS["fused"], "decoding",
-                        lambda *a, **k: calls.append(1) or decoding(*a, **k))
-    model = _model(**overrides)
-    ids = _ids(batch, 9)
-    with torch.no_grad():
-        full = model(ids).logits
-        out = model(ids[:, :5], use_cache=True)
-        pieces = [out.logits]
-        assert not calls  # a prefill of 5 tokens takes the tensor path
-        for t in range(5, 9):
-            out = model(ids[:, t : t + 1], cache=out.cache, use_cache=True)
-            pieces.append(out.logits)
-    assert len(calls) == 4 * 2 * model.config.num_hidden_layers
-    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=0, atol=1e-5)
-
-
-@pytest.mark.parametrize("batch", [1, 2], ids=["one-sequence", "batch"])
-def test_tc_and_ec_decoding_steps_read_the_cached_window(batch, cpu_kernel_on_or_off, monkeypatch):
-    """Each decoding step's TC readouts and EC go through the window steps (with the C++ kernel and without) and
-    give the full forward."""
-    calls = {"readout_step": 0, "conv_step": 0}
-    for key in calls:
-        step = modeling_ddl._IMPLEMENTATIONS["fused"][key]
-
-        def counted(*args, _step=step, _key=key):
-            calls[_key] += 1
-            return _step(*args)
-
-        monkeypatch.setitem(modeling_ddl._IMPLEMENTATIONS["fused"], key, counted)
+    for name in ("cpu_window_readout", "window_readout"):
+        step = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *args, _step=step, _name=name: calls.append(_name) or _step(*args))
     model = _model(ddl_value_channels=4, ddl_compressor="tc", ddl_embed_conv=True)
     ids = _ids(batch, 9)
     with torch.no_grad():
         full = model(ids).logits
         out = model(ids[:, :5], use_cache=True)
         pieces = [out.logits]
-        assert calls == {"readout_step": 0, "conv_step": 0}  # a prefill takes the general route
+        assert not calls  # a prefill takes the general route
         for t in range(5, 9):
             out = model(ids[:, t : t + 1], cache=out.cache, use_cache=True)
             pieces.append(out.logits)
-    assert calls == {"readout_step": 4 * (2 * model.config.num_hidden_layers + 1), "conv_step": 4}
+    expected = "cpu_window_readout" if cpu_kernel_on_or_off == "cpu-kernel" else "window_readout"
+    assert calls == [expected] * 4 * (2 * model.config.num_hidden_layers + 1)
     torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("overrides", [{"ddl_value_channels": 1}, {}], ids=["dv1", "dv4-cc-ec"])
 def test_batch_1_generation_under_cpu_autocast(overrides):
     """Under bf16 autocast the sublayer outputs are bf16 while the state stays fp32: decoding must not take the
-    fp32-only decoding path (it raised a dtype error there) and must agree with the reference impl."""
+    fp32-only C++ kernels and must agree with the reference implementation."""
     ids = _ids(1, 5)
     outputs = {}
-    for impl in ("fused", "reference"):
-        model = _model(ddl_impl=impl, **overrides)
+    for impl in ("auto", "reference"):
+        model = _model(ddl_implementation=impl, **overrides)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             outputs[impl] = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0,
                                            output_logits=True, return_dict_in_generate=True)
-    assert outputs["fused"].sequences.shape == (1, 9)
-    for fused, reference in zip(outputs["fused"].logits, outputs["reference"].logits):
+    assert outputs["auto"].sequences.shape == (1, 9)
+    for fused, reference in zip(outputs["auto"].logits, outputs["reference"].logits):
         torch.testing.assert_close(fused, reference, rtol=0.05, atol=0.05)
 
 
@@ -495,7 +467,7 @@ def test_remote_code_loading_in_a_fresh_process(tmp_path, tokenizer):
 
 def test_token_convolutions_match_conv1d():
     """EC and TC against torch's own depthwise Conv1d with causal (left) zero padding."""
-    from ddl.modeling_ddl import causal_token_conv, causal_token_readout
+    from ddl.reference import causal_token_conv, causal_token_readout
 
     g = torch.Generator().manual_seed(0)
     B, T, d, dv, K = 2, 7, 5, 3, 4

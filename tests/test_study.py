@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from ddl import study
+from ddl_tools import study
 
 
 # ------------------------------------------------------------------------------------------------------ grid
@@ -87,7 +87,7 @@ def first_batches(variant, seed, tmp_path, n=4):
 
     from conftest import tiny_config
     from ddl import DDLForCausalLM
-    from ddl.training import DDLTrainer
+    from ddl_tools.training import DDLTrainer
 
     set_seed(seed)
     model = DDLForCausalLM(tiny_config(**study.variant_flags(variant)))
@@ -248,7 +248,7 @@ def test_report_on_made_up_results(tmp_path):
 
     from conftest import tiny_config
     from ddl import DDLForCausalLM
-    from ddl.evaluation import audit_gates, token_windows
+    from ddl_tools.evaluation import audit_gates, token_windows
 
     torch.manual_seed(0)
     model = DDLForCausalLM(tiny_config(ddl_value_channels=1))

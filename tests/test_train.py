@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "train.py")
 sys.path.insert(0, ROOT)
 
-from ddl.training import (  # noqa: E402
+from ddl_tools.training import (  # noqa: E402
     ddl_config_from_llama,
     ensure_validation_split,
     load_from_llama,
@@ -197,7 +197,7 @@ def test_resume_reaches_the_uninterrupted_loss(tmp_path, text_file):
 
 
 def test_card_training_time_counts_only_the_steps_this_run_trained():
-    from ddl.training import _training_time
+    from ddl_tools.training import _training_time
 
     fresh = _training_time({"train_runtime": 10.0, "device": "cpu"}, tokens_seen=1000, steps=10, world_size=1)
     assert "(100 tokens/s on 1 process(es), cpu)" in fresh

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 
 from transformers.utils import logging
 
-from .evaluation import save_figure, write_json
+from .outputs import save_figure, write_json
 
 
 logger = logging.get_logger(__name__)

@@ -16,9 +16,8 @@ from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, PreTrainedTokenizerFast, Trainer
 from transformers.utils import logging
 
-from .configuration_ddl import DDLConfig
-from .evaluation import save_figure
-from .modeling_ddl import DDLForCausalLM
+from ddl import DDLConfig, DDLForCausalLM
+from .outputs import save_figure
 
 
 logger = logging.get_logger(__name__)
@@ -193,57 +192,68 @@ def load_raw_datasets(
     corpus with its fixed document-level validation split. `documents` says whether rows are whole documents
     (separated by an end-of-text token when packed) or consecutive lines of one running text.
     """
-    from datasets import Dataset, DatasetDict, load_dataset
-
     if dataset_name and (train_file or validation_file):
         raise UsageError("Give either --dataset_name or --train_file/--validation_file, not both.")
     if validation_file and not train_file:
         raise UsageError("--validation_file needs --train_file (the training text).")
     if dataset_name:
-        try:
-            raw = load_dataset(dataset_name, dataset_config_name, streaming=streaming, cache_dir=cache_dir)
-        except Exception as err:  # datasets raises many kinds (FileNotFoundError, ConnectionError, ValueError, ...)
-            raise UsageError(f"--dataset_name {dataset_name!r}: could not load it ({type(err).__name__}: {err}).")
-        if not isinstance(raw, dict):
-            raw = {"train": raw}
-        if "train" not in raw:
-            raise UsageError(f"--dataset_name {dataset_name!r} has no 'train' split (splits: {sorted(raw)}).")
-        return raw, {"name": dataset_name + (f" ({dataset_config_name})" if dataset_config_name else ""),
-                     "documents": True}
+        return _load_hub_dataset(dataset_name, dataset_config_name, streaming, cache_dir)
     if train_file:
-        files = {"train": train_file}
-        if validation_file:
-            files["validation"] = validation_file
-        extensions = set()
-        for split, path in files.items():
-            if not os.path.isfile(path):
-                raise UsageError(f"--{split if split == 'validation' else 'train'}_file {path!r} does not exist.")
-            if os.path.getsize(path) == 0:
-                raise UsageError(f"--{split if split == 'validation' else 'train'}_file {path!r} is empty.")
-            ext = path.rsplit(".", 1)[-1].lower() if "." in os.path.basename(path) else ""
-            if ext not in DATA_EXTENSIONS:
-                raise UsageError(f"{path!r}: unsupported file type {ext!r}; use one of {sorted(DATA_EXTENSIONS)}.")
-            extensions.add(DATA_EXTENSIONS[ext])
-        if len(extensions) > 1:
-            raise UsageError(f"--train_file and --validation_file must have the same format, got {sorted(extensions)}.")
-        builder = extensions.pop()
-        kwargs = {"keep_linebreaks": True} if builder == "text" else {}
-        try:
-            raw = load_dataset(builder, data_files=files, streaming=streaming, cache_dir=cache_dir, **kwargs)
-        except Exception as err:  # e.g. malformed json: datasets wraps the cause in DatasetGenerationError
-            cause = err.__cause__ or err
-            raise UsageError(f"Could not read {sorted(files.values())} as {builder}: {type(cause).__name__}: {cause}")
-        return raw, {"name": ", ".join(os.path.basename(p) for p in files.values()), "documents": builder != "text"}
-    from .data import CORPUS_NAME, shakespeare_splits
+        return _load_files(train_file, validation_file, streaming, cache_dir)
+    return _load_embedded_corpus(streaming)
 
-    splits = shakespeare_splits()
-    raw = DatasetDict({split: Dataset.from_dict({"text": texts}) for split, texts in splits.items()})
+
+def _load_hub_dataset(name, config_name, streaming, cache_dir):
+    from datasets import load_dataset
+
+    try:
+        raw = load_dataset(name, config_name, streaming=streaming, cache_dir=cache_dir)
+    except Exception as err:  # datasets raises many kinds (FileNotFoundError, ConnectionError, ValueError, ...)
+        raise UsageError(f"--dataset_name {name!r}: could not load it ({type(err).__name__}: {err}).")
+    if not isinstance(raw, dict):
+        raw = {"train": raw}
+    if "train" not in raw:
+        raise UsageError(f"--dataset_name {name!r} has no 'train' split (splits: {sorted(raw)}).")
+    return raw, {"name": name + (f" ({config_name})" if config_name else ""), "documents": True}
+
+
+def _load_files(train_file, validation_file, streaming, cache_dir):
+    from datasets import load_dataset
+
+    files = {"train": train_file, **({"validation": validation_file} if validation_file else {})}
+    extensions = set()
+    for split, path in files.items():
+        flag = f"--{split}_file"
+        if not os.path.isfile(path):
+            raise UsageError(f"{flag} {path!r} does not exist.")
+        if os.path.getsize(path) == 0:
+            raise UsageError(f"{flag} {path!r} is empty.")
+        ext = path.rsplit(".", 1)[-1].lower() if "." in os.path.basename(path) else ""
+        if ext not in DATA_EXTENSIONS:
+            raise UsageError(f"{path!r}: unsupported file type {ext!r}; use one of {sorted(DATA_EXTENSIONS)}.")
+        extensions.add(DATA_EXTENSIONS[ext])
+    if len(extensions) > 1:
+        raise UsageError(f"--train_file and --validation_file must have the same format, got {sorted(extensions)}.")
+    builder = extensions.pop()
+    kwargs = {"keep_linebreaks": True} if builder == "text" else {}
+    try:
+        raw = load_dataset(builder, data_files=files, streaming=streaming, cache_dir=cache_dir, **kwargs)
+    except Exception as err:  # e.g. malformed json: datasets wraps the cause in DatasetGenerationError
+        cause = err.__cause__ or err
+        raise UsageError(f"Could not read {sorted(files.values())} as {builder}: {type(cause).__name__}: {cause}")
+    return raw, {"name": ", ".join(os.path.basename(p) for p in files.values()), "documents": builder != "text"}
+
+
+def _load_embedded_corpus(streaming):
+    from datasets import Dataset, DatasetDict, IterableDatasetDict
+
+    from .data import CORPUS_NAME, VALIDATION_WORKS, shakespeare_splits
+
+    raw = DatasetDict({split: Dataset.from_dict({"text": texts}) for split, texts in shakespeare_splits().items()})
     if streaming:
-        from datasets import IterableDatasetDict
-
         raw = IterableDatasetDict({split: dataset.to_iterable_dataset() for split, dataset in raw.items()})
-    return raw, {"name": f"{CORPUS_NAME} (embedded; validation = whole works: hamlet, tempest, twelfth_night, "
-                         "sonnets)", "documents": True}
+    return raw, {"name": f"{CORPUS_NAME} (embedded; validation = whole works: {', '.join(VALIDATION_WORKS)})",
+                 "documents": True}
 
 
 def ensure_validation_split(raw, percentage: float, seed: int, documents: bool, streaming_examples: int = 1000):
@@ -450,105 +460,96 @@ def _training_time(metrics, tokens_seen, steps, world_size):
     return f"- Training time: {runtime:.0f} s ({run_tokens / runtime:,.0f} tokens/s {where}{resumed})."
 
 
-def model_card(
-    *,
-    repo_name: str,
-    config: DDLConfig,
-    num_parameters: int,
-    data_name: str,
-    block_size: int,
-    tokenizer_source: str,
-    train_tokens: int | None,
-    tokens_seen: int,
-    steps: int,
-    metrics: dict,
-    training_args,
-    loss_curve: str | None,
-    unigram: float | None = None,
-    sample: str | None = None,
-    prompt: str = "Romeo.\n",
-) -> str:
-    """The checkpoint's README.md: variant, sizes, data, training, results, and how to load it."""
+MODEL_CARD = """---
+library_name: transformers
+pipeline_tag: text-generation
+tags: [ddl, deep-delta-learning, custom_code]
+---
+
+# {repo_name}
+
+{intro}
+
+## Model
+
+| | |
+|---|---|
+| variant | {variant} (`ddl_residual={c.ddl_residual}`, `ddl_value_channels={c.ddl_value_channels}`, `ddl_compressor={c.ddl_compressor}`, `ddl_embed_conv={c.ddl_embed_conv}`) |
+| parameters | {num_parameters:,} |
+| layers x hidden | {c.num_hidden_layers} x {c.hidden_size} (MLP {c.intermediate_size}) |
+| heads | {c.num_attention_heads} x {c.head_dim} (kv heads {c.num_key_value_heads}) |
+| vocabulary | {c.vocab_size} ({tokenizer_source}) |
+| context | trained on blocks of {block_size} tokens (max_position_embeddings {c.max_position_embeddings}) |
+| QK-norm / tied embeddings | {c.qk_norm} / {c.tie_word_embeddings} |
+
+## Data and training
+
+- Data: {data_name}{train_tokens}.
+- Tokens seen: {tokens_seen:,} in {steps:,} optimizer steps ({a.per_device_train_batch_size} x {a.gradient_accumulation_steps} x {a.world_size} blocks of {block_size} tokens per step).
+{training_time}- Optimizer: AdamW (beta1 {a.adam_beta1}, beta2 {a.adam_beta2}), weight decay {a.weight_decay}, peak lr {a.learning_rate:g}, {scheduler} schedule, warm-up {warmup}, gradient clipping {a.max_grad_norm}, seed {a.seed}.
+
+## Results
+
+| | loss (nats/token) | perplexity |
+|---|---|---|
+| final train loss (last logged) | {train_loss} | {train_ppl} |
+| validation | {val_loss} | {val_ppl} |
+{unigram_row}{loss_curve}{sample}
+## Use
+
+The modeling code is stored next to the weights, so no package is needed; pass `trust_remote_code=True`:
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+path = "{repo_name}"  # this folder, or its Hub id
+model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
+tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=True)
+generator = pipeline("text-generation", model=model, tokenizer=tokenizer)
+print(generator({prompt!r}, max_new_tokens=100)[0]["generated_text"])
+```
+
+On a Linux CPU the first forward pass compiles DDL's C++ kernels (20-40 s once, cached under
+`~/.cache/torch_extensions`; a C++ compiler is needed, else DDL runs its PyTorch paths). To skip them, set the
+environment variable `DDL_IMPLEMENTATION=torch` or pass `ddl_implementation="torch"` to `from_pretrained`.
+
+Fine-tune it further with `python train.py --model_name_or_path <this folder> ...`.
+"""
+
+
+def model_card(*, repo_name: str, config: DDLConfig, num_parameters: int, data_name: str, block_size: int,
+               tokenizer_source: str, train_tokens: int | None, steps: int, metrics: dict, training_args,
+               loss_curve: str | None, unigram: float | None = None, sample: str | None = None,
+               prompt: str = "Romeo.\n") -> str:
+    """The checkpoint's README.md (`MODEL_CARD` filled in): variant, sizes, data, training, results, how to load it."""
     variant = describe_variant(config)
-    val_loss, train_loss = metrics.get("eval_loss"), metrics.get("final_train_loss")
 
-    def fmt(x, spec=".4f"):
-        return "n/a" if x is None else format(x, spec)
+    def loss_and_ppl(x):
+        return ("n/a", "n/a") if x is None else (f"{x:.4f}", f"{math.exp(min(x, 50)):.2f}")
 
-    ppl = lambda x: None if x is None else math.exp(min(x, 50))  # noqa: E731
-    lines = [
-        "---",
-        "library_name: transformers",
-        "pipeline_tag: text-generation",
-        "tags: [ddl, deep-delta-learning, custom_code]",
-        "---",
-        "",
-        f"# {repo_name}",
-        "",
-        f"A Deep Delta Learning language model (Zhang et al., 2026, arXiv 2601.00417): **{variant}**, trained from "
-        f"scratch with `train.py` of the `ddl` project." if not metrics.get("init_from") else
-        f"A Deep Delta Learning language model (**{variant}**), trained with `train.py` from {metrics['init_from']}.",
-        "",
-        "## Model",
-        "",
-        "| | |",
-        "|---|---|",
-        f"| variant | {variant} (`ddl_residual={config.ddl_residual}`, `ddl_value_channels={config.ddl_value_channels}`"
-        f", `ddl_compressor={config.ddl_compressor}`, `ddl_embed_conv={config.ddl_embed_conv}`) |",
-        f"| parameters | {num_parameters:,} |",
-        f"| layers x hidden | {config.num_hidden_layers} x {config.hidden_size} (MLP {config.intermediate_size}) |",
-        f"| heads | {config.num_attention_heads} x {config.head_dim} (kv heads {config.num_key_value_heads}) |",
-        f"| vocabulary | {config.vocab_size} ({tokenizer_source}) |",
-        f"| context | trained on blocks of {block_size} tokens (max_position_embeddings "
-        f"{config.max_position_embeddings}) |",
-        f"| QK-norm / tied embeddings | {config.qk_norm} / {config.tie_word_embeddings} |",
-        "",
-        "## Data and training",
-        "",
-        f"- Data: {data_name}" + (f"; {train_tokens:,} training tokens" if train_tokens else "") + ".",
-        f"- Tokens seen: {tokens_seen:,} in {steps:,} optimizer steps "
-        f"({training_args.per_device_train_batch_size} x {training_args.gradient_accumulation_steps} "
-        f"x {training_args.world_size} blocks of {block_size} tokens per step).",
-        *([_training_time(metrics, tokens_seen, steps, training_args.world_size)]
-          if metrics.get("train_runtime") and steps else []),
-        f"- Optimizer: AdamW (beta1 {training_args.adam_beta1}, beta2 {training_args.adam_beta2}), weight decay "
-        f"{training_args.weight_decay}, peak lr {training_args.learning_rate:g}, {training_args.lr_scheduler_type.value if hasattr(training_args.lr_scheduler_type, 'value') else training_args.lr_scheduler_type} "
-        f"schedule, warm-up {_warmup(training_args.warmup_steps)}, gradient clipping {training_args.max_grad_norm}, "
-        f"seed {training_args.seed}.",
-        "",
-        "## Results",
-        "",
-        "| | loss (nats/token) | perplexity |",
-        "|---|---|---|",
-        f"| final train loss (last logged) | {fmt(train_loss)} | {fmt(ppl(train_loss), '.2f')} |",
-        f"| validation | {fmt(val_loss)} | {fmt(ppl(val_loss), '.2f')} |",
-    ]
-    if unigram is not None:
-        lines.append(f"| unigram reference (context-free, validation) | {unigram:.4f} | {math.exp(unigram):.2f} |")
-    if loss_curve:
-        lines += ["", f"![loss curve]({os.path.basename(loss_curve)})"]
-    if sample is not None:
-        lines += ["", "A sample (sampling with the saved generation config):", "", "```text", sample.strip(), "```"]
-    lines += [
-        "",
-        "## Use",
-        "",
-        "The modeling code is stored next to the weights, so no package is needed; pass `trust_remote_code=True`:",
-        "",
-        "```python",
-        "from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline",
-        "",
-        f'path = "{repo_name}"  # this folder, or its Hub id',
-        "model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)",
-        "tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=True)",
-        'generator = pipeline("text-generation", model=model, tokenizer=tokenizer)',
-        f'print(generator({prompt!r}, max_new_tokens=100)[0]["generated_text"])',
-        "```",
-        "",
-        "Fine-tune it further with `python train.py --model_name_or_path <this folder> ...`.",
-        "",
-    ]
-    return "\n".join(lines)
+    train_loss, train_ppl = loss_and_ppl(metrics.get("final_train_loss"))
+    val_loss, val_ppl = loss_and_ppl(metrics.get("eval_loss"))
+    scheduler = getattr(training_args.lr_scheduler_type, "value", training_args.lr_scheduler_type)
+    timed = metrics.get("train_runtime") and steps
+    intro = (f"A Deep Delta Learning language model (Zhang et al., 2026, arXiv 2601.00417): **{variant}**, trained "
+             "from scratch with `train.py` of the `ddl` project." if not metrics.get("init_from") else
+             f"A Deep Delta Learning language model (**{variant}**), trained with `train.py` from "
+             f"{metrics['init_from']}.")
+    return MODEL_CARD.format(
+        repo_name=repo_name, intro=intro, variant=variant, c=config, a=training_args, num_parameters=num_parameters,
+        tokenizer_source=tokenizer_source, block_size=block_size, data_name=data_name,
+        train_tokens=f"; {train_tokens:,} training tokens" if train_tokens else "",
+        tokens_seen=metrics["tokens_seen"], steps=steps, scheduler=scheduler, warmup=_warmup(training_args.warmup_steps),
+        training_time=_training_time(metrics, metrics["tokens_seen"], steps, training_args.world_size) + "\n"
+        if timed else "",
+        train_loss=train_loss, train_ppl=train_ppl, val_loss=val_loss, val_ppl=val_ppl,
+        unigram_row=f"| unigram reference (context-free, validation) | {unigram:.4f} | {math.exp(unigram):.2f} |\n"
+        if unigram is not None else "",
+        loss_curve=f"\n![loss curve]({os.path.basename(loss_curve)})\n" if loss_curve else "",
+        sample=f"\nA sample (sampling with the saved generation config):\n\n```text\n{sample.strip()}\n```\n"
+        if sample is not None else "",
+        prompt=prompt,
+    )
 
 
 def _warmup(warmup_steps: float) -> str:

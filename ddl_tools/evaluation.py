@@ -13,16 +13,17 @@ Library code: it logs and never prints.
 """
 
 import inspect
-import json
 import math
 import os
 import re
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from transformers.utils import logging
+
+from .outputs import save_figure
 
 
 logger = logging.get_logger(__name__)
@@ -340,7 +341,7 @@ class GateAudit:
 
     def __enter__(self):
         for (_, _, module), stats in zip(self.modules, self.stats):
-            hook = self._make_hook(stats, inspect.signature(module.forward))
+            hook = self._make_hook(stats, inspect.signature(module.forward), self.model.config)
             self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
         return self
 
@@ -350,7 +351,7 @@ class GateAudit:
         self._handles = []
 
     @staticmethod
-    def _make_hook(stats, signature):
+    def _make_hook(stats, signature, config):
         @torch.no_grad()
         def hook(module, args, kwargs, output):
             bound = signature.bind(*args, **kwargs).arguments
@@ -364,12 +365,12 @@ class GateAudit:
             if module.mode == "additive":
                 stats.add(update_share=update_share.flatten())
                 return
-            u = bound["sublayer_input"] if module.value_input == "state" else context
+            u = bound["sublayer_input"] if config.ddl_value_input == "state" else context
             beta = module.gate(context).squeeze(-1)  # (B, T)
             v = module.value(u).float()  # (B, T, d_v)
             h32 = h.float()
             # the paper's k, written out here: this file runs without the ddl package (remote-code checkpoints)
-            k = h32 * torch.rsqrt(h32.pow(2).sum(-1, keepdim=True) + module.k_eps**2)  # (B, T, d)
+            k = h32 * torch.rsqrt(h32.pow(2).sum(-1, keepdim=True) + config.ddl_k_eps**2)  # (B, T, d)
             e_pre = torch.einsum("btd,btvd->btv", k, state) - v  # (B, T, d_v)
             e_post = torch.einsum("btd,btvd->btv", k, next_state) - v
             stats.add(
@@ -560,16 +561,6 @@ def plot_audit(rows, output_dir, title="") -> list[str]:
     return paths
 
 
-def save_figure(fig, path):
-    """Every figure of the project: tight layout, 120 dpi PNG, closed afterwards (no pyplot state left behind)."""
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
 COMPARISON_COLUMNS = [
     ("name", "checkpoint"),
     ("residual", "residual"),
@@ -640,25 +631,6 @@ def comparison_markdown(rows) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_json(path, obj):
-    """Atomically (a temporary file, then a rename): a reader never sees half a file, e.g. a study's result.json."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, default=_json_default)
-        f.write("\n")
-    os.replace(tmp, path)
-
-
-def _json_default(obj):
-    if isinstance(obj, torch.dtype):
-        return str(obj)
-    if hasattr(obj, "__dataclass_fields__"):
-        return asdict(obj)
-    if isinstance(obj, torch.Tensor):
-        return obj.tolist()
-    return str(obj)
-
-
 __all__ = [
     "GateAudit",
     "PerplexityResult",
@@ -675,5 +647,4 @@ __all__ = [
     "task_manager",
     "token_windows",
     "tokenize_documents",
-    "write_json",
 ]

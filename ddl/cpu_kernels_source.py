@@ -1,0 +1,318 @@
+"""The C++ source of `ddl.cpu_kernels`, compiled on first use by `torch.utils.cpp_extension.load_inline`.
+
+It lives in a Python module, not a `.cpp` file, because a saved checkpoint ships only the `.py` files that its
+modeling file reaches by relative imports: the source must travel with the model for remote code to build it.
+The functions and the equations they implement are documented in `ddl.cpu_kernels`.
+"""
+
+SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <mutex>
+#include <vector>
+
+namespace {
+
+// Sums over tokens of per-token vectors (the weight gradients). Each chunk of tokens accumulates in T (vectorised,
+// in a buffer of its own: no false sharing) and flushes into double every 64 tokens; the chunks' sums are then added
+// in token order, so the result does not depend on which thread finished first.
+class TokenSums {
+ public:
+  explicit TokenSums(int64_t width) : width_(width) {}
+  template <typename T>
+  void flush(std::vector<T>& partial, std::vector<double>& sums) {
+    for (int64_t k = 0; k < width_; ++k) { sums[k] += double(partial[k]); partial[k] = T(0); }
+  }
+  void add(int64_t begin, std::vector<double>&& sums) {
+    std::lock_guard<std::mutex> guard(lock_);
+    chunks_.emplace_back(begin, std::move(sums));
+  }
+  std::vector<double> total() {
+    std::sort(chunks_.begin(), chunks_.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+    std::vector<double> out(width_, 0.0);
+    for (const auto& chunk : chunks_)
+      for (int64_t k = 0; k < width_; ++k) out[k] += chunk.second[k];
+    return out;
+  }
+  static constexpr int64_t kFlushEvery = 64;
+
+ private:
+  int64_t width_;
+  std::mutex lock_;
+  std::vector<std::pair<int64_t, std::vector<double>>> chunks_;
+};
+
+// u_kind: 0 = u is its own tensor, 1 = u is c (value from the normalised input), 2 = u is the d_v = 1 state X.
+template <typename T>
+void seam_forward(const T* x, const T* h, const T* c, const T* u, const T* wb, T bb, const T* wv, const T* bv,
+                  double scale, double eps, bool erase, int64_t n, int64_t nv, int64_t d, T* out, T* beta_out,
+                  T* v_out, T* s_out, T* hx_out) {
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    std::vector<T> coef(nv);
+    for (int64_t t = begin; t < end; ++t) {
+      const T* xt = x + t * nv * d; const T* ht = h + t * d; const T* ct = c + t * d; const T* ut = u + t * d;
+      T z = 0, hh = 0;
+#pragma omp simd reduction(+ : z, hh)
+      for (int64_t i = 0; i < d; ++i) { z += ct[i] * wb[i]; hh += ht[i] * ht[i]; }
+      const T beta = T(2) / (T(1) + std::exp(-(z + bb)));
+      const T s = T(1) / std::sqrt(hh + T(eps * eps));
+      for (int64_t j = 0; j < nv; ++j) {
+        const T* xj = xt + j * d; const T* wj = wv + j * d;
+        T y = 0, hx = 0;
+        if (erase) {
+#pragma omp simd reduction(+ : y, hx)
+          for (int64_t i = 0; i < d; ++i) { y += ut[i] * wj[i]; hx += ht[i] * xj[i]; }
+        } else {
+#pragma omp simd reduction(+ : y)
+          for (int64_t i = 0; i < d; ++i) y += ut[i] * wj[i];
+        }
+        y += bv[j];
+        const T v = scale > 0 ? T(scale) / (T(1) + std::exp(-y)) : y;
+        coef[j] = beta * s * (v - s * hx);
+        if (v_out) { v_out[t * nv + j] = v; hx_out[t * nv + j] = hx; }
+      }
+      if (beta_out) { beta_out[t] = beta; s_out[t] = s; }
+      T* ot = out + t * nv * d;
+      for (int64_t j = 0; j < nv; ++j) {
+        const T* xj = xt + j * d; T* oj = ot + j * d; const T cj = coef[j];
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) oj[i] = xj[i] + ht[i] * cj;
+      }
+    }
+  });
+}
+
+template <typename T>
+void seam_backward(const T* g, const T* x, const T* h, const T* c, const T* u, const T* wb, const T* wv,
+                   const T* beta_s, const T* v_s, const T* s_s, const T* hx_s, double scale, bool erase, int64_t u_kind,
+                   int64_t n, int64_t nv, int64_t d, T* gx, T* gh, T* gc, T* gu, T* gwb, T* gbb, T* gwv, T* gbv) {
+  const int64_t width = d + 1 + nv * d + nv;  // the weight gradients: dw, db, dW_v, db_v
+  TokenSums sums(width);
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    std::vector<T> partial(width, T(0));
+    std::vector<double> chunk(width, 0.0);
+    T* acc = partial.data();
+    std::vector<T> b(nv), a_g(nv), a_x(nv), dy(nv);
+    for (int64_t t = begin; t < end; ++t) {
+      const T* gt = g + t * nv * d; const T* xt = x + t * nv * d; const T* ht = h + t * d;
+      const T* ct = c + t * d; const T* ut = u + t * d;
+      const T beta = beta_s[t], s = s_s[t];
+      T dbeta = 0, h_dot = 0;
+      for (int64_t j = 0; j < nv; ++j) {
+        const T* gj = gt + j * d; T bj = 0;
+#pragma omp simd reduction(+ : bj)
+        for (int64_t i = 0; i < d; ++i) bj += ht[i] * gj[i];
+        const T v = v_s[t * nv + j], hx = erase ? hx_s[t * nv + j] : T(0);
+        const T tj = v - s * hx, cj = s * bj;
+        dbeta += cj * tj;
+        h_dot += bj * tj - hx * cj;
+        b[j] = bj;
+        a_g[j] = s * beta * tj;                      // dh += G_j a_g
+        a_x[j] = erase ? s * beta * cj : T(0);       // dh -= X_j a_x,  dX_j = G_j - h a_x
+        const T dv = beta * cj;
+        dy[j] = scale > 0 ? dv * v * (T(1) - v / T(scale)) : dv;
+      }
+      const T a_h = s * s * s * beta * h_dot;       // dh -= h a_h
+      const T dz = dbeta * beta * (T(1) - beta / T(2));
+      T* ght = gh + t * d; T* gxt = gx + t * nv * d; T* gct = gc + t * d;
+      for (int64_t i = 0; i < d; ++i) ght[i] = -ht[i] * a_h;
+      for (int64_t j = 0; j < nv; ++j) {
+        const T* gj = gt + j * d; const T* xj = xt + j * d; T* gxj = gxt + j * d;
+        const T ag = a_g[j], ax = a_x[j];
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) {
+          ght[i] += gj[i] * ag - xj[i] * ax;
+          gxj[i] = gj[i] - ht[i] * ax;
+        }
+      }
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) gct[i] = dz * wb[i];
+      // the value's input gradient: into dc (u = c), dX (u = the d_v = 1 state) or its own tensor
+      T* gut = u_kind == 1 ? gct : (u_kind == 2 ? gxt : gu + t * d);
+      if (u_kind == 0) for (int64_t i = 0; i < d; ++i) gut[i] = 0;
+      for (int64_t j = 0; j < nv; ++j) {
+        const T* wj = wv + j * d; const T dyj = dy[j];
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) gut[i] += dyj * wj[i];
+      }
+      T* awb = acc; T* awv = acc + d + 1;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) awb[i] += dz * ct[i];
+      acc[d] += dz;
+      for (int64_t j = 0; j < nv; ++j) {
+        T* awj = awv + j * d; const T dyj = dy[j];
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) awj[i] += dyj * ut[i];
+        awv[nv * d + j] += dyj;
+      }
+      if ((t - begin + 1) % TokenSums::kFlushEvery == 0) sums.flush(partial, chunk);
+    }
+    sums.flush(partial, chunk);
+    sums.add(begin, std::move(chunk));
+  });
+  const std::vector<double> total = sums.total();
+  for (int64_t k = 0; k < width; ++k) {
+    T* dst = k < d ? gwb + k : (k == d ? gbb : (k < d + 1 + nv * d ? gwv + (k - d - 1) : gbv + (k - d - 1 - nv * d)));
+    *dst = T(total[k]);
+  }
+}
+
+std::vector<at::Tensor> residual_forward(const at::Tensor& x, const at::Tensor& h, const at::Tensor& c,
+                                         const at::Tensor& u, const at::Tensor& wb, const at::Tensor& bb,
+                                         const at::Tensor& wv, const at::Tensor& bv, double scale, double eps,
+                                         bool erase, bool save) {
+  const int64_t d = h.size(-1), n = h.numel() / d, nv = wv.size(0);
+  TORCH_CHECK(x.numel() == n * nv * d && c.numel() == n * d && u.numel() == n * d && wb.numel() == d &&
+              bb.numel() == 1 && wv.size(1) == d && bv.numel() == nv, "ddl residual_forward: mismatched shapes");
+  auto out = at::empty_like(x);
+  at::Tensor stats;  // None when nothing is saved (inference)
+  if (save) stats = at::empty({n * (2 + 2 * nv)}, h.options());
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "ddl_residual_forward", [&] {
+    scalar_t* st = save ? stats.data_ptr<scalar_t>() : nullptr;
+    seam_forward<scalar_t>(x.data_ptr<scalar_t>(), h.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(),
+                           u.data_ptr<scalar_t>(), wb.data_ptr<scalar_t>(), *bb.data_ptr<scalar_t>(),
+                           wv.data_ptr<scalar_t>(), bv.data_ptr<scalar_t>(), scale, eps, erase, n, nv, d,
+                           out.data_ptr<scalar_t>(), save ? st : nullptr, save ? st + 2 * n : nullptr,
+                           save ? st + n : nullptr, save ? st + 2 * n + n * nv : nullptr);
+  });
+  return {out, stats};
+}
+
+std::vector<at::Tensor> residual_backward(const at::Tensor& g, const at::Tensor& x, const at::Tensor& h,
+                                          const at::Tensor& c, const at::Tensor& u, const at::Tensor& wb,
+                                          const at::Tensor& wv, const at::Tensor& stats, double scale, bool erase,
+                                          int64_t u_kind) {
+  const int64_t d = h.size(-1), n = h.numel() / d, nv = wv.size(0);
+  TORCH_CHECK(g.numel() == x.numel() && x.numel() == n * nv * d && stats.numel() == n * (2 + 2 * nv),
+              "ddl residual_backward: mismatched shapes");
+  auto gx = at::empty_like(x), gh = at::empty_like(h), gc = at::empty_like(c);
+  auto gu = u_kind == 0 ? at::empty_like(u) : at::empty({0}, u.options());
+  auto gwb = at::empty_like(wb), gbb = at::empty({1}, wb.options()), gwv = at::empty_like(wv);
+  auto gbv = at::empty({nv}, wv.options());
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "ddl_residual_backward", [&] {
+    const scalar_t* st = stats.data_ptr<scalar_t>();
+    seam_backward<scalar_t>(g.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), h.data_ptr<scalar_t>(),
+                            c.data_ptr<scalar_t>(), u.data_ptr<scalar_t>(), wb.data_ptr<scalar_t>(),
+                            wv.data_ptr<scalar_t>(), st, st + 2 * n, st + n, st + 2 * n + n * nv, scale, erase, u_kind,
+                            n, nv, d, gx.data_ptr<scalar_t>(), gh.data_ptr<scalar_t>(), gc.data_ptr<scalar_t>(),
+                            u_kind == 0 ? gu.data_ptr<scalar_t>() : nullptr, gwb.data_ptr<scalar_t>(),
+                            gbb.data_ptr<scalar_t>(), gwv.data_ptr<scalar_t>(), gbv.data_ptr<scalar_t>());
+  });
+  return {gx, gh, gc, gu, gwb, gbb, gwv, gbv};
+}
+
+
+// The TC readout (CC: one tap): y[t, i] = sum_s sum_j taps[s, j, i] X[t - (K-1) + s, j, i], zero before token 0.
+template <typename T>
+void readout_forward_impl(const T* x, const T* taps, int64_t batch, int64_t len, int64_t k, int64_t nv, int64_t d,
+                          T* y) {
+  at::parallel_for(0, batch * len, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t bt = begin; bt < end; ++bt) {
+      const int64_t t = bt % len;
+      T* yt = y + bt * d;
+      for (int64_t i = 0; i < d; ++i) yt[i] = 0;
+      for (int64_t s = std::max<int64_t>(0, k - 1 - t); s < k; ++s) {
+        const T* xs = x + (bt - (k - 1) + s) * nv * d;
+        for (int64_t j = 0; j < nv; ++j) {
+          const T* xj = xs + j * d; const T* w = taps + (s * nv + j) * d;
+#pragma omp simd
+          for (int64_t i = 0; i < d; ++i) yt[i] += w[i] * xj[i];
+        }
+      }
+    }
+  });
+}
+
+// dX[t, j, i] = sum_s taps[s, j, i] G[t + (K-1) - s, i];  dtaps[s, j, i] = sum_t X[t - (K-1) + s, j, i] G[t, i].
+template <typename T>
+void readout_backward_impl(const T* g, const T* x, const T* taps, int64_t batch, int64_t len, int64_t k, int64_t nv,
+                           int64_t d, T* gx, T* gtaps) {
+  const int64_t width = k * nv * d;  // the tap gradients
+  TokenSums sums(width);
+  at::parallel_for(0, batch * len, 16, [&](int64_t begin, int64_t end) {
+    std::vector<T> partial(width, T(0));
+    std::vector<double> chunk(width, 0.0);
+    for (int64_t bt = begin; bt < end; ++bt) {
+      const int64_t t = bt % len;
+      T* gxt = gx + bt * nv * d; const T* xt = x + bt * nv * d;
+      for (int64_t i = 0; i < nv * d; ++i) gxt[i] = 0;
+      for (int64_t s = std::max<int64_t>(0, t + k - len); s < k; ++s) {  // output t + (K-1) - s reads t via tap s
+        const T* gs = g + (bt + (k - 1) - s) * d;
+        for (int64_t j = 0; j < nv; ++j) {
+          const T* w = taps + (s * nv + j) * d; T* gxj = gxt + j * d; const T* xj = xt + j * d;
+          T* pw = partial.data() + (s * nv + j) * d;
+#pragma omp simd
+          for (int64_t i = 0; i < d; ++i) { gxj[i] += w[i] * gs[i]; pw[i] += xj[i] * gs[i]; }
+        }
+      }
+      if ((bt - begin + 1) % TokenSums::kFlushEvery == 0) sums.flush(partial, chunk);
+    }
+    sums.flush(partial, chunk);
+    sums.add(begin, std::move(chunk));
+  });
+  const std::vector<double> total = sums.total();
+  for (int64_t q = 0; q < width; ++q) gtaps[q] = T(total[q]);
+}
+
+at::Tensor readout_forward(const at::Tensor& x, const at::Tensor& taps) {
+  const int64_t batch = x.size(0), len = x.size(1), nv = x.size(2), d = x.size(3), k = taps.size(0);
+  TORCH_CHECK(taps.size(1) == nv && taps.size(2) == d, "ddl readout_forward: taps must be (K, d_v, d)");
+  auto y = at::empty({batch, len, d}, x.options());
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "ddl_readout_forward", [&] {
+    readout_forward_impl<scalar_t>(x.data_ptr<scalar_t>(), taps.data_ptr<scalar_t>(), batch, len, k, nv, d,
+                                   y.data_ptr<scalar_t>());
+  });
+  return y;
+}
+
+std::vector<at::Tensor> readout_backward(const at::Tensor& g, const at::Tensor& x, const at::Tensor& taps) {
+  const int64_t batch = x.size(0), len = x.size(1), nv = x.size(2), d = x.size(3), k = taps.size(0);
+  TORCH_CHECK(taps.size(1) == nv && taps.size(2) == d && g.numel() == batch * len * d,
+              "ddl readout_backward: taps must be (K, d_v, d) and the gradient (B, T, d)");
+  auto gx = at::empty_like(x), gtaps = at::empty_like(taps);
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "ddl_readout_backward", [&] {
+    readout_backward_impl<scalar_t>(g.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), taps.data_ptr<scalar_t>(), batch,
+                                    len, k, nv, d, gx.data_ptr<scalar_t>(), gtaps.data_ptr<scalar_t>());
+  });
+  return {gx, gtaps};
+}
+
+// One decoding step of the TC readout from its window where the cache holds it, time last: w (B, d_v*d, K) and
+// taps (d_v, d, K) in the same layout; y[b, i] = sum_j sum_s taps[j, i, s] w[b, j*d + i, s].
+template <typename T>
+void window_readout_impl(const T* w, const T* taps, int64_t batch, int64_t nv, int64_t d, int64_t k, T* y) {
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const T* wb = w + b * nv * d * k; T* yb = y + b * d;
+      for (int64_t i = 0; i < d; ++i) yb[i] = 0;
+      for (int64_t j = 0; j < nv; ++j) {
+        const T* wj = wb + j * d * k; const T* tj = taps + j * d * k;
+        for (int64_t i = 0; i < d; ++i) {
+          T acc = 0;
+          for (int64_t s = 0; s < k; ++s) acc += wj[i * k + s] * tj[i * k + s];
+          yb[i] += acc;
+        }
+      }
+    }
+  });
+}
+
+at::Tensor window_readout(const at::Tensor& w, const at::Tensor& taps) {
+  TORCH_CHECK(w.dim() == 3 && taps.dim() == 3 && w.is_contiguous() && taps.is_contiguous(),
+              "ddl window_readout: the window must be (B, d_v*d, K) and the taps (d_v, d, K), both contiguous");
+  const int64_t batch = w.size(0), nv = taps.size(0), d = taps.size(1), k = taps.size(2);
+  TORCH_CHECK(w.size(1) == nv * d && w.size(2) == k, "ddl window_readout: the window must be (B, d_v*d, K)");
+  auto y = at::empty({batch, d}, w.options());
+  AT_DISPATCH_FLOATING_TYPES(w.scalar_type(), "ddl_window_readout", [&] {
+    window_readout_impl<scalar_t>(w.data_ptr<scalar_t>(), taps.data_ptr<scalar_t>(), batch, nv, d, k,
+                                  y.data_ptr<scalar_t>());
+  });
+  return y;
+}
+
+}  // namespace
+"""
+
+__all__ = ["SOURCE"]

@@ -1,0 +1,193 @@
+r"""PyTorch fast paths of `reference.delta_update` and `reference.causal_token_readout`: the same signatures and the
+same numbers, as custom autograd functions that keep less for backward and write their gradients in place. They run
+on any device; `ddl.kernels` chooses them where no compiled kernel applies.
+
+`fused_delta_update` keeps only its inputs (X, h, v, beta) and a few numbers per token for backward and recomputes
+k, k^T X and the coefficient there, instead of autograd keeping every intermediate (k, the fp32 copies, the readout,
+the rank-1 product). X is kept alive anyway by the next norm or compressor, so the extra memory of a sublayer is h
+alone. In inference it skips autograd entirely.
+
+`fused_token_readout` accumulates the readout in place along contiguous d (no state-sized temporary per tap) and has
+a hand-written backward (autograd would zero-fill and copy a state-sized gradient for every lag's slice).
+"""
+
+import torch
+
+from .reference import DELTA_MODES
+
+
+def _dot_h(h, state, scalar_state):
+    """h^T X over the features, `(B, T, d_v)` (the state is `(B, T, d)` or `(B, T, d_v, d)`); in h's dtype (fp32)."""
+    if scalar_state:
+        return (h * state).sum(-1, keepdim=True)  # linalg.vecdot adds a copy on CPU
+    # as a row vector times X^T: on CPU, X @ h runs as a batched matrix-vector product, several times slower
+    return (h.unsqueeze(-2) @ state.to(h.dtype).transpose(-1, -2)).squeeze(-2)
+
+
+def _combine(state, coef, scalar_state, out=None, alpha=1.0):
+    """sum_j X[..., j] c[j], `(B, T, d)`; with `out`, accumulated into it in place: out += alpha * sum_j X[..., j] c[j]
+    (one pass, no temporary: these run on every sublayer's backward)."""
+    if out is None:
+        return state * coef if scalar_state else (coef.unsqueeze(-2) @ state).squeeze(-2)
+    if scalar_state:
+        return out.addcmul_(state, coef, value=alpha)
+    out.view(-1, 1, out.shape[-1]).baddbmm_(coef.reshape(-1, 1, coef.shape[-1]), state.reshape(-1, *state.shape[-2:]),
+                                             alpha=alpha)
+    return out
+
+
+def _rank1(h, coef, scalar_state):
+    """The factors of the rank-1 write h (x) c, shaped to broadcast against the state `(B, T, d_v, d)`."""
+    return (h, coef) if scalar_state else (h.unsqueeze(-2), coef.unsqueeze(-1))
+
+
+def _delta_forward(x, h, v, beta, k_eps, erase):
+    """X_next and the per-token scalars (s, t, beta, h^T X) that the backward needs, in few fused operations."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    scalar_state = x.dim() == h.dim()
+    h_acc = h.to(acc)  # bf16/fp16 are read out in fp32
+    norm = torch.linalg.vector_norm(h_acc, dim=-1, keepdim=True)  # one fused reduction, no temporary
+    inv_norm = norm.square_().add_(k_eps**2).rsqrt_()  # s = 1/sqrt(|h|^2 + eps^2): (B, T, 1), in place
+    target = v.to(acc)
+    h_dot_x = _dot_h(h_acc, x, scalar_state) if erase else None  # h^T X: (B, T, d_v)
+    if erase:
+        target = torch.addcmul(target, inv_norm, h_dot_x, value=-1.0)  # v - k^T X
+    if x.dtype == acc:  # fold 1/|h| into the per-token scale: X_next = X + h (x) (beta s t)
+        out = torch.addcmul(x, *_rank1(h, (beta * inv_norm) * target, scalar_state))
+    else:  # fp16 would overflow on s = 1/|h| for tiny h: write k = s h (|k| < 1) in the model dtype instead
+        k = (h_acc * inv_norm).to(x.dtype)
+        out = torch.addcmul(x, *_rank1(k, (beta * target).to(x.dtype), scalar_state))
+    return out, (inv_norm, target, beta, h_dot_x)
+
+
+class _DeltaUpdate(torch.autograd.Function):
+    """X_next = X + beta k (v - k^T X) (erase) or X + beta k v (write-only), with k = s h, s = 1/sqrt(|h|^2+eps^2).
+
+    Written in terms of h and per-token scalars so that k is never materialised: the forward reads h and X a
+    few times and writes X_next once; it keeps X, h (both (B, T, d[, d_v])) and the small s, t, beta, h^T X for
+    backward, whose gradients are linear combinations of G, X and h with per-token coefficients:
+        t = v - s h^T X,   b = h^T G,   c_g = s b  (= k^T G)
+        dX = G - h (x) (beta s c_g),   dv = beta c_g,   dbeta = c_g . t
+        dh = G (s beta t) - X (s beta c_g) - h s^3 beta (b . t - (h^T X) . c_g)
+    """
+
+    @staticmethod
+    def forward(ctx, x, h, v, beta, k_eps, erase):
+        out, saved = _delta_forward(x, h, v, beta, k_eps, erase)
+        ctx.save_for_backward(x, h, *saved)
+        ctx.erase, ctx.scalar_state, ctx.v_dtype = erase, x.dim() == h.dim(), v.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, h, inv_norm, target, beta, h_dot_x = ctx.saved_tensors
+        scalar = ctx.scalar_state
+        acc = target.dtype
+        grad, h_acc = grad_out.to(acc), h.to(acc)
+        state = x.to(acc) if ctx.erase else None  # write-only never reads the state in backward
+        b = _dot_h(h_acc, grad, scalar)  # h^T G: (B, T, d_v)
+        grad_coef = inv_norm * b  # k^T G
+        h_dot_grad_k = (b * target).sum(-1, keepdim=True)
+        if ctx.erase:
+            h_dot_grad_k = h_dot_grad_k - (h_dot_x * grad_coef).sum(-1, keepdim=True)
+        # dh = G (s beta t) - X (s beta c_g) - h s^3 beta (...): one new tensor, the other terms added in place
+        grad_h = _combine(grad, inv_norm * beta * target, scalar)
+        if ctx.erase:
+            _combine(state, inv_norm * beta * grad_coef, scalar, out=grad_h, alpha=-1.0)
+        grad_h.addcmul_(h_acc, -(inv_norm**3) * beta * h_dot_grad_k)
+        grad_x = grad
+        if ctx.erase:
+            grad_x = torch.addcmul(grad, *_rank1(h_acc, -inv_norm * beta * grad_coef, scalar))
+        grad_v = beta * grad_coef
+        grad_beta = (grad_coef * target).sum(-1, keepdim=True)
+        return grad_x.to(x.dtype), grad_h.to(h.dtype), grad_v.to(ctx.v_dtype), grad_beta.to(beta.dtype), None, None
+
+
+def fused_delta_update(x, h, v=None, beta=None, mode="delta", k_eps=1e-5):
+    """Same contract as `reference.delta_update`; less memory in training, no autograd bookkeeping in inference."""
+    if mode == "additive":
+        return x + (h if x.dim() == h.dim() else h.unsqueeze(-2))
+    if mode not in DELTA_MODES:
+        raise ValueError(f"delta_update: unknown mode {mode!r}; expected one of {DELTA_MODES}.")
+    if not torch.is_grad_enabled():
+        return _delta_forward(x, h, v, beta, k_eps, mode == "delta")[0]
+    return _DeltaUpdate.apply(x, h, v, beta, k_eps, mode == "delta")
+
+
+def readout_forward(x, taps):
+    """y[t] = sum_s sum_j taps[s, j] * x[t - (K-1) + s, j] (zero before the first token) for a state `(B, T, d_v, d)`
+    and taps `(K, d_v, d)`: K * d_v fused multiply-adds into one `(B, T, d)` fp32 buffer (bf16 would round K*d_v
+    times), no state-sized temporary."""
+    kernel, seq_len = taps.shape[0], x.shape[1]
+    dtype = torch.promote_types(x.dtype, taps.dtype)
+    out = x.new_zeros(x.shape[0], seq_len, x.shape[-1], dtype=torch.promote_types(dtype, torch.float32))
+    for lag in range(min(kernel, seq_len)):
+        rows = out[:, lag:]
+        for j in range(x.shape[2]):
+            rows.addcmul_(x[:, : seq_len - lag, j], taps[kernel - 1 - lag, j])
+    return out.to(dtype)
+
+
+def readout_backward(grad, x, taps, needs_x=True, needs_taps=True):
+    """The gradients of `readout_forward` for the output gradient G `(B, T, d)`:
+        dX[t] = sum_s taps[s] * G[t + (K-1) - s]          (in place into one state-sized tensor)
+        dtaps[s, j] = sum over tokens of X[t, j] * G[t + (K-1) - s]   (fp32, a few sequences at a time)
+    Differentiable itself (a second derivative runs through it)."""
+    kernel, seq_len = taps.shape[0], x.shape[1]
+    lags = range(min(kernel, seq_len))
+    grad = grad.to(x.dtype)
+    grad_x = grad_taps = None
+    if needs_x:
+        grad_x = torch.mul(grad.unsqueeze(-2), taps[kernel - 1].to(x.dtype))
+        for lag in lags[1:]:
+            grad_x[:, : seq_len - lag].addcmul_(grad[:, lag:].unsqueeze(-2), taps[kernel - 1 - lag].to(x.dtype))
+    if needs_taps:
+        acc = torch.zeros(taps.shape, dtype=torch.promote_types(taps.dtype, torch.float32), device=taps.device)
+        chunk = -(-x.shape[0] // 8)  # at most 8 chunks of sequences: the products stay cache-sized
+        for xs, gs in zip(x.split(chunk), grad.split(chunk)):
+            for lag in lags:
+                prod = xs[:, : seq_len - lag] * gs[:, lag:].unsqueeze(-2)
+                acc[kernel - 1 - lag] += prod.sum((0, 1), dtype=acc.dtype)
+        grad_taps = acc.to(taps.dtype)
+    return grad_x, grad_taps
+
+
+class _TokenReadout(torch.autograd.Function):
+    """`readout_forward` with `readout_backward` as its backward."""
+
+    @staticmethod
+    def forward(ctx, x, taps):
+        ctx.save_for_backward(x, taps)
+        return readout_forward(x, taps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, taps = ctx.saved_tensors
+        return readout_backward(grad, x, taps, *ctx.needs_input_grad)
+
+
+def as_taps(weight):
+    """A readout weight `(K, d, d_v)` as taps in the state's layout `(K, d_v, d)` (a small copy)."""
+    return weight.transpose(1, 2).contiguous()
+
+
+def readout_with_history(readout, x, weight, history):
+    """`readout(state, taps)` over x with its cached history read as the first K-1 tokens, whose outputs are
+    dropped: the contract of `reference.causal_token_readout` for a function of the whole window."""
+    if history is not None:
+        x = torch.cat([history, x], dim=1)
+    out = readout(x, as_taps(weight))
+    return out if history is None else out[:, weight.shape[0] - 1 :]
+
+
+def _readout(x, taps):
+    return _TokenReadout.apply(x, taps) if torch.is_grad_enabled() else readout_forward(x, taps)
+
+
+def fused_token_readout(x, weight, history=None):
+    """Same contract as `reference.causal_token_readout`; faster, and no state-sized temporaries."""
+    return readout_with_history(_readout, x, weight, history)
+
+
+__all__ = ["as_taps", "fused_delta_update", "fused_token_readout", "readout_backward", "readout_forward",
+           "readout_with_history"]

@@ -1,0 +1,137 @@
+r"""The specifications: DDL's operations in plain PyTorch, written to read like the paper.
+
+Every fast path (`ddl.fused`, the C++ kernels of `ddl.cpu_kernels`, the Triton kernels of `ddl.triton_kernels`) is
+tested against these functions on outputs and gradients; `ddl.kernels` chooses among them. This module imports
+nothing from the package.
+
+- `delta_update`: the residual update of one sublayer (paper Eq. 2.1-2.2), with the `write_only` and `additive`
+  controls.
+- `delta_gate`, `delta_value`, `delta_residual`: where beta and v come from, and the whole residual seam.
+- `causal_token_conv` (EC) and `causal_token_readout` (TC; CC is its one-tap case): the token-axis convolutions of
+  the expanded state.
+
+The state X is `(B, T, d)` for d_v = 1 and `(B, T, d_v, d)` for the expanded state: its d_v columns of length d
+stored one after another, so that every per-token operation runs along contiguous d.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+DELTA_MODES = ("delta", "write_only", "additive")
+
+
+def delta_update(x, h, v=None, beta=None, mode="delta", k_eps=1e-5):
+    r"""The DDL residual update of one sublayer (paper Eq. 2.1-2.2).
+
+        delta:       X_next = X + beta k (v^T - k^T X) = (I - beta k k^T) X + beta k v^T
+        write_only:  X_next = X + beta k v^T                   (same branches, no erase term)
+        additive:    X_next = X + h                             (the plain residual; h added to every value channel)
+
+    with the direction k = h / sqrt(|h|^2 + k_eps^2), the sublayer output normalised (zero when h = 0).
+
+    Args:
+        x: the residual state X, `(B, T, d)` for d_v = 1 or `(B, T, d_v, d)` for the expanded state.
+        h: `(B, T, d)`, the sublayer output F(c) that gives the direction k.
+        v: `(B, T, d_v)`, the target value (unused by `additive`).
+        beta: `(B, T, 1)`, the gate in [0, 2] (unused by `additive`).
+    Returns X_next, shaped and typed like `x`. k, the readout k^T X and the coefficient beta (v - k^T X) are
+    computed in fp32 (as the reference code does, for stability in bf16/fp16); the state and the rank-1 write
+    stay in the model dtype.
+    """
+    scalar_state = x.dim() == h.dim()
+    if mode == "additive":
+        return x + (h if scalar_state else h.unsqueeze(-2))
+    acc = torch.promote_types(x.dtype, torch.float32)  # fp32 at least (fp64 stays fp64)
+    h32 = h.to(acc)
+    k = h32 * torch.rsqrt(h32.pow(2).sum(-1, keepdim=True) + k_eps**2)  # (B, T, d), |k| < 1
+    state = x.unsqueeze(-2) if scalar_state else x  # (B, T, d_v, d)
+    if mode == "delta":
+        readout = torch.einsum("btd,btvd->btv", k, state.to(acc))  # k^T X: (B, T, d_v)
+        coef = beta * (v.to(acc) - readout)  # (B, T, d_v)
+    elif mode == "write_only":
+        coef = beta * v.to(acc)
+    else:
+        raise ValueError(f"delta_update: unknown mode {mode!r}; expected one of {DELTA_MODES}.")
+    out = state + coef.to(x.dtype).unsqueeze(-1) * k.to(x.dtype).unsqueeze(-2)  # rank-1 write along k
+    return out.squeeze(-2) if scalar_state else out
+
+
+def delta_gate(c, weight, bias, hidden_weight=None, hidden_bias=None):
+    r"""The gate beta = 2 sigmoid(w . c + b) in (0, 2), `(B, T, 1)`, in fp32 (only the logit, for stability).
+
+    With `hidden_weight` `(H, d)` and `hidden_bias` `(H,)`, the two-layer gate 2 sigmoid(w . tanh(W_1 c + b_1) + b).
+    c: `(B, T, d)`, the normalised sublayer input; weight: `(d,)` (or `(H,)`); bias: `(1,)`.
+    """
+    c = c.float()
+    if hidden_weight is not None:
+        c = torch.tanh(F.linear(c, hidden_weight.float(), hidden_bias.float()))
+    return 2.0 * torch.sigmoid(F.linear(c, weight.float().unsqueeze(0), bias.float()))
+
+
+def delta_value(u, weight, bias, scale=4.0):
+    r"""The target v = scale sigmoid(W_v u + b_v) in (0, scale), or W_v u + b_v when `scale` is None: `(B, T, d_v)`.
+
+    u: `(B, T, d)`, the value input; weight: `(d_v, d)`; bias: `(d_v,)`.
+    """
+    v = F.linear(u, weight, bias)
+    return v if scale is None else scale * torch.sigmoid(v)
+
+
+def delta_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale=4.0, k_eps=1e-5,
+                   mode="delta", gate_hidden=None):
+    r"""One sublayer's whole residual seam: the gate, the value and the update,
+
+        X_next = delta_update(X, h, delta_value(u), delta_gate(c))
+
+    x: the state X; h: the sublayer output; c: the normalised sublayer input; u: the value input (c, or the
+    un-normalised sublayer input x_in); `gate_hidden`: `(W_1, b_1)` of a two-layer gate, or None.
+    """
+    beta = delta_gate(c, gate_weight, gate_bias, *(gate_hidden or ()))
+    return delta_update(x, h, delta_value(u, value_weight, value_bias, v_scale), beta, mode=mode, k_eps=k_eps)
+
+
+def _causal_window(x, kernel, history):
+    """x with the K-1 inputs before it prepended (the cached history, or zeros at the start of a sequence)."""
+    if kernel == 1:  # no window (CC): x itself, not a copy that autograd would keep for backward
+        return x
+    if history is None:
+        history = x.new_zeros(x.shape[0], kernel - 1, *x.shape[2:])
+    return torch.cat([history, x], dim=1)
+
+
+def causal_token_conv(x, weight, history=None):
+    r"""EC: depthwise causal convolution over the token axis, from d input features to d x d_v channels.
+
+        y[t, j, i] = sum_s weight[s, i, j] * x[t - (K - 1) + s, i]
+
+    x: `(B, T, d)`; weight: `(K, d, d_v)`, tap K-1 is the current token; history: `(B, K-1, d)`, the inputs
+    before x (zeros at the start of a sequence). Returns the state layout `(B, T, d_v, d)`.
+    """
+    kernel, seq_len = weight.shape[0], x.shape[1]
+    full = _causal_window(x, kernel, history).unsqueeze(-2)  # (B, K-1+T, 1, d)
+    weight = weight.transpose(1, 2).contiguous()  # (K, d_v, d): a tiny copy, so every product runs along d
+    out = full[:, kernel - 1 :] * weight[kernel - 1]
+    for s in range(kernel - 1):
+        out.addcmul_(full[:, s : s + seq_len], weight[s])  # in place: no new state-sized tensor per tap
+    return out
+
+
+def causal_token_readout(x, weight, history=None):
+    r"""TC: a causal depthwise token convolution of the state and the read over its d_v channels, in one step.
+
+        y[t, i] = sum_j sum_s weight[s, i, j] * x[t - (K - 1) + s, j, i]      (weight = conv taps c * read r)
+
+    x: `(B, T, d_v, d)`; weight: `(K, d, d_v)`; history: `(B, K-1, d_v, d)` or None (zeros). Returns `(B, T, d)`.
+    CC is the one-tap case (K = 1, weight = w).
+    """
+    kernel, seq_len = weight.shape[0], x.shape[1]
+    full = _causal_window(x, kernel, history)  # (B, K-1+T, d_v, d)
+    weight = weight.transpose(1, 2).contiguous()  # (K, d_v, d), like the state
+    return sum((full[:, s : s + seq_len] * weight[s]).sum(-2) for s in range(kernel))
+
+
+__all__ = [
+    "DELTA_MODES", "causal_token_conv", "causal_token_readout", "delta_gate", "delta_residual", "delta_update",
+    "delta_value",
+]
