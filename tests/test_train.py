@@ -117,11 +117,12 @@ def test_checkpoint_is_complete(trained):
 
 
 def test_reload_in_fresh_process_without_ddl(trained, tmp_path):
-    """The folder alone is enough: another cwd, no PYTHONPATH, so `import ddl` fails; remote code does the work."""
+    """The folder alone is enough: another cwd, and `import ddl` fails (as for someone who never installed it);
+    remote code does the work."""
     out, _ = trained
     script = f"""
-import importlib.util, torch
-assert importlib.util.find_spec("ddl") is None, "ddl must not be importable here"
+import sys, torch
+sys.modules["ddl"] = None  # `import ddl` raises ImportError, also where this checkout is installed
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, pipeline
 path = {str(out)!r}
 model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
