@@ -16,7 +16,45 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Triton kernels run through its interpreter on CPU; the flag must be set before triton is first imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# DDL_TEST_DEVICE=cuda runs the model and kernel tests (DEVICE_MODULES) on that device: torch's default device is set
+# for each of their tests, so every tensor and model they build lives there. The other tests (scripts, packaging) run on
+# CPU only and are skipped under the switch; without a GPU the device tests are skipped. CI leaves it unset (CPU).
+TEST_DEVICE = os.environ.get("DDL_TEST_DEVICE", "cpu").strip().lower() or "cpu"
+DEVICE_MODULES = {"test_delta_update", "test_kernels", "test_modeling_ddl", "test_device"}
+if TEST_DEVICE.startswith("cuda"):
+    torch.backends.cuda.matmul.allow_tf32 = False  # the specs are compared in true fp32
+    torch.backends.cudnn.allow_tf32 = False
 torch.set_num_threads(1)  # tiny models: threads only add synchronisation (and fight over 2 cores)
+
+def pytest_collection_modifyitems(config, items):
+    if TEST_DEVICE == "cpu":
+        return
+    no_device = TEST_DEVICE.startswith("cuda") and not torch.cuda.is_available()
+    for item in items:
+        if item.module.__name__ not in DEVICE_MODULES:
+            item.add_marker(pytest.mark.skip(reason=f"runs on CPU only (DDL_TEST_DEVICE={TEST_DEVICE})"))
+        elif no_device:
+            item.add_marker(pytest.mark.skip(reason=f"DDL_TEST_DEVICE={TEST_DEVICE} but torch sees no GPU"))
+
+
+@pytest.fixture(autouse=True)
+def _on_test_device(request):
+    """The device tests build their tensors and models on DDL_TEST_DEVICE (the default device while they run)."""
+    if TEST_DEVICE == "cpu" or request.module.__name__ not in DEVICE_MODULES:
+        yield
+        return
+    torch.set_default_device(TEST_DEVICE)
+    try:
+        yield
+    finally:
+        torch.set_default_device(None)
+
+
+def seeded(seed):
+    """A random generator on the test device, seeded."""
+    return torch.Generator(device=torch.get_default_device()).manual_seed(seed)
+
 
 TINY = dict(
     vocab_size=99,
@@ -38,6 +76,16 @@ def tiny_config(**overrides):
     return DDLConfig(**{**TINY, **overrides})
 
 
+def trained_looking(model, scale=0.1):
+    """Moves every DDL parameter off its (symmetric) initial value, so that tests see gates, values and convolutions
+    that vary across tokens and channels (a leak through a token convolution is invisible at identity taps)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if any(part in name for part in ("_delta.", "_compress.", "embed_conv.", "readout.")):
+                param.add_(scale * torch.randn_like(param))
+    return model
+
+
 def tiny_tokenizer(text=None, vocab_size=300):
     """A byte-level BPE trained in-process (no Hub access) by train.py's own trainer, left padding, as it saves it."""
     from ddl_tools.training import train_bpe_tokenizer
@@ -57,6 +105,8 @@ def cpu_kernel_on_or_off(request, monkeypatch):
     paths, which machines without a compiler run, stay tested on CPU too."""
     from ddl import cpu_kernels
 
+    if TEST_DEVICE != "cpu" and request.param == "cpu-kernel":
+        pytest.skip("the C++ kernels serve CPU tensors only")
     if request.param == "pytorch":
         monkeypatch.setattr(cpu_kernels, "_ops", False)
     elif cpu_kernels.cpu_kernel() is None:

@@ -4,6 +4,8 @@ contraction by 1 - beta, the spectrum of I - beta k k^T), checked on the update 
 import pytest
 import torch
 
+from conftest import seeded
+
 from ddl.reference import delta_update
 
 
@@ -11,7 +13,7 @@ B, T, D = 2, 3, 8
 
 
 def _inputs(dv, beta_value=None, seed=0):
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed)
     x = torch.randn(B, T, D, dtype=torch.float64, generator=g)
     if dv > 1:
         x = torch.randn(B, T, dv, D, dtype=torch.float64, generator=g)  # d_v columns of length d

@@ -4,7 +4,7 @@ on outputs and gradients; the Triton kernels too, through Triton's CPU interpret
 import pytest
 import torch
 
-from conftest import assert_same_loss_and_gradients, tiny_config
+from conftest import assert_same_loss_and_gradients, seeded, tiny_config
 from ddl import DDLForCausalLM, cpu_kernels, kernels
 from ddl.fused import fused_delta_update, fused_token_readout
 from ddl.kernels import token_conv, token_readout, window_readout
@@ -12,7 +12,7 @@ from ddl.reference import causal_token_conv, causal_token_readout, delta_update
 
 
 def _inputs(dv, dtype, seed=0, zero_h=False):
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed)
     shape = (2, 3) + ((dv,) if dv > 1 else ()) + (6,)  # the state: (B, T, d) or (B, T, d_v, d)
     x = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
     h = torch.randn(2, 3, 6, generator=g, dtype=torch.float64)
@@ -41,7 +41,7 @@ def test_matches_reference_outputs_and_gradients(dv, mode, dtype, tol):
     out = fused_delta_update(*(fused_inputs if mode != "additive" else fused_inputs[:2]), **args)
     assert out.dtype == ref.dtype and out.shape == ref.shape
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
-    weight = torch.randn(ref.shape, generator=torch.Generator().manual_seed(3)).to(dtype)
+    weight = torch.randn(ref.shape, generator=seeded(3)).to(dtype)
     (ref * weight).sum().backward()
     (out * weight).sum().backward()
     used = 4 if mode != "additive" else 2
@@ -64,7 +64,7 @@ def test_models_with_either_implementation_agree(overrides, implementation, cpu_
     for name, impl in (("reference", "reference"), ("fused", implementation)):
         torch.manual_seed(0)
         models[name] = DDLForCausalLM(tiny_config(ddl_implementation=impl, **overrides))
-    ids = torch.randint(3, 99, (2, 8), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, 99, (2, 8), generator=seeded(1))
     assert_same_loss_and_gradients(models, ids)
 
 
@@ -73,7 +73,7 @@ def test_models_with_either_implementation_agree(overrides, implementation, cpu_
 
 
 def _readout_inputs(kernel, seq_len, dtype=torch.float64, seed=0):
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed)
     x = torch.randn(3, seq_len, 2, 5, generator=g, dtype=torch.float64).to(dtype).requires_grad_()  # (B, T, d_v, d)
     weight = torch.randn(kernel, 5, 2, generator=g, dtype=torch.float64).to(dtype).requires_grad_()  # (K, d, d_v)
     return x, weight
@@ -96,7 +96,7 @@ def test_token_readout_matches_reference(with_history, dtype, tol):
     ref, out = causal_token_readout(ref_x, ref_w, history), fused_token_readout(x, w, history)
     assert out.dtype == ref.dtype and out.shape == ref.shape == (3, 9, 5)
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
-    weight = torch.randn(ref.shape, generator=torch.Generator().manual_seed(3)).to(dtype)
+    weight = torch.randn(ref.shape, generator=seeded(3)).to(dtype)
     (ref * weight).sum().backward()
     (out * weight).sum().backward()
     torch.testing.assert_close(x.grad, ref_x.grad, rtol=tol, atol=tol)
@@ -145,7 +145,7 @@ def test_dispatched_token_convolutions_with_a_cached_window_match_reference(dtyp
     """The readout and EC given their window as the cache holds it (a decoding step reads it in place: the C++
     window readout or `window_readout`; longer inputs go back to the state layout) equal the specs given the same
     inputs as history; also for a window sliced from a longer cache (assisted decoding's)."""
-    g = torch.Generator().manual_seed(0)
+    g = seeded(0)
     x = torch.randn(3, seq_len, 2, 5, generator=g, dtype=dtype)
     history = torch.randn(3, 3, 2, 5, generator=g, dtype=dtype)
     weight = torch.randn(4, 5, 2, generator=g, dtype=dtype)
@@ -162,7 +162,7 @@ def test_dispatched_token_convolutions_with_a_cached_window_match_reference(dtyp
 
 @torch.no_grad()
 def test_window_readout_equals_the_spec_for_one_token():
-    g = torch.Generator().manual_seed(1)
+    g = seeded(1)
     x, history = torch.randn(2, 1, 3, 4, generator=g, dtype=torch.float64), torch.randn(2, 2, 3, 4, generator=g,
                                                                                          dtype=torch.float64)
     weight = torch.randn(3, 4, 3, generator=g, dtype=torch.float64)
@@ -174,7 +174,7 @@ def test_window_readout_equals_the_spec_for_one_token():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_token_conv_low_precision_decoding_steps_equal_prefill(dtype):
     """EC token by token from the cache computes what the whole sequence computes, in the same order: bit for bit."""
-    g = torch.Generator().manual_seed(0)
+    g = seeded(0)
     x, weight = torch.randn(2, 12, 64, generator=g).to(dtype), torch.randn(4, 64, 4, generator=g).to(dtype)
     padded = torch.cat([x.new_zeros(2, 3, 64), x], dim=1)
     steps = torch.cat([token_conv(x[:, t : t + 1], weight, _cache_window(padded[:, t : t + 3], x[:, t : t + 1]))
@@ -188,7 +188,7 @@ def test_token_conv_low_precision_decoding_steps_equal_prefill(dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_token_readout_low_precision_decoding_equals_prefill(dtype):
     """Token by token from the cache gives what the whole sequence gives (both accumulate in fp32)."""
-    g = torch.Generator().manual_seed(0)
+    g = seeded(0)
     x = torch.randn(2, 12, 4, 64, generator=g).to(dtype)
     weight = torch.randn(4, 64, 4, generator=g).to(dtype)
     prefill = token_readout(x, weight)
@@ -223,7 +223,7 @@ def test_triton_kernels_match_reference(dv, mode, dtype, tol):
     out = kernels.triton_delta_update(*tri_inputs, k_eps=1e-5, erase=mode == "delta")
     assert out.dtype == ref.dtype and out.shape == ref.shape
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
-    weight = torch.randn(ref.shape, generator=torch.Generator().manual_seed(4)).to(device=device, dtype=dtype)
+    weight = torch.randn(ref.shape, generator=seeded(4)).to(device=device, dtype=dtype)
     (ref * weight).sum().backward()
     (out * weight).sum().backward()
     for name, a, b in zip("x h v beta".split(), ref_inputs, tri_inputs):
@@ -240,7 +240,7 @@ def test_triton_token_convolutions_match_reference(kind, kernel, dv, with_histor
     kernels = _triton_kernels()
     monkeypatch.setattr(kernels, "_CHUNK", 8)  # 19 tokens = 3 chunks of tap gradients (the last one partial)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    g = torch.Generator().manual_seed(kernel * 10 + dv)
+    g = seeded(kernel * 10 + dv)
     batch, d = 2, 200  # two blocks of 128 features, the second one partial (masked)
     x_shape = (batch, seq_len, dv, d) if kind == "readout" else (batch, seq_len, d)
     x = torch.randn(x_shape, generator=g).to(device=device, dtype=dtype).requires_grad_()
@@ -278,7 +278,7 @@ def test_a_failing_triton_kernel_falls_back_to_pytorch_with_one_warning(monkeypa
     model = DDLForCausalLM(tiny_config(ddl_value_channels=1, ddl_implementation="triton"))
     reference = DDLForCausalLM(tiny_config(ddl_value_channels=1, ddl_implementation="reference"))
     reference.load_state_dict(model.state_dict())
-    ids = torch.randint(3, 99, (2, 6), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(3, 99, (2, 6), generator=seeded(0))
     with caplog.at_level("WARNING"):
         loss = model(ids, labels=ids).loss
         model(ids, labels=ids)

@@ -14,7 +14,7 @@ from transformers import (
     LlamaForCausalLM,
 )
 
-from conftest import TINY, tiny_config
+from conftest import TINY, seeded, tiny_config, trained_looking
 from ddl import DDLConfig, DDLForCausalLM, DDLModel, kernels
 from ddl.modeling_ddl import DDLCompressor, DDLDeltaResidual, DDLEmbedConv
 
@@ -35,18 +35,11 @@ VARIANTS = list(_variants())
 
 def _model(seed=0, **overrides):
     torch.manual_seed(seed)
-    model = DDLForCausalLM(tiny_config(**overrides)).eval()
-    # Move every DDL parameter off its (symmetric) initial value so that tests see gates, values and
-    # convolutions that actually vary across tokens and channels.
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if any(part in name for part in ("_delta.", "_compress.", "embed_conv.", "readout.")):
-                param.add_(0.1 * torch.randn_like(param))
-    return model
+    return trained_looking(DDLForCausalLM(tiny_config(**overrides)).eval())
 
 
 def _ids(batch=2, length=9, seed=1):
-    return torch.randint(3, TINY["vocab_size"], (batch, length), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(3, TINY["vocab_size"], (batch, length), generator=seeded(seed))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -469,7 +462,7 @@ def test_token_convolutions_match_conv1d():
     """EC and TC against torch's own depthwise Conv1d with causal (left) zero padding."""
     from ddl.reference import causal_token_conv, causal_token_readout
 
-    g = torch.Generator().manual_seed(0)
+    g = seeded(0)
     B, T, d, dv, K = 2, 7, 5, 3, 4
     weight = torch.randn(K, d, dv, generator=g, dtype=torch.float64)
     conv_weight = weight.permute(1, 2, 0).reshape(d * dv, 1, K)  # channel (i, j), taps in time order
