@@ -3,8 +3,8 @@ backward, in one pass over each token's rows), the TC readout (CC: one tap), and
 its cached window. `ddl.kernels` calls them where they apply (Linux, CPU tensors in fp32 or fp64, eager mode).
 
 They are built on first use with PyTorch's C++ extension tools (`torch.utils.cpp_extension.load_inline`, cached under
-`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`), from the source in `ddl.cpu_kernels_source`, and never
-required: without a C++ compiler or ninja, on other systems, or with `DDL_CPU_KERNEL=0` (or the implementation
+`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`), from the source in `ddl.cpu_kernels_source`, one
+process at a time (a build killed midway blocks no later one: see `_build_lock`), and never required: without a C++ compiler or ninja, on other systems, or with `DDL_CPU_KERNEL=0` (or the implementation
 "torch"), DDL runs the PyTorch functions of `ddl.fused`, which compute the same numbers up to rounding (summation
 order; an fp64 model's gate logit is fp64 here, fp32 there).
 
@@ -27,9 +27,11 @@ and the backward of `fused._DeltaUpdate`, followed by the gate's and the value's
 fp32 and fp64 (each in its own precision); other dtypes, autocast and tracing take the PyTorch path.
 """
 
+import contextlib
 import hashlib
 import os
 import sys
+import time
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -89,28 +91,107 @@ def _build():
                 os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
             except ImportError:
                 pass
-        if not _is_built(name):
-            logger.warning(
-                f"DDL: building its C++ CPU kernel {name} once (20-40 s; cached for the next runs). Set "
-                "DDL_CPU_KERNEL=0 to use the PyTorch path instead; if a build is interrupted, delete its folder in "
-                "torch's extension cache (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions)."
-            )
-        functions = ["residual_forward", "residual_backward", "readout_forward", "readout_backward", "window_readout"]
-        return load_inline(name, cpp_sources=SOURCE, functions=functions, extra_cflags=_flags(), verbose=False)
+        folder = _build_directory(name)
+        with _build_lock(folder) as previous:
+            if previous is None:
+                logger.warning(f"DDL: another process has held the build lock of its C++ CPU kernel {name} for over "
+                               f"{_STALE_AFTER_S:.0f} s; using the PyTorch path (same numbers up to rounding, slower).")
+                return None
+            if folder is not None and not _clear_stale_baton(folder, previous):
+                return None
+            if not _is_built(folder):
+                logger.warning(
+                    f"DDL: building its C++ CPU kernel {name} once (20-40 s; cached for the next runs). Set "
+                    "DDL_CPU_KERNEL=0 to use the PyTorch path instead."
+                )
+            functions = ["residual_forward", "residual_backward", "readout_forward", "readout_backward",
+                         "window_readout"]
+            return load_inline(name, cpp_sources=SOURCE, functions=functions, extra_cflags=_flags(), verbose=False,
+                               build_directory=folder)
     except Exception as error:  # no compiler, no ninja, a failed build: the PyTorch path serves
         logger.warning(f"DDL: the C++ CPU kernel could not be built, so DDL uses the PyTorch path (same numbers up "
                        f"to rounding, slower): {type(error).__name__}: {str(error)[-1500:]}")
         return None
 
 
-def _is_built(name):
+def _build_directory(name):
+    """torch's build folder of the extension `name` (created), or None if torch's private helper is not there."""
     try:
         from torch.utils.cpp_extension import _get_build_directory
 
-        folder = _get_build_directory(name, verbose=False)
-        return any(f.endswith((".so", ".pyd")) for f in os.listdir(folder))
-    except Exception:  # a private helper of torch's: only decides whether to announce the build
-        return False
+        return _get_build_directory(name, verbose=False)
+    except Exception:  # then torch picks the folder, and a stale lock in it is not looked for
+        return None
+
+
+def _is_built(folder):
+    return folder is not None and any(f.endswith((".so", ".pyd")) for f in os.listdir(folder))
+
+
+# A build takes 20-40 s (minutes on a busy machine); a build lock held, or a torch lock file untouched, for longer than
+# this belongs to a process that hangs or died.
+_STALE_AFTER_S = 600.0
+_BUILD_LOCK = "ddl_build.lock"
+
+
+@contextlib.contextmanager
+def _build_lock(folder):
+    """One DDL process at a time builds (or loads) the kernel in `folder`: an exclusive `flock` on a file there, which
+    the operating system releases when its holder ends, however it ends. Yields what the previous holder recorded in
+    it (its pid; "" for none), or None when another process has held it for over `_STALE_AFTER_S` (the caller then
+    falls back instead of waiting forever)."""
+    try:
+        import fcntl
+    except ImportError:
+        fcntl = None
+    if folder is None or fcntl is None:
+        yield ""
+        return
+    with open(os.path.join(folder, _BUILD_LOCK), "a+") as f:
+        start, waiting = time.monotonic(), False
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                if time.monotonic() - start > _STALE_AFTER_S:
+                    yield None
+                    return
+                if not waiting:
+                    logger.warning("DDL: waiting for another process that builds its C++ CPU kernel.")
+                    waiting = True
+                time.sleep(0.5)
+        try:
+            f.seek(0)
+            previous = f.read().strip()
+            f.seek(0)
+            f.truncate()
+            f.write(str(os.getpid()))
+            f.flush()
+            yield previous
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _clear_stale_baton(folder, previous):
+    """torch's own lock file (`lock`, a `FileBaton`) exists only while a build runs, and torch waits for it forever:
+    one left by a build killed midway would hang every later process. Holding DDL's build lock, a baton is stale when
+    a DDL process held the lock before (`previous`: it has ended, without removing it), or when nothing has touched it
+    for `_STALE_AFTER_S`: it is removed and the build goes on. Another one (a build that does not take DDL's lock may
+    be running) makes this process use the PyTorch path now (returns False) instead of waiting."""
+    baton = os.path.join(folder, "lock")
+    if not os.path.exists(baton):
+        return True
+    age = time.time() - os.path.getmtime(baton)
+    if previous or age > _STALE_AFTER_S:
+        why = "a build that was killed midway" if previous else f"a build untouched for {age:.0f} s"
+        logger.warning(f"DDL: removing {baton}, left by {why} (torch would wait for it forever); building again.")
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(baton)
+        return True
+    logger.warning(f"DDL: {baton} is held by a build DDL does not know ({age:.0f} s old), so DDL uses the PyTorch path "
+                   "for now; if no build is running, delete that file.")
+    return False
 
 
 def eager_cpu_float(x):

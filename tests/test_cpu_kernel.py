@@ -2,6 +2,12 @@
 equals `reference.causal_token_readout`, outputs and every gradient, and the models take them wherever they apply
 (and only there)."""
 
+import os
+import signal
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
 
@@ -269,3 +275,96 @@ def test_weight_gradients_are_repeatable_on_several_threads():
         torch.set_num_threads(threads)
     for later in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], later))
+
+
+# --------------------------------------------------------------- issue 14: a killed build must not hang the next
+
+
+_BUILDER = r"""
+import os, sys, time
+import torch.utils.cpp_extension as cpp
+folder = sys.argv[1]
+cpp._get_build_directory = lambda name, verbose: folder
+
+def stuck_build(name, *args, build_directory=None, **kwargs):  # takes torch's lock as a real build does, then hangs
+    baton = cpp.FileBaton(os.path.join(build_directory or folder, "lock"))
+    assert baton.try_acquire()
+    print("building", flush=True)
+    time.sleep(600)
+
+cpp.load_inline = stuck_build
+from ddl import cpu_kernels
+cpu_kernels.cpu_kernel()
+"""
+
+
+def _start_stuck_build(folder):
+    """A process in the middle of a kernel build (torch's lock file taken), as far as anyone else can tell."""
+    env = {k: v for k, v in os.environ.items() if k != "DDL_CPU_KERNEL"}
+    proc = subprocess.Popen([sys.executable, "-c", _BUILDER, str(folder)], stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout.readline().strip() == "building", "the stand-in build did not start"
+    return proc
+
+
+@pytest.fixture
+def fake_torch_build(tmp_path, monkeypatch):
+    """torch's extension build pointed at a fresh folder, standing in for `load_inline` with its locking: a `lock`
+    file left in the folder makes torch wait forever (FileBaton.wait), here an error instead."""
+    import torch.utils.cpp_extension as cpp
+
+    built = object()
+
+    def load_inline(name, *args, build_directory=None, **kwargs):
+        baton = cpp.FileBaton(os.path.join(build_directory or str(tmp_path), "lock"))
+        if not baton.try_acquire():
+            raise TimeoutError("torch would wait for its lock file forever")
+        baton.release()
+        return built
+
+    monkeypatch.setattr(cpp, "_get_build_directory", lambda name, verbose: str(tmp_path))
+    monkeypatch.setattr(cpp, "load_inline", load_inline)
+    monkeypatch.setattr(cpu_kernels, "_ops", None)
+    monkeypatch.delenv("DDL_CPU_KERNEL", raising=False)
+    return tmp_path, built
+
+
+def test_a_build_killed_midway_does_not_hang_the_next_one(fake_torch_build, caplog):
+    """kill -9 during a build leaves torch's lock file; every later process used to wait for it forever."""
+    folder, built = fake_torch_build
+    stuck = _start_stuck_build(folder)
+    stuck.send_signal(signal.SIGKILL)
+    stuck.wait()
+    assert (folder / "lock").exists()  # what the killed build left
+    with caplog.at_level("WARNING"):
+        assert cpu_kernel() is built
+    assert "killed midway" in caplog.text and not (folder / "lock").exists()
+
+
+def test_a_build_that_hangs_makes_others_fall_back_not_wait(fake_torch_build, caplog, monkeypatch):
+    """A live build that takes far too long: the others use the PyTorch path after a bounded wait (they waited
+    forever)."""
+    folder, built = fake_torch_build
+    monkeypatch.setattr(cpu_kernels, "_STALE_AFTER_S", 1.0, raising=False)
+    stuck = _start_stuck_build(folder)
+    try:
+        with caplog.at_level("WARNING"):
+            assert cpu_kernel() is None
+    finally:
+        stuck.kill()
+        stuck.wait()
+    assert "another process has held the build lock" in caplog.text
+
+
+@pytest.mark.parametrize("age", [0.0, 3600.0], ids=["young", "old"])
+def test_a_lock_file_of_an_unknown_build(age, fake_torch_build, caplog):
+    """torch's lock file with no DDL build on record: a young one may be a running build (the PyTorch path now, with
+    a warning that names the file), an old one is stale (removed, and the build goes on)."""
+    folder, built = fake_torch_build
+    (folder / "lock").write_text("")
+    os.utime(folder / "lock", (time.time() - age, time.time() - age))
+    with caplog.at_level("WARNING"):
+        result = cpu_kernel()
+    if age:
+        assert result is built and not (folder / "lock").exists()
+    else:
+        assert result is None and str(folder / "lock") in caplog.text and (folder / "lock").exists()
