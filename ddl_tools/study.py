@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 
 from transformers.utils import logging
 
-from .outputs import FolderLock, save_figure, write_json, write_text
+from .outputs import FolderLock, make_output_folder, save_figure, write_json, write_text
 
 
 logger = logging.get_logger(__name__)
@@ -135,7 +135,7 @@ def check_study_config(study_dir: str, config: dict) -> None:
     if os.path.isdir(study_dir) and os.listdir(study_dir):
         raise ValueError(f"{study_dir!r} exists and is not a study folder (no {STUDY_FILE}); choose another "
                          "--study_dir.")
-    os.makedirs(study_dir, exist_ok=True)
+    make_output_folder(study_dir, "--study_dir")  # a file there, or no permission: one line (a ValueError)
     write_json(path, config)
 
 

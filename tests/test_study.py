@@ -429,3 +429,11 @@ def test_a_second_study_in_the_same_folder_is_refused(tmp_path, capsys):
         running.release()
     assert "another study.py runs in" in capsys.readouterr().err
     assert not (folder / "runs").exists()
+
+
+def test_a_study_dir_that_is_a_file_is_one_line(tmp_path):
+    afile = tmp_path / "notes.txt"
+    afile.write_text("mine")
+    with pytest.raises(ValueError, match="is a file, not a folder"):  # study.py prints it as one line (FileExistsError)
+        study.check_study_config(str(afile), {"max_tokens": 100})
+    assert afile.read_text() == "mine"
