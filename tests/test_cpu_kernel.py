@@ -343,7 +343,7 @@ def test_a_build_killed_midway_does_not_hang_the_next_one(fake_torch_build, capl
 def test_a_build_that_hangs_makes_others_fall_back_not_wait(fake_torch_build, caplog, monkeypatch):
     """A live build that takes far too long: the others use the PyTorch path after a bounded wait (they waited
     forever)."""
-    folder, built = fake_torch_build
+    folder, _ = fake_torch_build
     monkeypatch.setattr(cpu_kernels, "_STALE_AFTER_S", 1.0, raising=False)
     stuck = _start_stuck_build(folder)
     try:
@@ -355,16 +355,35 @@ def test_a_build_that_hangs_makes_others_fall_back_not_wait(fake_torch_build, ca
     assert "another process has held the build lock" in caplog.text
 
 
+def test_a_lock_file_a_live_build_holds_is_waited_for_not_removed(fake_torch_build, caplog, monkeypatch):
+    """A build that does not take DDL's lock (another DDL version sharing the cache) and holds torch's lock file open:
+    its file is left alone, and after a bounded wait this process takes the PyTorch path (it used to wait forever)."""
+    folder, _ = fake_torch_build
+    monkeypatch.setattr(cpu_kernels, "_STALE_AFTER_S", 1.0, raising=False)
+    holder = (f"import os, time, torch.utils.cpp_extension as cpp; b = cpp.FileBaton({str(folder / 'lock')!r}); "
+              "assert b.try_acquire(); print('building', flush=True); time.sleep(600)")
+    other = subprocess.Popen([sys.executable, "-c", holder], stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "building"
+        with caplog.at_level("WARNING"):
+            assert cpu_kernel() is None
+        assert (folder / "lock").exists() and f"held by process {other.pid}" in caplog.text
+    finally:
+        other.kill()
+        other.wait()
+
+
 @pytest.mark.parametrize("age", [0.0, 3600.0], ids=["young", "old"])
-def test_a_lock_file_of_an_unknown_build(age, fake_torch_build, caplog):
-    """torch's lock file with no DDL build on record: a young one may be a running build (the PyTorch path now, with
-    a warning that names the file), an old one is stale (removed, and the build goes on)."""
+def test_a_lock_file_whose_holder_cannot_be_told(age, fake_torch_build, caplog, monkeypatch):
+    """Where the processes holding torch's lock file cannot be looked up (another user's), its age decides: one
+    untouched for `_STALE_AFTER_S` is stale (removed, and the build goes on); a younger one is waited for until then."""
     folder, built = fake_torch_build
+    monkeypatch.setattr(cpu_kernels, "_baton_holders", lambda baton: None, raising=False)
+    monkeypatch.setattr(cpu_kernels, "_STALE_AFTER_S", 1.0, raising=False)
     (folder / "lock").write_text("")
     os.utime(folder / "lock", (time.time() - age, time.time() - age))
+    start = time.monotonic()
     with caplog.at_level("WARNING"):
-        result = cpu_kernel()
-    if age:
-        assert result is built and not (folder / "lock").exists()
-    else:
-        assert result is None and str(folder / "lock") in caplog.text and (folder / "lock").exists()
+        assert cpu_kernel() is built
+    assert not (folder / "lock").exists() and "untouched for" in caplog.text
+    assert (time.monotonic() - start >= 0.9) == (age == 0.0)
