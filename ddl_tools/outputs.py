@@ -21,7 +21,6 @@ from dataclasses import asdict
 
 import torch
 
-
 try:
     import fcntl
 except ImportError:  # not POSIX: no locking (the rule's second point is not enforced there)
@@ -110,7 +109,7 @@ class FolderLock:
         """Take the lock (without waiting); False if another process holds it. The lock file's creation is also
         the proof that the folder is writable (a `UsageError` that says so otherwise)."""
         try:
-            file = open(self.path, "a+", encoding="utf-8")
+            file = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115 (held open: the lock lives with it)
         except OSError as err:
             raise UsageError(f"{flag} {os.path.dirname(self.path)!r}: cannot write there ({err.strerror}); choose a "
                              "folder you can write to.")

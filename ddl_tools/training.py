@@ -658,9 +658,9 @@ def claim_output_dir(out: str, resume: str | None, overwrite: bool, do_train: bo
                 logger.warning("%s holds only what an unfinished train.py run left (no complete checkpoint); this "
                                "run starts over in it.", out)
         elif checkpoint is not None:
-            raise UsageError(f"Output folder {out!r} is not empty; resuming {checkpoint!r} into it would overwrite what "
-                             "it holds (weights, config, tokenizer, model card). Choose an empty --output_dir, or pass "
-                             "--overwrite_output_dir to replace its contents.")
+            raise UsageError(f"Output folder {out!r} is not empty; resuming {checkpoint!r} into it would overwrite "
+                             "what it holds (weights, config, tokenizer, model card). Choose an empty --output_dir, or "
+                             "pass --overwrite_output_dir to replace its contents.")
         else:
             hint = (f" To continue its latest run ({os.path.basename(latest)}) pass --resume_from_checkpoint true."
                     if latest else "")

@@ -452,7 +452,7 @@ def test_an_interrupted_run_keeps_the_earlier_results_and_its_rerun_runs(checkpo
     assert sorted(p.name for p in out.iterdir()) == ["comparison.json", "comparison.md", "delta", "eval_manifest.json"]
     monkeypatch.undo()
     code, printed = run_eval([checkpoints["delta"], checkpoints["write_only"], *args[1:]], capsys)
-    assert code == 0 and (out / "write_only" / "results.json").is_file()
+    assert code == 0 and (out / "write_only" / "results.json").is_file(), printed
 
 
 def test_checkpoints_of_the_same_name_do_not_replace_each_others_results(checkpoints, tmp_path, capsys, monkeypatch):
@@ -491,11 +491,12 @@ def test_a_checkpoint_that_does_not_load_costs_only_its_own_row(checkpoints, tmp
 
     code, printed = run_eval([str(truncated), str(invalid), checkpoints["delta"], "--file", checkpoints["text"],
                               "--max_new_tokens", "0", "--output_dir", str(tmp_path / "o")], capsys)
-    assert code == 1
+    assert code == 1, printed
     comparison = json.loads((tmp_path / "o" / "comparison.json").read_text())["results"]
     assert [r["name"] for r in comparison] == ["truncated", "invalid", "delta"]
     assert "cannot load checkpoint" in comparison[0]["errors"][0]
-    assert "cannot load checkpoint" in comparison[1]["errors"][0] and "ddl_residual must be one of" in comparison[1]["errors"][0]
+    assert "cannot load checkpoint" in comparison[1]["errors"][0]
+    assert "ddl_residual must be one of" in comparison[1]["errors"][0]
     assert comparison[2]["errors"] == [] and comparison[2]["perplexity"]["tokens"] > 0
 
 

@@ -385,7 +385,7 @@ def test_resumed_run_survives_checkpoint_rotation(trained, tmp_path, text_file, 
 
 
 def test_resuming_a_finished_run_trains_no_step_past_max_steps(trained, tmp_path, text_file, capsys):
-    """Resuming from the last checkpoint of a finished run used to train step max_steps + 1 (and the card counted it)."""
+    """Resuming from the last checkpoint of a finished run used to train step max_steps + 1 (the card counted it)."""
     finished = copy_run(trained, tmp_path / "finished")
     status, err = run_cli(tiny(finished, text_file, "--max_steps", "3", "--resume_from_checkpoint", "true"), capsys)
     assert status == 0, err[-3000:]
@@ -472,20 +472,23 @@ def test_resume_skips_and_names_an_incomplete_checkpoint(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         assert resolve("true") == str(out / "checkpoint-2")
     assert "checkpoint-4 is incomplete" in caplog.text
-    with pytest.raises(training.UsageError, match=r"checkpoint-4' is incomplete .* newest complete checkpoint there is .*checkpoint-2"):
+    newest = r"checkpoint-4' is incomplete .* newest complete checkpoint there is .*checkpoint-2"
+    with pytest.raises(training.UsageError, match=newest):
         resolve(str(out / "checkpoint-4"))
 
 
 def test_card_says_loading_compiles_a_kernel_and_how_to_switch_it_off():
     """Loading by remote code runs a C++ compiler on the first CPU forward and writes under ~/.cache: the card and
     the README say so and name the real switches (DDL_CPU_KERNEL=0, DDL_IMPLEMENTATION=torch)."""
+    from pathlib import Path
+
     import ddl.configuration_ddl
     import ddl.cpu_kernels
     from ddl_tools.training import MODEL_CARD
 
-    assert '"DDL_CPU_KERNEL"' in open(ddl.cpu_kernels.__file__).read()  # the switches named are the code's
-    assert '"DDL_IMPLEMENTATION"' in open(ddl.configuration_ddl.__file__).read()
-    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    assert '"DDL_CPU_KERNEL"' in Path(ddl.cpu_kernels.__file__).read_text()  # the switches named are the code's
+    assert '"DDL_IMPLEMENTATION"' in Path(ddl.configuration_ddl.__file__).read_text()
+    readme = Path(ROOT, "README.md").read_text(encoding="utf-8")
     for text in (MODEL_CARD, readme):
         assert "DDL_CPU_KERNEL=0" in text and "DDL_IMPLEMENTATION=torch" in text
         assert "compiler" in text and "~/.cache/torch_extensions" in text
