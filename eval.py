@@ -77,7 +77,8 @@ class EvalConfig:
     max_new_tokens: int = field(default=40, metadata={"help": "0 = no sample generation"})
     # where and how
     output_dir: str | None = field(default=None, metadata={"help": "default: eval_results/<name>"})
-    overwrite: bool = field(default=False, metadata={"help": "allow writing into a folder with other files"})
+    overwrite: bool = field(default=False, metadata={"help": "allow a folder holding other files, or results of "
+                                                           "other checkpoints (replaced)"})
     device: str | None = field(default=None, metadata={"help": "cpu, cuda, cuda:1, ... (default: cuda if any)"})
     dtype: str = field(default="auto", metadata={"help": "auto (fp32 on CPU, bf16 on GPU) or a torch dtype",
                                                  "choices": ("auto", "float32", "bfloat16", "float16", "float64")})

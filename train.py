@@ -85,6 +85,7 @@ from ddl_tools.training import (
     describe_variant,
     ensure_validation_split,
     finish_output_dir,
+    interruption_note,
     load_ddl_checkpoint,
     load_from_llama,
     load_raw_datasets,
@@ -560,8 +561,7 @@ def cli(argv: list[str]) -> int:
         print(f"train.py: error: {config_error_message(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("train.py: interrupted. Its saved checkpoints are kept: continue with the same command plus "
-              "--resume_from_checkpoint true.", file=sys.stderr)
+        print(f"train.py: interrupted; {interruption_note()}", file=sys.stderr)
         return 130
     finally:
         release_output_dirs(failed)

@@ -684,6 +684,15 @@ def finish_output_dir(out: str) -> None:
     release_output_dirs()
 
 
+def interruption_note() -> str:
+    """What a user can do after interrupting this process's run (Ctrl-C)."""
+    latest = last_complete_checkpoint(_held_claims[-1][0]) if _held_claims else None
+    if latest:
+        return (f"its checkpoints are kept (latest: {latest}): continue with the same command plus "
+                "--resume_from_checkpoint true.")
+    return "no checkpoint was saved yet; the same command starts over in its output folder."
+
+
 def release_output_dirs(failed: bool = False) -> None:
     """Let go of this process's output folders (the operating system does it at exit anyway). `failed`: a folder
     this run created and left holding nothing but its mark is removed (a mistyped flag leaves no trace)."""
@@ -802,6 +811,7 @@ __all__ = [
     "describe_variant",
     "ensure_validation_split",
     "finish_output_dir",
+    "interruption_note",
     "is_complete_checkpoint",
     "last_complete_checkpoint",
     "load_ddl_checkpoint",

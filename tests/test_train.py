@@ -492,3 +492,17 @@ def test_card_says_loading_compiles_a_kernel_and_how_to_switch_it_off():
     for text in (MODEL_CARD, readme):
         assert "DDL_CPU_KERNEL=0" in text and "DDL_IMPLEMENTATION=torch" in text
         assert "compiler" in text and "~/.cache/torch_extensions" in text
+
+
+def test_ctrl_c_says_what_to_do(trained, tmp_path, text_file, capsys, monkeypatch):
+    """Ctrl-C is one line (not a traceback) that says whether to resume or to rerun."""
+    import train
+
+    def interrupt(*args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(train, "build_kernels", interrupt)
+    status, err = run_cli(tiny(tmp_path / "fresh", text_file, "--max_steps", "1"), capsys)
+    assert status == 130 and "no checkpoint was saved yet" in err and "Traceback" not in err
+    folder = copy_run(trained, tmp_path / "run")
+    status, err = run_cli(tiny(folder, text_file, "--max_steps", "6", "--resume_from_checkpoint", "true"), capsys)
+    assert status == 130 and "plus --resume_from_checkpoint true" in err and "checkpoint-3" in err
