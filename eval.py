@@ -24,23 +24,30 @@ r"""Evaluate causal-LM checkpoints (DDL or not): perplexity, lm-evaluation-harne
 A CHECKPOINT is a local folder or a Hub id, loaded with AutoModelForCausalLM / AutoTokenizer
 (trust_remote_code=True). Results go to --output_dir (default eval_results/<name>): comparison.{md,json} and, per
 checkpoint, <name>/results.json and with --audit <name>/audit.{json,md} and <name>/audit_{beta_hist,heatmap}.png.
-eval.py refuses to write into a folder holding files it did not write (--overwrite to allow).
-Each measurement fails on its own: a bad task name or a model without DDL layers costs only that measurement;
-the exit status is 1 if anything failed.
+They are written into a temporary folder inside it and replace an earlier run's results only when the run has
+finished (an interrupted or crashed run leaves the earlier results as they were; a run in which no checkpoint loaded
+replaces nothing). eval.py refuses a folder holding files it did not write, or the results of other checkpoints (e.g.
+another checkpoint-500 under the same default name); --overwrite allows both. One eval.py at a time per folder.
+Each measurement fails on its own: a checkpoint that does not load (a truncated file, an invalid config), a bad task
+name or a model without DDL layers costs only that measurement; the exit status is 1 if anything failed.
 """
 
 import argparse
 import json
 import os
 import re
+import shutil
 import sys
+import tempfile
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
 from ddl_tools import evaluation
-from ddl_tools.outputs import write_json
+from ddl_tools.outputs import FolderLock, UsageError, make_output_folder, publish, write_json
+from ddl_tools.training import config_error_message
 
 
 @dataclass
@@ -70,9 +77,11 @@ class EvalConfig:
     max_new_tokens: int = field(default=40, metadata={"help": "0 = no sample generation"})
     # where and how
     output_dir: str | None = field(default=None, metadata={"help": "default: eval_results/<name>"})
-    overwrite: bool = field(default=False, metadata={"help": "allow writing into a folder with other files"})
+    overwrite: bool = field(default=False, metadata={"help": "allow a folder holding other files, or results of "
+                                                           "other checkpoints (replaced)"})
     device: str | None = field(default=None, metadata={"help": "cpu, cuda, cuda:1, ... (default: cuda if any)"})
-    dtype: str = field(default="auto", metadata={"help": "auto (fp32 on CPU, bf16 on GPU), float32, bfloat16"})
+    dtype: str = field(default="auto", metadata={"help": "auto (fp32 on CPU, bf16 on GPU) or a torch dtype",
+                                                 "choices": ("auto", "float32", "bfloat16", "float16", "float64")})
     seed: int = field(default=0, metadata={"help": "torch seed"})
 
 
@@ -85,8 +94,35 @@ def parse_args(argv=None) -> EvalConfig:
             parser.add_argument(f"--{f.name}", action="store_true", help=f.metadata["help"])
         else:
             kind = int if "int" in str(f.type) else str
-            parser.add_argument(f"--{f.name}", type=kind, default=f.default, help=f.metadata["help"])
-    return EvalConfig(**vars(parser.parse_args(argv)))
+            parser.add_argument(f"--{f.name}", type=kind, default=f.default, help=f.metadata["help"],
+                                choices=f.metadata.get("choices"))
+    cfg = EvalConfig(**vars(parser.parse_args(argv)))
+    problem = check_config(cfg)
+    if problem:
+        parser.error(problem)
+    return cfg
+
+
+def check_config(cfg: EvalConfig) -> str | None:
+    """What is wrong with the flags (one line saying what to pass), or None."""
+    if cfg.block_size is not None and cfg.block_size < 2:
+        return f"--block_size {cfg.block_size}: must be at least 2 (one context token and one target)."
+    if cfg.stride is not None and not 1 <= cfg.stride <= (cfg.block_size or cfg.stride):
+        return f"--stride {cfg.stride}: must lie in [1, --block_size] (the window moves by at least one token)."
+    if cfg.batch_size < 1:
+        return f"--batch_size {cfg.batch_size}: must be at least 1."
+    if cfg.device is not None:
+        try:
+            device = torch.device(cfg.device)
+        except RuntimeError:
+            return f"--device {cfg.device!r} is not a device; pass cpu, cuda or cuda:N."
+        if device.type == "cuda" and not torch.cuda.is_available():
+            return f"--device {cfg.device}: this machine has no CUDA device; pass --device cpu (or leave it out)."
+        if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+            return f"--device {cfg.device}: there are {torch.cuda.device_count()} CUDA device(s), numbered from 0."
+        if device.type not in ("cpu", "cuda"):
+            return f"--device {cfg.device}: eval.py runs on cpu or cuda."
+    return None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -137,15 +173,18 @@ def resolve_device_dtype(cfg):
 
 
 def load_checkpoint(path, device, dtype):
+    """The model and tokenizer of a checkpoint; whatever stops them from loading (a missing or truncated file, an
+    invalid config, ...) is a `ValueError` that names the checkpoint."""
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=True)
-        model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=dtype)
-    except (OSError, ValueError, KeyError) as err:
+        model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=dtype).to(device)
+    except Exception as err:  # safetensors, huggingface_hub's strict config checks, ... each have their own kind
+        detail = config_error_message(err) if isinstance(err, StrictDataclassError) else str(err)
         raise ValueError(
             f"cannot load checkpoint {path!r}: expected a local folder with config.json, weights and a tokenizer, or "
-            f"a Hub id (needs the network, or a cached copy with HF_HUB_OFFLINE=1). {type(err).__name__}: {err}"
+            f"a Hub id (needs the network, or a cached copy with HF_HUB_OFFLINE=1). {type(err).__name__}: {detail}"
         ) from err
-    return model.to(device).eval(), tokenizer
+    return model.eval(), tokenizer
 
 
 def describe_model(model) -> dict:
@@ -165,35 +204,55 @@ def describe_model(model) -> dict:
 # Output folder
 
 
-MANIFEST = "eval_manifest.json"
+MANIFEST = "eval_manifest.json"  # {"files": [...], "checkpoints": {name: checkpoint}} of the results in the folder
+STAGE_PREFIX = ".partial-"  # the temporary folder of a run's results until it has finished
 
 
-def prepare_output_dir(path, overwrite):
-    """Create `path`, or reuse it if it is empty or holds only files of an earlier eval.py run (which are removed,
-    so that no stale result survives). Anything else there stops the run unless `overwrite`."""
-    os.makedirs(path, exist_ok=True)
-    previous = []
+def checkpoint_source(ckpt) -> str:
+    """What a checkpoint is, to tell two of the same name apart: a local folder's real path, else the Hub id."""
+    return os.path.realpath(ckpt) if os.path.isdir(ckpt) else ckpt
+
+
+def prepare_output_dir(path, overwrite, sources, lock):
+    """Make `path` this run's (the rule of ddl_tools.outputs): create it, take its lock, and check that it is empty
+    or holds only an earlier eval.py run's results of (some of) the same checkpoints, `sources` ({name: checkpoint}).
+    Returns (a temporary folder for this run's results, the earlier run's files). Nothing is removed here."""
+    try:
+        make_output_folder(path, "--output_dir")
+        acquired = lock.acquire("--output_dir")
+    except UsageError as err:
+        raise SystemExit(f"error: {err}")
+    if not acquired:
+        raise SystemExit(f"error: {path} is being written by another eval.py run ({lock.holder()}); wait for it to "
+                         "end, or choose another --output_dir.")
+    for name in os.listdir(path):  # an interrupted run's unfinished results (nobody writes them: the lock is ours)
+        if name.startswith(STAGE_PREFIX):
+            shutil.rmtree(os.path.join(path, name), ignore_errors=True)
+    manifest = {}
     if os.path.exists(os.path.join(path, MANIFEST)):
         with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
-            previous = json.load(f)["files"]
+            manifest = json.load(f)
+    previous, earlier = manifest.get("files", []), manifest.get("checkpoints", {})
     present = [
         os.path.relpath(os.path.join(root, name), path) for root, _, names in os.walk(path) for name in names
     ]
-    unrelated = sorted(set(present) - set(previous) - {MANIFEST})
+    unrelated = sorted(set(present) - set(previous) - {MANIFEST, FolderLock.NAME})
     if unrelated and not overwrite:
         raise SystemExit(
             f"error: {path} holds files eval.py did not write ({', '.join(unrelated[:5])}"
             f"{', ...' if len(unrelated) > 5 else ''}). Choose another --output_dir, or pass --overwrite."
         )
-    if previous:
-        print(f"replacing the results of an earlier eval.py run in {path}")
-    for rel in previous:
-        if os.path.isfile(os.path.join(path, rel)):
-            os.remove(os.path.join(path, rel))
+    clash = [name for name in sources if name in earlier and earlier[name] != sources[name]]
+    if earlier and not overwrite and (clash or not set(earlier.values()) & set(sources.values())):
+        raise SystemExit(
+            f"error: {path} holds eval.py results of {', '.join(sorted(set(earlier.values())))}, not of the "
+            "checkpoint(s) evaluated now. Choose another --output_dir, or pass --overwrite to replace them."
+        )
+    return tempfile.mkdtemp(prefix=STAGE_PREFIX, dir=path), previous
 
 
 class Writer:
-    """Writes files under the output folder and keeps the manifest of what eval.py wrote."""
+    """Writes files under the run's temporary folder and lists them (relative paths) for `publish`."""
 
     def __init__(self, root):
         self.root, self.files = root, []
@@ -213,9 +272,6 @@ class Writer:
 
     def json(self, rel, obj):
         write_json(self.path(rel), obj)
-
-    def close(self):
-        write_json(os.path.join(self.root, MANIFEST), {"files": sorted(set(self.files))})
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -239,18 +295,16 @@ def evaluate_checkpoint(cfg, ckpt, name, texts, text_source, writer, device, dty
     block_size = min(cfg.block_size or context, context)
     ids = windows = None
     if texts is not None and (not cfg.skip_perplexity or cfg.audit):
-        ids = evaluation.tokenize_documents(tokenizer, texts, cfg.max_eval_tokens)
-        windows = evaluation.token_windows(ids, block_size, cfg.stride, cfg.drop_remainder)
-        if not windows:
-            _fail(result, f"the evaluation text {text_source} has fewer than two tokens: perplexity and audit skipped")
+        ids, windows = _attempt(result, "evaluation windows", evaluation_windows, cfg, tokenizer, texts, block_size,
+                                text_source, result) or (None, None)
     if windows and not cfg.skip_perplexity:
-        measure_perplexity(cfg, model, windows, block_size, text_source, result)
+        _attempt(result, "perplexity", measure_perplexity, cfg, model, windows, block_size, text_source, result)
     if cfg.tasks:
-        run_tasks(cfg, model, tokenizer, block_size, name, writer, result)
+        _attempt(result, "lm-eval", run_tasks, cfg, model, tokenizer, block_size, name, writer, result)
     if cfg.audit and windows:
-        run_audit(cfg, model, ids, block_size, name, text_source, writer, result)
+        _attempt(result, "audit", run_audit, cfg, model, ids, block_size, name, text_source, writer, result)
     if cfg.max_new_tokens > 0 and cfg.prompt:
-        generate_sample(cfg, model, tokenizer, result)
+        _attempt(result, "sample", generate_sample, cfg, model, tokenizer, result)
     writer.json(os.path.join(name, "results.json"), result)
     return result
 
@@ -258,6 +312,27 @@ def evaluate_checkpoint(cfg, ckpt, name, texts, text_source, writer, device, dty
 def _fail(result, message):
     print(f"error: {message}")
     result["errors"].append(message)
+
+
+def _attempt(result, what, measure, *args):
+    """One measurement: its failure is recorded in `result` and the others still run."""
+    try:
+        return measure(*args)
+    except Exception as err:  # noqa: BLE001 (any failure of one measurement, whatever its kind)
+        _fail(result, f"{what}: {type(err).__name__}: {err}")
+        return None
+
+
+def evaluation_windows(cfg, tokenizer, texts, block_size, text_source, result):
+    """The held-out text as token windows (none, with the reason recorded, if it is too short)."""
+    ids = evaluation.tokenize_documents(tokenizer, texts, cfg.max_eval_tokens)
+    windows = evaluation.token_windows(ids, block_size, cfg.stride, cfg.drop_remainder)
+    if not windows:
+        short = (f"fewer than one block of {block_size} (--drop_remainder keeps only full blocks)"
+                 if cfg.drop_remainder and len(ids) >= 2 else "fewer than two")
+        _fail(result, f"the evaluation text {text_source} has {len(ids)} token(s), {short}: perplexity and audit "
+                      "skipped")
+    return ids, windows
 
 
 def measure_perplexity(cfg, model, windows, block_size, text_source, result):
@@ -318,8 +393,21 @@ def main(argv=None) -> int:
     torch.manual_seed(cfg.seed)
     names = checkpoint_names(cfg.checkpoints)
     root = cfg.output_dir or os.path.join("eval_results", names[0] if len(names) == 1 else "-vs-".join(names)[:100])
-    prepare_output_dir(root, cfg.overwrite)
-    writer = Writer(root)
+    sources = {name: checkpoint_source(ckpt) for name, ckpt in zip(names, cfg.checkpoints)}
+    lock = FolderLock(root)
+    try:
+        stage, previous = prepare_output_dir(root, cfg.overwrite, sources, lock)
+        try:
+            return evaluate_all(cfg, names, root, stage, previous, sources)
+        finally:  # an interrupted or crashed run leaves the earlier results as they were
+            shutil.rmtree(stage, ignore_errors=True)
+    finally:
+        lock.release(remove=True)
+
+
+def evaluate_all(cfg, names, root, stage, previous, sources) -> int:
+    """Every checkpoint into `stage`, then the results moved into `root` in place of the earlier ones."""
+    writer = Writer(stage)
     device, dtype = resolve_device_dtype(cfg)
 
     texts, text_source, errors = None, None, []
@@ -346,12 +434,18 @@ def main(argv=None) -> int:
     table = evaluation.comparison_markdown(rows)
     writer.text("comparison.md", f"# Evaluation: {', '.join(names)}\n\nText: {text_source}\n\n{table}")
     writer.json("comparison.json", {"config": asdict(cfg), "rows": rows, "results": results})
-    writer.close()
 
     print(f"\n=== comparison ({len(results)} checkpoint{'s' if len(results) > 1 else ''})\n{table}")
     for result in results:
         if result.get("audit_summary"):
             print(f"{result['name']}: {result['audit_summary']}\n")
+    if previous and not any("model" in result for result in results):
+        print(f"error: no checkpoint could be loaded, so the earlier results in {root} are kept as they were.")
+        return 1
+    if previous:
+        print(f"replacing the results of an earlier eval.py run in {root}")
+    publish(stage, root, sorted(set(writer.files)), previous,
+            lambda files: write_json(os.path.join(root, MANIFEST), {"files": files, "checkpoints": sources}))
     print(f"results written to {root}")
     return 1 if any(result["errors"] for result in results) else 0
 

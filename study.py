@@ -12,8 +12,11 @@ docs/study/: mean ± std and 95% CIs, the difference to the additive baseline, c
     python study.py --variants additive-dv1 delta-dv4-cc-ec delta-dv4-tc-ec --seeds 0 1 2 3 4
 
 Resumable: each (variant, seed) run writes outputs/study/runs/<variant>-s<seed>/result.json last; rerunning the
-same command skips finished runs and redoes interrupted ones, so the study can span several sittings (Ctrl-C is
-safe). A study folder remembers its settings and refuses to mix runs made with other ones.
+same command skips finished runs and redoes interrupted ones, so the study can span several sittings (Ctrl-C, even
+kill -9, is safe: a training child ends with study.py, and a rerun never deletes a folder a live process still
+writes). A study folder remembers its settings and refuses to mix runs made with other ones; one study.py runs in it
+at a time. Paths are relative to the folder study.py is started from (its training runs start there too), and
+--report_dir is refused if it holds a report study.py did not write.
 
 The paper's setups on GPUs: the study runs as plain python, and `--launcher` wraps each training run; train.py
 flags after `--` pass through unchanged (they become part of the study's settings):
@@ -176,10 +179,16 @@ def train_command(settings: StudySettings, variant: str, seed: int, out: str, st
 
 def train_child(stats_path: str, argv: list[str]) -> int:
     """Run `train.cli(argv)`, then record the process's peak memory (rank 0 only). (Every training log entry already
-    carries `train_runtime`, the seconds since training began: the wall-clock axis of the report.)"""
+    carries `train_runtime`, the seconds since training began: the wall-clock axis of the report.) Rank 0 holds the
+    run folder's lock while it runs, so that a rerun of a killed study.py cannot delete the folder under it."""
     import torch
     import train
+    from ddl_tools.outputs import FolderLock
 
+    lock = FolderLock(os.path.dirname(os.path.abspath(stats_path)))
+    if int(os.environ.get("RANK", "0")) == 0 and not lock.acquire():
+        print(f"study.py: error: the run folder is being written by {lock.holder()}.", file=sys.stderr)
+        return 2
     code = train.cli(argv)
     if int(os.environ.get("RANK", "0")) == 0:
         stats = {"max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # Linux: KiB
@@ -269,6 +278,15 @@ def shared_tokenizer(settings: StudySettings, study_dir: str) -> str:
     return path
 
 
+def run_child(cmd: list[str], log_path: str) -> int:
+    """Run one training process with its output in `log_path`, in study.py's working directory (the study's relative
+    paths mean the same there), ended with study.py if that is killed."""
+    from ddl_tools.outputs import die_with_parent
+
+    with open(log_path, "w") as log:
+        return subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent())
+
+
 def make_launcher(settings: StudySettings, study_dir: str, first_seed: int):
     tokenizer = shared_tokenizer(settings, study_dir)
     evaluator = Evaluator(settings)
@@ -277,8 +295,7 @@ def make_launcher(settings: StudySettings, study_dir: str, first_seed: int):
         out, stats_path, log_path = (os.path.join(path, name) for name in ("model", "train_stats.json", "train.log"))
         cmd = train_command(settings, spec.variant, spec.seed, out, stats_path, tokenizer)
         start = time.time()
-        with open(log_path, "w") as log:
-            code = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        code = run_child(cmd, log_path)
         if code != 0:
             with open(log_path) as f:
                 tail = "".join(f.readlines()[-5:])
@@ -319,6 +336,7 @@ def check_settings(settings: StudySettings, args):
         raise ValueError(f"--max_tokens {settings.max_tokens:,} is less than one step ({settings.tokens_per_step:,} "
                          "tokens).")
     config = {k: v for k, v in asdict(settings).items() if k not in ("variants", "seeds", "launcher")}
+    study.check_report_dir(args.report_dir)  # now, not after the training
     if not args.report_only:
         study.check_study_config(args.study_dir, config)
     return grid
@@ -389,11 +407,26 @@ def main(argv: list[str]) -> int:
     except ValueError as err:
         print(f"study.py: error: {err}", file=sys.stderr)
         return 2
-    print(f"study: {len(settings.variants)} variants x {len(settings.seeds)} seeds = {len(grid)} runs; "
-          f"{settings.preset} preset, {settings.max_steps} steps x {settings.tokens_per_step:,} tokens = "
-          f"{settings.max_steps * settings.tokens_per_step:,} tokens per run; runs in {args.study_dir}")
-    failed = {} if args.report_only else train_grid(settings, args, grid)["failed"]
-    return report(settings, args, grid, failed)
+    from ddl_tools.outputs import FolderLock
+
+    lock = FolderLock(args.study_dir)
+    try:
+        busy = not args.report_only and not lock.acquire("--study_dir")
+    except ValueError as err:  # the folder is not writable
+        print(f"study.py: error: {err}", file=sys.stderr)
+        return 2
+    if busy:
+        print(f"study.py: error: another study.py runs in {args.study_dir} ({lock.holder()}); wait for it to end, or "
+              "choose another --study_dir.", file=sys.stderr)
+        return 2
+    try:
+        print(f"study: {len(settings.variants)} variants x {len(settings.seeds)} seeds = {len(grid)} runs; "
+              f"{settings.preset} preset, {settings.max_steps} steps x {settings.tokens_per_step:,} tokens = "
+              f"{settings.max_steps * settings.tokens_per_step:,} tokens per run; runs in {args.study_dir}")
+        failed = {} if args.report_only else train_grid(settings, args, grid)["failed"]
+        return report(settings, args, grid, failed)
+    finally:
+        lock.release(remove=True)
 
 
 if __name__ == "__main__":

@@ -49,7 +49,6 @@ import dataclasses
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -61,13 +60,11 @@ from transformers import (
     AutoTokenizer,
     GenerationConfig,
     HfArgumentParser,
-    TrainerState,
     TrainingArguments,
     default_data_collator,
     pipeline,
     set_seed,
 )
-from transformers.trainer_utils import get_last_checkpoint
 from transformers.utils import logging
 
 import ddl  # noqa: F401  (registers the DDL Auto classes and the code files saved with checkpoints)
@@ -77,12 +74,18 @@ from ddl_tools.training import (
     PAPER_RECIPE,
     PRESET_RUN_DEFAULTS,
     PRESETS,
+    DDLRunRecord,
     DDLTrainer,
     UsageError,
+    check_resumed_model,
+    check_text_column,
+    claim_output_dir,
     config_error_message,
     ddl_config_from_llama,
     describe_variant,
     ensure_validation_split,
+    finish_output_dir,
+    interruption_note,
     load_ddl_checkpoint,
     load_from_llama,
     load_raw_datasets,
@@ -91,6 +94,10 @@ from ddl_tools.training import (
     plot_loss_curve,
     prepare_tokenizer_for_generation,
     preset_config,
+    release_output_dirs,
+    resumed_block_size,
+    resumed_state,
+    steps_left,
     text_batches,
     tokenize_and_pack,
     train_bpe_tokenizer,
@@ -222,32 +229,27 @@ def parse_args(argv: list[str]):
 # ---------------------------------------------------------------------------------------------------- helpers
 
 
+def check_run_length(training_args: TrainingArguments) -> None:
+    """Trainer reads any --max_steps <= 0 as "train --num_train_epochs epochs" (-3 would train 3 epochs)."""
+    if training_args.max_steps == 0 or training_args.max_steps < -1:
+        raise UsageError(f"--max_steps {training_args.max_steps}: give a positive number of optimizer steps, or -1 to "
+                         "train for --num_train_epochs epochs.")
+
+
 def resolve_resume(training_args: TrainingArguments, run_args: RunArguments) -> str | None:
-    """Which checkpoint to resume from (None = start fresh), refusing to write over a non-empty output folder."""
-    out, resume = training_args.output_dir, training_args.resume_from_checkpoint
-    if resume is not None and resume.lower() in ("true", "latest", "last"):
-        resume = get_last_checkpoint(out) if os.path.isdir(out) else None
-        if resume is None:
-            raise UsageError(f"--resume_from_checkpoint {training_args.resume_from_checkpoint}: no checkpoint-* "
-                             f"folder in {out!r} to resume from.")
-    elif resume is not None and resume.lower() in ("false", "none", ""):
-        resume = None
-    if resume is not None and not os.path.isfile(os.path.join(resume, "trainer_state.json")):
-        raise UsageError(f"--resume_from_checkpoint {resume!r} is not a Trainer checkpoint folder "
-                         "(no trainer_state.json).")
-    if resume is not None and not training_args.do_train:
-        raise UsageError("--resume_from_checkpoint continues training; it cannot be combined with --do_train false.")
-    if resume is None and not run_args.overwrite_output_dir and os.path.isdir(out) and os.listdir(out):
-        latest = get_last_checkpoint(out)
-        hint = (f" To continue its latest run ({os.path.basename(latest)}) pass --resume_from_checkpoint true."
-                if latest else "")
-        raise UsageError(f"Output folder {out!r} exists and is not empty; refusing to overwrite it.{hint} To start "
-                         "over in it pass --overwrite_output_dir, or choose another --output_dir.")
-    if resume is None and run_args.overwrite_output_dir and os.path.isdir(out) and training_args.process_index == 0:
-        for name in os.listdir(out):  # a later --resume_from_checkpoint true must not pick up the old run's state
-            if name.startswith("checkpoint-") and os.path.isdir(os.path.join(out, name)):
-                shutil.rmtree(os.path.join(out, name))
-    return resume
+    """Which checkpoint to resume from (None = start fresh), with the output folder made this run's: never written
+    over without --overwrite_output_dir, one run at a time (ddl_tools.training.claim_output_dir)."""
+    return claim_output_dir(training_args.output_dir, training_args.resume_from_checkpoint,
+                            run_args.overwrite_output_dir, training_args.do_train, training_args.process_index == 0)
+
+
+def check_resume(resume, model_args, data_args, argv) -> None:
+    """A resumed run continues its checkpoint: the same model (a flag asking for another is refused) and the same
+    blocks (its recorded block size; another --block_size is refused)."""
+    flags = {k: v for k, v in model_args.ddl_flags().items() if v is not None}
+    check_resumed_model(resume, model_args.preset, parse_config_overrides(model_args.config_overrides), flags)
+    given = any(a == "--block_size" or a.startswith("--block_size=") for a in argv)
+    data_args.block_size = resumed_block_size(resume, resumed_state(resume), data_args.block_size, given)
 
 
 def load_tokenizer(path: str, trust_remote_code: bool):
@@ -328,9 +330,9 @@ def build_model(model_args, tokenizer, resume):
         config = ddl_config_from_llama(llama_config, overrides, **flags)
         model = load_from_llama(model_args.init_from_llama, config)
     elif resume:
-        # The architecture is the checkpoint's; Trainer loads its weights, optimizer and scheduler.
-        config = DDLConfig.from_pretrained(resume)
-        model = DDLForCausalLM(config)
+        # The checkpoint's architecture and weights (Trainer loads them again with the optimizer and scheduler; a
+        # run resumed at its last step trains nothing and keeps these).
+        model = DDLForCausalLM.from_pretrained(resume)
     else:
         config = preset_config(model_args.preset or "tiny", len(tokenizer), overrides, **flags, **ids)
         model = DDLForCausalLM(config)
@@ -390,6 +392,7 @@ def load_text(data_args, training_args):
                                        data_args.validation_file, data_args.streaming)
     raw = ensure_validation_split(raw, data_args.validation_split_percentage, training_args.seed,
                                   data_info["documents"], data_args.streaming_validation_examples)
+    check_text_column(raw, data_args.text_column)
     if data_args.streaming and training_args.do_train and training_args.max_steps <= 0:
         raise UsageError("--streaming needs --max_steps (a streamed dataset has no length).")
     return raw, data_info
@@ -433,12 +436,18 @@ def build_kernels(config, training_args):
 def train_and_evaluate(trainer, training_args, resume) -> dict:
     """Step 4: train (from `resume`, if given), then the validation loss of the final weights."""
     metrics = {}
-    if training_args.do_train:
+    resumed = resumed_state(resume)  # read now: checkpoint rotation may delete it during training
+    if training_args.do_train and resumed and steps_left(resumed, training_args.max_steps) <= 0:
+        # Trainer would train one step past the end; the run is finished: its weights are the checkpoint's
+        trainer.state = resumed
+        metrics["resumed_at_step"] = resumed.global_step
+        print(f"{resume} is at step {resumed.global_step}, the run's last: no step left to train; finishing the run "
+              "from it (raise --max_steps to train further).")
+    elif training_args.do_train:
         result = trainer.train(resume_from_checkpoint=resume)
         metrics.update(result.metrics)
-        if resume:  # train_runtime covers only the steps after the checkpoint (the model card's speed)
-            state = TrainerState.load_from_json(os.path.join(resume, "trainer_state.json"))
-            metrics["resumed_at_step"] = state.global_step
+        if resumed:  # train_runtime covers only the steps after the checkpoint (the model card's speed)
+            metrics["resumed_at_step"] = resumed.global_step
         trainer.log_metrics("train", result.metrics)
     if training_args.do_eval:
         last = [e for e in trainer.state.log_history if "eval_loss" in e]
@@ -484,7 +493,10 @@ def main(argv: list[str]) -> None:
     model_args, data_args, run_args, training_args = parse_args(argv)
     if training_args.should_log:
         logging.set_verbosity_warning()
+    check_run_length(training_args)
     resume = resolve_resume(training_args, run_args)
+    if resume:
+        check_resume(resume, model_args, data_args, argv)
     check_model_source(model_args)
     set_seed(training_args.seed)
     start = time.time()
@@ -502,7 +514,7 @@ def main(argv: list[str]) -> None:
 
     trainer = DDLTrainer(model=model, args=training_args, train_dataset=blocks.train if training_args.do_train
                          else None, eval_dataset=blocks.eval, processing_class=tokenizer,
-                         data_collator=default_data_collator)
+                         data_collator=default_data_collator, callbacks=[DDLRunRecord(blocks.block_size)])
     build_kernels(config, training_args)
     metrics = train_and_evaluate(trainer, training_args, resume)  # 4. train and evaluate
 
@@ -526,6 +538,7 @@ def main(argv: list[str]) -> None:
         metrics=metrics, training_args=training_args, loss_curve=curve, unigram=blocks.unigram, sample=sample,
         prompt=prompt)
     trainer.create_model_card()
+    finish_output_dir(out)  # everything is saved: the folder is a finished run
     if training_args.push_to_hub:
         trainer.push_to_hub(commit_message="End of training")
     val = metrics.get("eval_loss")
@@ -537,14 +550,21 @@ def main(argv: list[str]) -> None:
 
 def cli(argv: list[str]) -> int:
     """Run `main`; a user mistake becomes one `train.py: error: ...` line on stderr and exit status 2."""
+    failed = True
     try:
         main(argv)
+        failed = False
     except UsageError as err:
         print(f"train.py: error: {err}", file=sys.stderr)
         return 2
     except StrictDataclassError as err:  # a DDLConfig built from a checkpoint's config.json is invalid
         print(f"train.py: error: {config_error_message(err)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"train.py: interrupted; {interruption_note()}", file=sys.stderr)
+        return 130
+    finally:
+        release_output_dirs(failed)
     return 0
 
 

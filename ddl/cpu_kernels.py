@@ -3,10 +3,11 @@ backward, in one pass over each token's rows), the TC readout (CC: one tap), and
 its cached window. `ddl.kernels` calls them where they apply (Linux, CPU tensors in fp32 or fp64, eager mode).
 
 They are built on first use with PyTorch's C++ extension tools (`torch.utils.cpp_extension.load_inline`, cached under
-`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`), from the source in `ddl.cpu_kernels_source`, and never
-required: without a C++ compiler or ninja, on other systems, or with `DDL_CPU_KERNEL=0` (or the implementation
-"torch"), DDL runs the PyTorch functions of `ddl.fused`, which compute the same numbers up to rounding (summation
-order; an fp64 model's gate logit is fp64 here, fp32 there).
+`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`), from the source in `ddl.cpu_kernels_source`, one
+process at a time (a build killed midway blocks no later one: see `_clear_stale_baton`), and never required: without
+a C++ compiler or ninja, on other systems, or with `DDL_CPU_KERNEL=0` (or the implementation "torch"), DDL runs
+the PyTorch functions of `ddl.fused`, which compute the same numbers up to rounding (summation order; an fp64
+model's gate logit is fp64 here, fp32 there).
 
 Why: in eager PyTorch each operation of a sublayer's seam is a separate pass over a `(B, T, d)` tensor (the gate and
 value projections to 1-4 outputs run as matrix-vector products, far below the memory speed), and a decoding step pays
@@ -27,9 +28,11 @@ and the backward of `fused._DeltaUpdate`, followed by the gate's and the value's
 fp32 and fp64 (each in its own precision); other dtypes, autocast and tracing take the PyTorch path.
 """
 
+import contextlib
 import hashlib
 import os
 import sys
+import time
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -89,28 +92,132 @@ def _build():
                 os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
             except ImportError:
                 pass
-        if not _is_built(name):
-            logger.warning(
-                f"DDL: building its C++ CPU kernel {name} once (20-40 s; cached for the next runs). Set "
-                "DDL_CPU_KERNEL=0 to use the PyTorch path instead; if a build is interrupted, delete its folder in "
-                "torch's extension cache (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions)."
-            )
-        functions = ["residual_forward", "residual_backward", "readout_forward", "readout_backward", "window_readout"]
-        return load_inline(name, cpp_sources=SOURCE, functions=functions, extra_cflags=_flags(), verbose=False)
+        folder = _build_directory(name)
+        with _build_lock(folder) as held:
+            if not held:
+                logger.warning(f"DDL: another process has held the build lock of its C++ CPU kernel {name} for over "
+                               f"{_STALE_AFTER_S:.0f} s; using the PyTorch path (same numbers up to rounding, slower).")
+                return None
+            if folder is not None and not _clear_stale_baton(folder):
+                return None
+            if not _is_built(folder):
+                logger.warning(
+                    f"DDL: building its C++ CPU kernel {name} once (20-40 s; cached for the next runs). Set "
+                    "DDL_CPU_KERNEL=0 to use the PyTorch path instead."
+                )
+            functions = ["residual_forward", "residual_backward", "readout_forward", "readout_backward",
+                         "window_readout"]
+            return load_inline(name, cpp_sources=SOURCE, functions=functions, extra_cflags=_flags(), verbose=False,
+                               build_directory=folder)
     except Exception as error:  # no compiler, no ninja, a failed build: the PyTorch path serves
         logger.warning(f"DDL: the C++ CPU kernel could not be built, so DDL uses the PyTorch path (same numbers up "
                        f"to rounding, slower): {type(error).__name__}: {str(error)[-1500:]}")
         return None
 
 
-def _is_built(name):
+def _build_directory(name):
+    """torch's build folder of the extension `name` (created), or None if torch's private helper is not there."""
     try:
         from torch.utils.cpp_extension import _get_build_directory
 
-        folder = _get_build_directory(name, verbose=False)
-        return any(f.endswith((".so", ".pyd")) for f in os.listdir(folder))
-    except Exception:  # a private helper of torch's: only decides whether to announce the build
-        return False
+        return _get_build_directory(name, verbose=False)
+    except Exception:  # then torch picks the folder, and a stale lock in it is not looked for
+        return None
+
+
+def _is_built(folder):
+    return folder is not None and any(f.endswith((".so", ".pyd")) for f in os.listdir(folder))
+
+
+# A build takes 20-40 s (minutes on a busy machine); a build lock held for longer than this belongs to a process that
+# hangs, and a torch lock file untouched for longer (when its holder cannot be looked up) to a build that died.
+_STALE_AFTER_S = 600.0
+_BUILD_LOCK = "ddl_build.lock"
+
+
+@contextlib.contextmanager
+def _build_lock(folder):
+    """One DDL process at a time builds (or loads) the kernel in `folder`: an exclusive `flock` on a file there, which
+    the operating system releases when its holder ends, however it ends. Yields True once held, or False when
+    another process has held it for over `_STALE_AFTER_S` (the caller then falls back instead of waiting forever)."""
+    try:
+        import fcntl
+    except ImportError:
+        fcntl = None
+    if folder is None or fcntl is None:
+        yield True
+        return
+    with open(os.path.join(folder, _BUILD_LOCK), "a+") as f:
+        start, waiting = time.monotonic(), False
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                if time.monotonic() - start > _STALE_AFTER_S:
+                    yield False
+                    return
+                if not waiting:
+                    logger.warning("DDL: waiting for another process that builds its C++ CPU kernel.")
+                    waiting = True
+                time.sleep(0.5)
+        try:
+            yield True
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _baton_holders(baton):
+    """The pids of the processes that hold torch's lock file open (its `FileBaton` keeps it open for the whole build),
+    or None when that cannot be told (no /proc, or processes this user may not look into)."""
+    if not os.path.isdir("/proc"):
+        return None
+    target, holders, hidden = os.path.realpath(baton), [], False
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except PermissionError:
+            hidden = True
+            continue
+        except OSError:  # the process has ended meanwhile
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
+                    holders.append(int(pid))
+            except OSError:
+                continue
+    return None if hidden and not holders else holders
+
+
+def _clear_stale_baton(folder):
+    """torch's own lock file (`lock`, a `FileBaton`) exists while a build runs, and torch waits for it forever: one
+    left by a build killed midway would hang every later process. Holding DDL's build lock, one that no process holds
+    open (or, when that cannot be told, untouched for `_STALE_AFTER_S`) is removed, and the build goes on. One that a
+    live process holds (a build that does not take DDL's lock, e.g. another version of DDL sharing the cache) is
+    waited for, for at most `_STALE_AFTER_S`; then this process uses the PyTorch path (returns False)."""
+    baton = os.path.join(folder, "lock")
+    start = time.monotonic()
+    while os.path.exists(baton):
+        holders = _baton_holders(baton)
+        try:
+            age = time.time() - os.path.getmtime(baton)
+        except FileNotFoundError:  # its build just finished
+            break
+        if holders == [] or (holders is None and age > _STALE_AFTER_S):
+            why = "no process holds it" if holders == [] else f"untouched for {age:.0f} s"
+            logger.warning(f"DDL: removing {baton}, left by a build that was killed midway ({why}; torch would wait "
+                           "for it forever), and building again.")
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(baton)
+            break
+        if time.monotonic() - start > _STALE_AFTER_S:
+            owner = f"process {holders[0]}" if holders else "a process"
+            logger.warning(f"DDL: {baton} has been held by {owner} for over {_STALE_AFTER_S:.0f} s, so DDL uses the "
+                           "PyTorch path (same numbers up to rounding, slower); if no build is running, delete it.")
+            return False
+        time.sleep(0.5)
+    return True
 
 
 def eager_cpu_float(x):

@@ -9,15 +9,21 @@ import dataclasses
 import json
 import math
 import os
+import re
+import shutil
+import sys
+import time
 from collections.abc import Iterable, Iterator
 
 import numpy as np
 from huggingface_hub.errors import StrictDataclassError
-from transformers import AutoConfig, PreTrainedTokenizerFast, Trainer
+from transformers import AutoConfig, PreTrainedTokenizerFast, Trainer, TrainerCallback, TrainerState
+from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
 from ddl import DDLConfig, DDLForCausalLM
-from .outputs import save_figure
+from .outputs import FolderLock, UsageError, folder_contents, make_output_folder, save_figure, write_json
 
 
 logger = logging.get_logger(__name__)
@@ -70,10 +76,6 @@ PRESET_RUN_DEFAULTS: dict[str, dict] = {
         logging_steps=50, eval_steps=2000, save_steps=2000,
     ),
 }
-
-
-class UsageError(ValueError):
-    """A mistake in the command line or the inputs; the message says what was expected and how to fix it."""
 
 
 def config_error_message(err: StrictDataclassError) -> str:
@@ -327,6 +329,23 @@ def prepare_tokenizer_for_generation(tokenizer):
     return tokenizer
 
 
+def _column_names(dataset) -> list[str]:
+    if dataset.column_names is not None:
+        return dataset.column_names
+    for row in dataset:  # unknown for some streamed datasets (e.g. after skip/take): read one row
+        return list(row.keys())
+    raise UsageError("A streamed split is empty; check the dataset and --streaming_validation_examples.")
+
+
+def check_text_column(raw, text_column: str) -> None:
+    """Every split has the column `--text_column` names (a CSV or JSON file may call it otherwise)."""
+    for split, dataset in raw.items():
+        columns = _column_names(dataset)
+        if text_column not in columns:
+            raise UsageError(f"--text_column {text_column!r} is not a column of the {split} data (columns: "
+                             f"{columns}); name the text column with --text_column.")
+
+
 def tokenize_and_pack(
     raw,
     tokenizer,
@@ -345,17 +364,7 @@ def tokenize_and_pack(
     from datasets import IterableDatasetDict
 
     streaming = isinstance(raw, IterableDatasetDict)
-
-    def column_names(dataset):  # unknown for some streamed datasets (e.g. after skip/take): read one row
-        if dataset.column_names is not None:
-            return dataset.column_names
-        for row in dataset:
-            return list(row.keys())
-        raise UsageError("A streamed split is empty; check the dataset and --streaming_validation_examples.")
-
-    columns = column_names(raw["train"])
-    if text_column not in columns:
-        raise UsageError(f"--text_column {text_column!r} is not a column of the data; columns: {columns}.")
+    check_text_column(raw, text_column)
     eos = [tokenizer.eos_token_id] if add_eos and tokenizer.eos_token_id is not None else []
 
     def tokenize(batch):
@@ -370,7 +379,7 @@ def tokenize_and_pack(
 
     packed = {}
     for split, dataset in raw.items():
-        remove = column_names(dataset)
+        remove = _column_names(dataset)
         map_kwargs = {} if streaming else {
             "num_proc": num_proc, "load_from_cache_file": not overwrite_cache, "desc": f"Tokenising {split}"
         }
@@ -509,9 +518,11 @@ generator = pipeline("text-generation", model=model, tokenizer=tokenizer)
 print(generator({prompt!r}, max_new_tokens=100)[0]["generated_text"])
 ```
 
-On a Linux CPU the first forward pass compiles DDL's C++ kernels (20-40 s once, cached under
-`~/.cache/torch_extensions`; a C++ compiler is needed, else DDL runs its PyTorch paths). To skip them, set the
-environment variable `DDL_IMPLEMENTATION=torch` or pass `ddl_implementation="torch"` to `from_pretrained`.
+Loading it runs more than Python: on a Linux CPU (fp32/fp64) the first forward pass compiles DDL's C++ kernels with
+the machine's C++ compiler (20-40 s, once) and writes the build under `~/.cache/torch_extensions` (or
+`TORCH_EXTENSIONS_DIR`); without a compiler DDL runs its PyTorch paths. To switch the build off, set the environment
+variable `DDL_CPU_KERNEL=0` (no C++ kernels), or `DDL_IMPLEMENTATION=torch` (the PyTorch paths only; or pass
+`ddl_implementation="torch"` to `from_pretrained`).
 
 Fine-tune it further with `python train.py --model_name_or_path <this folder> ...`.
 """
@@ -556,6 +567,219 @@ def _warmup(warmup_steps: float) -> str:
     return f"{warmup_steps:.0%} of the steps" if 0 < warmup_steps < 1 else f"{int(warmup_steps)} steps"
 
 
+# ------------------------------------------------------------------------------------ the run's output folder
+
+# train.py's mark on an output folder from the start of a run until its final save: a folder holding it (and no
+# complete checkpoint) holds only what an unfinished run left, and a new run may start over in it.
+UNFINISHED_RUN = ".ddl_unfinished_run.json"
+_TRAINER_STATE = "trainer_state.json"
+_held_claims: list[tuple[str, FolderLock, bool]] = []  # (folder, lock, created by this run) of this process
+
+
+def checkpoint_step(path: str) -> int | None:
+    match = re.fullmatch(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)", os.path.basename(os.path.normpath(path)))
+    return int(match.group(1)) if match else None
+
+
+def is_complete_checkpoint(path: str) -> bool:
+    """Trainer writes `trainer_state.json` last into a checkpoint folder: without it the save was interrupted."""
+    return os.path.isfile(os.path.join(path, _TRAINER_STATE))
+
+
+def checkpoints(folder: str) -> list[str]:
+    """The `checkpoint-<step>` folders in `folder`, oldest step first."""
+    found = [os.path.join(folder, name) for name in folder_contents(folder)
+             if checkpoint_step(name) is not None and os.path.isdir(os.path.join(folder, name))]
+    return sorted(found, key=checkpoint_step)
+
+
+def last_complete_checkpoint(folder: str) -> str | None:
+    complete = [path for path in checkpoints(folder) if is_complete_checkpoint(path)]
+    return complete[-1] if complete else None
+
+
+def _is_inside(path: str, folder: str) -> bool:
+    return os.path.realpath(path).startswith(os.path.realpath(folder) + os.sep)
+
+
+def _checkpoint_to_resume(out: str, resume: str | None) -> str | None:
+    """`--resume_from_checkpoint` resolved: true/latest/last = the newest complete checkpoint in `out` (an incomplete
+    newer one, a save interrupted by a kill, is skipped and named), false/none = None, else a complete checkpoint."""
+    if resume is None or resume.lower() in ("false", "none", ""):
+        return None
+    if resume.lower() in ("true", "latest", "last"):
+        latest = last_complete_checkpoint(out)
+        skipped = [os.path.basename(p) for p in checkpoints(out) if not is_complete_checkpoint(p)
+                   and (latest is None or checkpoint_step(p) > checkpoint_step(latest))]
+        if latest is None:
+            found = f" ({', '.join(skipped)}: incomplete, a save was interrupted)" if skipped else ""
+            raise UsageError(f"--resume_from_checkpoint {resume}: no complete checkpoint-* folder in {out!r} to "
+                             f"resume from{found}.")
+        if skipped:
+            logger.warning("Resuming from %s, the newest complete checkpoint: %s is incomplete (its save was "
+                           "interrupted; no %s).", os.path.basename(latest), ", ".join(skipped), _TRAINER_STATE)
+        return latest
+    if not is_complete_checkpoint(resume):
+        parent = os.path.dirname(os.path.normpath(resume))
+        latest = last_complete_checkpoint(parent) if os.path.isdir(parent) else None
+        hint = f" The newest complete checkpoint there is {latest!r}: pass that." if latest else ""
+        state = "is incomplete (its save was interrupted)" if checkpoint_step(resume) and os.path.isdir(resume) \
+            else "is not a Trainer checkpoint folder"
+        raise UsageError(f"--resume_from_checkpoint {resume!r} {state}: no {_TRAINER_STATE}.{hint}")
+    return resume
+
+
+def claim_output_dir(out: str, resume: str | None, overwrite: bool, do_train: bool, main_process: bool = True):
+    """Make `out` this run's (the rule of `ddl_tools.outputs`) and say which checkpoint to resume from (None: start
+    fresh). The main process creates the folder (a file there, or no permission, is a `UsageError` now, not at the
+    first save after training), takes its lock (one run at a time) and marks it as an unfinished run.
+
+    A non-empty folder is refused unless it is resumed from (`--resume_from_checkpoint` names a checkpoint in it),
+    holds only what an unfinished run left (the mark, no complete checkpoint: e.g. the tokenizer of a run that
+    failed), or `overwrite` is given; in that case its old checkpoints are deleted (a later `--resume_from_checkpoint
+    true` must not pick them up)."""
+    created = False
+    if main_process:
+        created = make_output_folder(out, "--output_dir")
+        lock = FolderLock(out)
+        if not lock.acquire("--output_dir"):
+            raise UsageError(f"--output_dir {out!r} is being written by another run ({lock.holder()}); wait for it to "
+                             "end, or choose another --output_dir.")
+        _held_claims.append((out, lock, created))
+    checkpoint = _checkpoint_to_resume(out, resume)
+    if checkpoint is not None and not do_train:
+        raise UsageError("--resume_from_checkpoint continues training; it cannot be combined with --do_train false.")
+    contents = folder_contents(out)
+    resumes_here = checkpoint is not None and _is_inside(checkpoint, out)
+    if contents and not overwrite and not resumes_here:
+        latest = last_complete_checkpoint(out)
+        if UNFINISHED_RUN in contents and latest is None:
+            if main_process:
+                logger.warning("%s holds only what an unfinished train.py run left (no complete checkpoint); this "
+                               "run starts over in it.", out)
+        elif checkpoint is not None:
+            raise UsageError(f"Output folder {out!r} is not empty; resuming {checkpoint!r} into it would overwrite "
+                             "what it holds (weights, config, tokenizer, model card). Choose an empty --output_dir, or "
+                             "pass --overwrite_output_dir to replace its contents.")
+        else:
+            hint = (f" To continue its latest run ({os.path.basename(latest)}) pass --resume_from_checkpoint true."
+                    if latest else "")
+            raise UsageError(f"Output folder {out!r} exists and is not empty; refusing to overwrite it.{hint} To start "
+                             "over in it pass --overwrite_output_dir, or choose another --output_dir.")
+    if main_process:
+        if overwrite and not resumes_here:
+            for path in checkpoints(out):
+                shutil.rmtree(path)
+        if UNFINISHED_RUN not in contents or overwrite:
+            write_json(os.path.join(out, UNFINISHED_RUN), {"command": sys.argv, "started": time.ctime()})
+    return checkpoint
+
+
+def finish_output_dir(out: str) -> None:
+    """The run saved everything: remove its unfinished-run mark and let go of the folder."""
+    try:
+        os.remove(os.path.join(out, UNFINISHED_RUN))
+    except FileNotFoundError:
+        pass
+    release_output_dirs()
+
+
+def interruption_note() -> str:
+    """What a user can do after interrupting this process's run (Ctrl-C)."""
+    latest = last_complete_checkpoint(_held_claims[-1][0]) if _held_claims else None
+    if latest:
+        return (f"its checkpoints are kept (latest: {latest}): continue with the same command plus "
+                "--resume_from_checkpoint true.")
+    return "no checkpoint was saved yet; the same command starts over in its output folder."
+
+
+def release_output_dirs(failed: bool = False) -> None:
+    """Let go of this process's output folders (the operating system does it at exit anyway). `failed`: a folder
+    this run created and left holding nothing but its mark is removed (a mistyped flag leaves no trace)."""
+    while _held_claims:
+        out, lock, created = _held_claims.pop()
+        leftover = failed and created and folder_contents(out) == [UNFINISHED_RUN]
+        if leftover:
+            os.remove(os.path.join(out, UNFINISHED_RUN))
+        lock.release(remove=True)
+        if leftover and not os.listdir(out):
+            os.rmdir(out)
+
+
+# ------------------------------------------------------------------------------------------------- resuming
+
+
+class DDLRunRecord(TrainerCallback, ExportableState):
+    """What a resumed run must keep and `TrainerState` does not record: the block size the data was packed into.
+    Saved in every checkpoint's `trainer_state.json` (transformers' stateful callbacks)."""
+
+    def __init__(self, block_size: int | None = None):
+        self.block_size = block_size
+
+    def state(self) -> dict:
+        return {"args": {"block_size": self.block_size}, "attributes": {}}
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        # a checkpoint written before this record existed has no entry, and Trainer's save expects one
+        state.stateful_callbacks.setdefault(type(self).__name__, self.state())
+
+
+def resumed_state(checkpoint: str | None) -> TrainerState | None:
+    return None if checkpoint is None else TrainerState.load_from_json(os.path.join(checkpoint, _TRAINER_STATE))
+
+
+def recorded_block_size(state: TrainerState) -> int | None:
+    record = state.stateful_callbacks.get(DDLRunRecord.__name__) or {}
+    if isinstance(record, list):
+        record = record[0] if record else {}
+    return record.get("args", {}).get("block_size")
+
+
+def check_resumed_model(checkpoint: str, preset: str | None, overrides: dict, flags: dict) -> None:
+    """Resuming continues the checkpoint's model: a --preset, --config_overrides field or --ddl_* flag that asks for
+    another architecture is refused (one that repeats the checkpoint's value is fine)."""
+    try:
+        config = DDLConfig.from_pretrained(checkpoint)
+    except StrictDataclassError as err:
+        raise UsageError(f"{checkpoint!r}: {config_error_message(err)}") from err
+    asked = {}  # field -> (where it was asked for, value); later sources win, as when building a fresh model
+    for key, value in (PRESETS[preset] if preset else {}).items():
+        asked[key] = (f"--preset {preset} ({key})", value)
+    for key, value in overrides.items():
+        asked[key] = (f"--config_overrides {key}", value)
+    for key, value in flags.items():
+        asked[key] = (f"--{key}", value)
+    differ = [f"{where} = {value!r} (it has {getattr(config, key, None)!r})" for key, (where, value) in asked.items()
+              if getattr(config, key, None) != value]
+    if differ:
+        raise UsageError(f"--resume_from_checkpoint {checkpoint!r} continues that checkpoint's model, but "
+                         f"{'; '.join(differ)} asks for another. Drop these flags to resume, or start a new run in "
+                         "another --output_dir.")
+
+
+def resumed_block_size(checkpoint: str, state: TrainerState, block_size: int | None, given: bool) -> int | None:
+    """The block size of a resumed run: the checkpoint's (a different --block_size would re-pack the data under
+    the resumed data position, so it is refused). A checkpoint without the record keeps `block_size`."""
+    recorded = recorded_block_size(state)
+    if recorded is None:
+        logger.warning("%s does not record its block size (saved before train.py recorded it): using %s.", checkpoint,
+                       block_size)
+        return block_size
+    if given and block_size != recorded:
+        raise UsageError(f"--block_size {block_size}: {checkpoint!r} was trained on blocks of {recorded} tokens, and "
+                         "resuming with another size would re-pack the data under its position. Drop --block_size to "
+                         "resume, or start a new run in another --output_dir.")
+    if block_size != recorded:
+        logger.warning("Resuming %s with its blocks of %d tokens.", checkpoint, recorded)
+    return recorded
+
+
+def steps_left(state: TrainerState, max_steps: int) -> int:
+    """Optimizer steps a run resumed at `state` has left: to --max_steps, else (epochs) to the total the checkpoint's
+    run planned."""
+    return (max_steps if max_steps > 0 else state.max_steps) - state.global_step
+
+
 class DDLTrainer(Trainer):
     """`Trainer` that writes our model card (when set) instead of the generic one, e.g. on `push_to_hub`."""
 
@@ -570,15 +794,26 @@ class DDLTrainer(Trainer):
 
 
 __all__ = [
+    "DDLRunRecord",
     "DDLTrainer",
     "PAPER_RECIPE",
     "PRESETS",
     "PRESET_RUN_DEFAULTS",
+    "UNFINISHED_RUN",
     "UsageError",
+    "check_resumed_model",
+    "check_text_column",
+    "checkpoint_step",
+    "checkpoints",
+    "claim_output_dir",
     "config_error_message",
     "ddl_config_from_llama",
     "describe_variant",
     "ensure_validation_split",
+    "finish_output_dir",
+    "interruption_note",
+    "is_complete_checkpoint",
+    "last_complete_checkpoint",
     "load_ddl_checkpoint",
     "load_from_llama",
     "load_raw_datasets",
@@ -588,6 +823,11 @@ __all__ = [
     "plot_loss_curve",
     "prepare_tokenizer_for_generation",
     "preset_config",
+    "recorded_block_size",
+    "release_output_dirs",
+    "resumed_block_size",
+    "resumed_state",
+    "steps_left",
     "text_batches",
     "tokenize_and_pack",
     "train_bpe_tokenizer",

@@ -2,6 +2,12 @@
 equals `reference.causal_token_readout`, outputs and every gradient, and the models take them wherever they apply
 (and only there)."""
 
+import os
+import signal
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
 
@@ -269,3 +275,115 @@ def test_weight_gradients_are_repeatable_on_several_threads():
         torch.set_num_threads(threads)
     for later in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], later))
+
+
+# --------------------------------------------------------------- issue 14: a killed build must not hang the next
+
+
+_BUILDER = r"""
+import os, sys, time
+import torch.utils.cpp_extension as cpp
+folder = sys.argv[1]
+cpp._get_build_directory = lambda name, verbose: folder
+
+def stuck_build(name, *args, build_directory=None, **kwargs):  # takes torch's lock as a real build does, then hangs
+    baton = cpp.FileBaton(os.path.join(build_directory or folder, "lock"))
+    assert baton.try_acquire()
+    print("building", flush=True)
+    time.sleep(600)
+
+cpp.load_inline = stuck_build
+from ddl import cpu_kernels
+cpu_kernels.cpu_kernel()
+"""
+
+
+def _start_stuck_build(folder):
+    """A process in the middle of a kernel build (torch's lock file taken), as far as anyone else can tell."""
+    env = {k: v for k, v in os.environ.items() if k != "DDL_CPU_KERNEL"}
+    proc = subprocess.Popen([sys.executable, "-c", _BUILDER, str(folder)], stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout.readline().strip() == "building", "the stand-in build did not start"
+    return proc
+
+
+@pytest.fixture
+def fake_torch_build(tmp_path, monkeypatch):
+    """torch's extension build pointed at a fresh folder, standing in for `load_inline` with its locking: a `lock`
+    file left in the folder makes torch wait forever (FileBaton.wait), here an error instead."""
+    import torch.utils.cpp_extension as cpp
+
+    built = object()
+
+    def load_inline(name, *args, build_directory=None, **kwargs):
+        baton = cpp.FileBaton(os.path.join(build_directory or str(tmp_path), "lock"))
+        if not baton.try_acquire():
+            raise TimeoutError("torch would wait for its lock file forever")
+        baton.release()
+        return built
+
+    monkeypatch.setattr(cpp, "_get_build_directory", lambda name, verbose: str(tmp_path))
+    monkeypatch.setattr(cpp, "load_inline", load_inline)
+    monkeypatch.setattr(cpu_kernels, "_ops", None)
+    monkeypatch.delenv("DDL_CPU_KERNEL", raising=False)
+    return tmp_path, built
+
+
+def test_a_build_killed_midway_does_not_hang_the_next_one(fake_torch_build, caplog):
+    """kill -9 during a build leaves torch's lock file; every later process used to wait for it forever."""
+    folder, built = fake_torch_build
+    stuck = _start_stuck_build(folder)
+    stuck.send_signal(signal.SIGKILL)
+    stuck.wait()
+    assert (folder / "lock").exists()  # what the killed build left
+    with caplog.at_level("WARNING"):
+        assert cpu_kernel() is built
+    assert "killed midway" in caplog.text and not (folder / "lock").exists()
+
+
+def test_a_build_that_hangs_makes_others_fall_back_not_wait(fake_torch_build, caplog, monkeypatch):
+    """A live build that takes far too long: the others use the PyTorch path after a bounded wait (they waited
+    forever)."""
+    folder, _ = fake_torch_build
+    monkeypatch.setattr(cpu_kernels, "_STALE_AFTER_S", 1.0, raising=False)
+    stuck = _start_stuck_build(folder)
+    try:
+        with caplog.at_level("WARNING"):
+            assert cpu_kernel() is None
+    finally:
+        stuck.kill()
+        stuck.wait()
+    assert "another process has held the build lock" in caplog.text
+
+
+def test_a_lock_file_a_live_build_holds_is_waited_for_not_removed(fake_torch_build, caplog, monkeypatch):
+    """A build that does not take DDL's lock (another DDL version sharing the cache) and holds torch's lock file open:
+    its file is left alone, and after a bounded wait this process takes the PyTorch path (it used to wait forever)."""
+    folder, _ = fake_torch_build
+    monkeypatch.setattr(cpu_kernels, "_STALE_AFTER_S", 1.0, raising=False)
+    holder = (f"import os, time, torch.utils.cpp_extension as cpp; b = cpp.FileBaton({str(folder / 'lock')!r}); "
+              "assert b.try_acquire(); print('building', flush=True); time.sleep(600)")
+    other = subprocess.Popen([sys.executable, "-c", holder], stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "building"
+        with caplog.at_level("WARNING"):
+            assert cpu_kernel() is None
+        assert (folder / "lock").exists() and f"held by process {other.pid}" in caplog.text
+    finally:
+        other.kill()
+        other.wait()
+
+
+@pytest.mark.parametrize("age", [0.0, 3600.0], ids=["young", "old"])
+def test_a_lock_file_whose_holder_cannot_be_told(age, fake_torch_build, caplog, monkeypatch):
+    """Where the processes holding torch's lock file cannot be looked up (another user's), its age decides: one
+    untouched for `_STALE_AFTER_S` is stale (removed, and the build goes on); a younger one is waited for until then."""
+    folder, built = fake_torch_build
+    monkeypatch.setattr(cpu_kernels, "_baton_holders", lambda baton: None, raising=False)
+    monkeypatch.setattr(cpu_kernels, "_STALE_AFTER_S", 1.0, raising=False)
+    (folder / "lock").write_text("")
+    os.utime(folder / "lock", (time.time() - age, time.time() - age))
+    start = time.monotonic()
+    with caplog.at_level("WARNING"):
+        assert cpu_kernel() is built
+    assert not (folder / "lock").exists() and "untouched for" in caplog.text
+    assert (time.monotonic() - start >= 0.9) == (age == 0.0)

@@ -407,3 +407,131 @@ def test_missing_lm_eval_says_how_to_install(checkpoints, tmp_path, capsys, monk
         capsys,
     )  # fmt: skip
     assert code == 1 and "pip install" in printed and "perplexity on" in printed
+
+
+# ------------------------------------------------------------------------------ issue 14: never lose earlier results
+
+
+def earlier_results(checkpoints, out, capsys):
+    args = [checkpoints["delta"], "--file", checkpoints["text"], "--max_new_tokens", "0", "--output_dir", str(out)]
+    assert run_eval(args, capsys)[0] == 0
+    return args, (out / "delta" / "results.json").read_text()
+
+
+def test_a_failed_run_keeps_the_earlier_results(checkpoints, tmp_path, capsys, monkeypatch):
+    """Results replace the earlier ones only when the run has finished: a run in which no checkpoint loaded leaves
+    them as they were (eval.py used to delete them first)."""
+    out = tmp_path / "o"
+    args, earlier = earlier_results(checkpoints, out, capsys)
+
+    def unloadable(path, device, dtype):  # e.g. a checkpoint caught while it is being rewritten
+        raise ValueError(f"cannot load checkpoint {path!r}: SafetensorError: incomplete metadata")
+    with monkeypatch.context() as patch:
+        patch.setattr(eval_script, "load_checkpoint", unloadable)
+        code, printed = run_eval(args, capsys)
+    assert code == 1 and "earlier results" in printed
+    assert (out / "delta" / "results.json").read_text() == earlier
+
+
+def test_an_interrupted_run_keeps_the_earlier_results_and_its_rerun_runs(checkpoints, tmp_path, capsys, monkeypatch):
+    """A run interrupted in its second checkpoint leaves the earlier results as they were, and its rerun is not
+    refused (it used to find the folder holding 'files eval.py did not write')."""
+    out = tmp_path / "o"
+    args, earlier = earlier_results(checkpoints, out, capsys)
+    calls = []
+
+    def interrupted(*a):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+    monkeypatch.setattr(eval_script, "generate_sample", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        eval_script.main([checkpoints["delta"], checkpoints["write_only"], "--file", checkpoints["text"],
+                          "--max_new_tokens", "2", "--output_dir", str(out)])
+    assert (out / "delta" / "results.json").read_text() == earlier
+    assert sorted(p.name for p in out.iterdir()) == ["comparison.json", "comparison.md", "delta", "eval_manifest.json"]
+    monkeypatch.undo()
+    code, printed = run_eval([checkpoints["delta"], checkpoints["write_only"], *args[1:]], capsys)
+    assert code == 0 and (out / "write_only" / "results.json").is_file(), printed
+
+
+def test_checkpoints_of_the_same_name_do_not_replace_each_others_results(checkpoints, tmp_path, capsys, monkeypatch):
+    """Two checkpoint-500 folders of different runs share the default output folder eval_results/checkpoint-500: the
+    second run is refused instead of replacing the first one's results (--overwrite replaces them)."""
+    import shutil
+
+    first, second = tmp_path / "run_a" / "checkpoint-500", tmp_path / "run_b" / "checkpoint-500"
+    shutil.copytree(checkpoints["delta"], first)
+    shutil.copytree(checkpoints["write_only"], second)
+    monkeypatch.chdir(tmp_path)
+    common = ["--file", checkpoints["text"], "--max_new_tokens", "0"]
+    assert run_eval([str(first), *common], capsys)[0] == 0
+    results = tmp_path / "eval_results" / "checkpoint-500" / "checkpoint-500" / "results.json"
+    earlier = results.read_text()
+    with pytest.raises(SystemExit, match="holds eval.py results of .*run_a"):
+        eval_script.main([str(second), *common])
+    assert results.read_text() == earlier
+    assert run_eval([str(first), *common], capsys)[0] == 0  # the same checkpoint again: its results are refreshed
+    assert run_eval([str(second), *common, "--overwrite"], capsys)[0] == 0
+    assert json.loads(results.read_text())["model"]["residual"] == "write_only"
+
+
+def test_a_checkpoint_that_does_not_load_costs_only_its_own_row(checkpoints, tmp_path, capsys):
+    """A truncated model.safetensors and a config with an invalid ddl field are errors of their rows (they used to
+    abort the whole comparison with a traceback)."""
+    import shutil
+
+    truncated, invalid = tmp_path / "truncated", tmp_path / "invalid"
+    shutil.copytree(checkpoints["delta"], truncated)
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    shutil.copytree(checkpoints["delta"], invalid)
+    config = json.loads((invalid / "config.json").read_text())
+    (invalid / "config.json").write_text(json.dumps({**config, "ddl_residual": "additve"}))
+
+    code, printed = run_eval([str(truncated), str(invalid), checkpoints["delta"], "--file", checkpoints["text"],
+                              "--max_new_tokens", "0", "--output_dir", str(tmp_path / "o")], capsys)
+    assert code == 1, printed
+    comparison = json.loads((tmp_path / "o" / "comparison.json").read_text())["results"]
+    assert [r["name"] for r in comparison] == ["truncated", "invalid", "delta"]
+    assert "cannot load checkpoint" in comparison[0]["errors"][0]
+    assert "cannot load checkpoint" in comparison[1]["errors"][0]
+    assert "ddl_residual must be one of" in comparison[1]["errors"][0]
+    assert comparison[2]["errors"] == [] and comparison[2]["perplexity"]["tokens"] > 0
+
+
+BAD_FLAGS = {
+    "dtype": (["--dtype", "fp32"], "invalid choice: 'fp32'"),
+    "block-size": (["--block_size", "1"], "--block_size 1: must be at least 2"),
+    "stride": (["--stride", "0"], "--stride 0: must lie in [1, --block_size]"),
+    "stride-above-block": (["--block_size", "8", "--stride", "9"], "--stride 9: must lie in [1, --block_size]"),
+    "device": (["--device", "gpu0"], "--device 'gpu0' is not a device"),
+    "no-cuda": (["--device", "cuda"], "no CUDA device"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FLAGS))
+def test_bad_flags_are_one_line(case, checkpoints, tmp_path, capsys):
+    """Each was an AttributeError, ValueError, RuntimeError or AssertionError traceback, some after a model load."""
+    if case == "no-cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    flags, message = BAD_FLAGS[case]
+    with pytest.raises(SystemExit) as exit_:
+        eval_script.main([checkpoints["delta"], "--file", checkpoints["text"], "--output_dir", str(tmp_path / "o"),
+                          *flags])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err and "Traceback" not in err, err
+    assert not (tmp_path / "o").exists()  # refused before anything is written
+
+
+def test_drop_remainder_names_the_token_count(checkpoints, tok, tmp_path, capsys):
+    """Text shorter than one block under --drop_remainder: the message says how many tokens there are and why they
+    are too few (it used to say 'fewer than two tokens')."""
+    text = TEXT.splitlines()[0]
+    short = tmp_path / "short.txt"
+    short.write_text(text, encoding="utf-8")
+    n = len(evaluation.tokenize_documents(tok, [text]))
+    assert 2 <= n < 64
+    code, printed = run_eval([checkpoints["delta"], "--file", str(short), "--block_size", "64", "--drop_remainder",
+                              "--max_new_tokens", "0", "--output_dir", str(tmp_path / "o")], capsys)
+    assert code == 1 and f"has {n} token(s), fewer than one block of 64" in printed

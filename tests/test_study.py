@@ -289,3 +289,152 @@ def test_conclusion_says_when_the_interval_includes_zero():
             r["val_loss"] = 5.0 + 0.03 * r["seed"] + (0.05, -0.05, 0.01)[r["seed"]]
     text = study.conclusion(study.summary_rows(results), [])
     assert "delta-dv1 vs additive-dv1" in text and "includes zero" in text
+
+
+# ------------------------------------------------------------------------ issue 14: never lose a user's work
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def study_script():
+    sys.path.insert(0, ROOT)
+    import study as script
+
+    return script
+
+
+def test_study_runs_from_another_working_directory(tmp_path):
+    """Relative --study_dir, data and report paths, started outside the repository: its train.py children used to
+    run in the repository root, where those paths mean something else, so every run failed."""
+    import random
+    import subprocess
+
+    rng = random.Random(0)
+    words = ("the", "king", "queen", "lord", "lady", "crown", "sword", "night", "day", "love", "death", "fair")
+    lines = [" ".join(rng.choice(words) for _ in range(8)) for _ in range(600)]
+    (tmp_path / "train.txt").write_text("\n".join(lines[:500]) + "\n")
+    (tmp_path / "val.txt").write_text("\n".join(lines[500:]) + "\n")
+    args = ["--variants", "additive-dv1", "--seeds", "0", "--block_size", "32", "--per_device_train_batch_size", "4",
+            "--max_tokens", "256", "--vocab_size", "300", "--train_file", "train.txt", "--validation_file", "val.txt",
+            "--eval_tokens", "512", "--audit_tokens", "256", "--study_dir", "st", "--report_dir", "rep", "--",
+            "--config_overrides",
+            ("hidden_size=32,intermediate_size=64,num_hidden_layers=2,num_attention_heads=2,head_dim=16")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "",
+           "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "study.py"), *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "st" / "runs" / "additive-dv1-s0" / "result.json").read_text())
+    assert result["steps"] == 2 and math.isfinite(result["val_loss"])
+    assert (tmp_path / "st" / "runs" / "additive-dv1-s0" / "model" / "model.safetensors").is_file()
+    assert (tmp_path / "rep" / "report.md").is_file()
+    assert not os.path.exists(os.path.join(ROOT, "st"))
+
+
+def test_a_killed_study_takes_its_training_child_with_it(tmp_path):
+    """kill -9 of study.py used to leave its train.py child writing into a run folder that the rerun deletes."""
+    import signal
+    import subprocess
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    child = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    parent = (f"import sys; sys.path.insert(0, {ROOT!r}); import study; "
+              f"study.run_child([sys.executable, '-c', {child!r}], {str(tmp_path / 'log.txt')!r})")
+    proc = subprocess.Popen([sys.executable, "-c", parent])
+    try:
+        for _ in range(300):
+            if pid_file.exists() and pid_file.read_text():
+                break
+            time.sleep(0.1)
+        pid = int(pid_file.read_text())
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        for _ in range(100):
+            if not _alive(pid):
+                break
+            time.sleep(0.1)
+        assert not _alive(pid), "the child outlived the killed study.py"
+    finally:
+        proc.kill()
+        if pid_file.exists() and pid_file.read_text() and _alive(int(pid_file.read_text())):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+def _alive(pid) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\nState:\tZ" not in f.read()  # a zombie has ended (nobody may reap it in a container)
+    except FileNotFoundError:
+        return False
+
+
+def test_a_rerun_does_not_delete_a_run_folder_still_being_written(tmp_path):
+    """A crashed run's folder whose writer still lives (its lock held) is left alone and reported, not deleted."""
+    from ddl_tools.outputs import FolderLock
+
+    grid = study.build_grid(["additive-dv1", "delta-dv1"], [0])
+    busy = study.run_dir(str(tmp_path), grid[0])
+    os.makedirs(busy)
+    with open(os.path.join(busy, "partial.bin"), "w") as f:
+        f.write("being written")
+    writer = FolderLock(busy)  # another open file: to flock, another writer
+    assert writer.acquire()
+    try:
+        summary = study.run_study(str(tmp_path), grid, lambda spec, path: fake_result(spec))
+    finally:
+        writer.release()
+    assert "still being written by pid" in summary["failed"]["additive-dv1-s0"]
+    assert summary["done"] == ["delta-dv1-s0"]
+    with open(os.path.join(busy, "partial.bin")) as f:
+        assert f.read() == "being written"
+
+
+def test_report_dir_with_someone_elses_report_is_refused_first(tmp_path, capsys):
+    """--report_dir used to overwrite a report.md study.py did not write (here with --report_only, which reports at
+    once; a training run is refused the same way before it trains)."""
+    script = study_script()
+    run = tmp_path / "s" / "runs" / "additive-dv1-s0"
+    run.mkdir(parents=True)
+    (run / "result.json").write_text(json.dumps({"variant": "additive-dv1", "seed": 0,
+                                                 **fake_result(study.RunSpec("additive-dv1", 0))}))
+    report = tmp_path / "mine" / "report.md"
+    report.parent.mkdir()
+    report.write_text("# My notes\n")
+    code = script.main(["--report_only", "--study_dir", str(tmp_path / "s"), "--report_dir", str(report.parent)])
+    assert code == 2 and "was not written by study.py" in capsys.readouterr().err
+    assert report.read_text() == "# My notes\n"
+    with pytest.raises(ValueError, match="was not written by study.py"):
+        study.write_report([json.loads((run / "result.json").read_text())], str(report.parent), {})
+    # a report study.py wrote is refreshed
+    path = study.write_report([json.loads((run / "result.json").read_text())], str(tmp_path / "ours"), {})
+    study.write_report([json.loads((run / "result.json").read_text())], str(tmp_path / "ours"), {})
+    with open(path, encoding="utf-8") as f:
+        assert study.REPORT_MARK in f.read()
+
+
+def test_a_second_study_in_the_same_folder_is_refused(tmp_path, capsys):
+    from ddl_tools.outputs import FolderLock
+
+    script = study_script()
+    folder = tmp_path / "s"
+    args = ["--variants", "additive-dv1", "--seeds", "0", "--study_dir", str(folder), "--launcher", "false",
+            "--tokenizer_name", str(tmp_path / "tok")]
+    assert script.check_settings(*script.parse_args(args)) is not None  # creates the study folder
+    running = FolderLock(str(folder))
+    assert running.acquire()
+    try:
+        assert script.main(args) == 2
+    finally:
+        running.release()
+    assert "another study.py runs in" in capsys.readouterr().err
+    assert not (folder / "runs").exists()
+
+
+def test_a_study_dir_that_is_a_file_is_one_line(tmp_path):
+    afile = tmp_path / "notes.txt"
+    afile.write_text("mine")
+    with pytest.raises(ValueError, match="is a file, not a folder"):  # study.py prints it as one line (FileExistsError)
+        study.check_study_config(str(afile), {"max_tokens": 100})
+    assert afile.read_text() == "mine"

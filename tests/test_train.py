@@ -284,6 +284,12 @@ BAD_INPUTS = {
     "bad-override": (["--config_overrides", "hiden_size=64"], "not a DDLConfig field"),
     "not-ddl-checkpoint": (["--model_name_or_path", "{llama}"], "--init_from_llama"),
     "non-empty-output": (["--output_dir", "{nonempty}"], "refusing to overwrite"),
+    # issue 14: Trainer reads any max_steps <= 0 as "use --num_train_epochs" (-3 trained 3 epochs)
+    "negative-max-steps": (["--max_steps", "-3"], "--max_steps -3: give a positive number"),
+    # issue 14: these were tracebacks (FileExistsError, PermissionError at a save, KeyError)
+    "output-is-a-file": (["--output_dir", "{afile}"], "is a file, not a folder"),
+    "unwritable-output": (["--output_dir", "/sys/ddl-test-unwritable/run"], "cannot create it"),
+    "csv-without-text-column": (["--train_file", "{csv}"], "--text_column 'text' is not a column"),
 }
 
 
@@ -294,7 +300,10 @@ def bad_input_args(tmp_path, text_file, llama_dir):
     (tmp_path / "nonempty" / "keep.txt").write_text("precious")
     small = tmp_path / "small.txt"
     small.write_text(text_file.read_text()[:3000])
-    fill = dict(tmp=tmp_path, empty=tmp_path / "empty.txt", llama=llama_dir, nonempty=tmp_path / "nonempty")
+    (tmp_path / "afile").write_text("precious")
+    (tmp_path / "data.csv").write_text("body\n" + "\n".join(text_file.read_text().splitlines()[:300]) + "\n")
+    fill = dict(tmp=tmp_path, empty=tmp_path / "empty.txt", llama=llama_dir, nonempty=tmp_path / "nonempty",
+                afile=tmp_path / "afile", csv=tmp_path / "data.csv")
 
     def make(case):
         args, message = BAD_INPUTS[case]
@@ -304,6 +313,7 @@ def bad_input_args(tmp_path, text_file, llama_dir):
 
     yield make
     assert (tmp_path / "nonempty" / "keep.txt").read_text() == "precious"
+    assert (tmp_path / "afile").read_text() == "precious"
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
@@ -328,3 +338,171 @@ def test_bad_input_exits_non_zero_without_traceback(bad_input_args):
     proc = run_train(*args, check=False)
     assert proc.returncode == 2
     assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------- issue 14: never lose a user's work
+
+
+def run_cli(args, capsys):
+    """`python train.py args` in this process (an interpreter start costs seconds): status, stderr."""
+    import train
+
+    status = train.cli([str(a) for a in args])
+    return status, capsys.readouterr().err
+
+
+def copy_run(trained, dest, checkpoints=True):
+    out, _ = trained
+    shutil.copytree(out, dest, ignore=None if checkpoints else shutil.ignore_patterns("checkpoint-*"))
+    return dest
+
+
+def test_resuming_into_another_runs_folder_is_refused(trained, tmp_path, text_file, capsys):
+    """--resume_from_checkpoint OTHER/checkpoint-N --output_dir EXISTING used to replace EXISTING's weights, config,
+    tokenizer and card without --overwrite_output_dir."""
+    existing = copy_run(trained, tmp_path / "existing", checkpoints=False)
+    before = {p.name: p.read_bytes() for p in existing.iterdir() if p.is_file()}
+    other = trained[0] / "checkpoint-3"
+    status, err = run_cli(tiny(existing, text_file, "--max_steps", "3", "--resume_from_checkpoint", other), capsys)
+    assert status == 2 and "is not empty; resuming" in err and "--overwrite_output_dir" in err, err[-2000:]
+    assert {p.name: p.read_bytes() for p in existing.iterdir() if p.is_file()} == before
+
+
+def test_resumed_run_survives_checkpoint_rotation(trained, tmp_path, text_file, capsys):
+    """With the default save_total_limit (2) the resumed checkpoint is rotated away during training; the run used to
+    crash at the very end rereading its trainer_state.json (no final model, metrics or card)."""
+    interrupted = tmp_path / "interrupted"
+    interrupted.mkdir()
+    shutil.copytree(trained[0] / "checkpoint-3", interrupted / "checkpoint-3")
+    # a resumed run keeps its checkpoint's save_steps (3): saves at 6 and 9 rotate checkpoint-3 away
+    status, err = run_cli(tiny(interrupted, text_file, "--max_steps", "9", "--eval_steps", "100",
+                               "--resume_from_checkpoint", "true"), capsys)
+    assert status == 0, err[-3000:]
+    assert not (interrupted / "checkpoint-3").exists()  # rotated away, as the case needs
+    results = json.loads((interrupted / "all_results.json").read_text())
+    assert results["resumed_at_step"] == 3 and (interrupted / "README.md").is_file()
+    assert not (interrupted / ".ddl_unfinished_run.json").exists()  # a finished run
+
+
+def test_resuming_a_finished_run_trains_no_step_past_max_steps(trained, tmp_path, text_file, capsys):
+    """Resuming from the last checkpoint of a finished run used to train step max_steps + 1 (the card counted it)."""
+    finished = copy_run(trained, tmp_path / "finished")
+    status, err = run_cli(tiny(finished, text_file, "--max_steps", "3", "--resume_from_checkpoint", "true"), capsys)
+    assert status == 0, err[-3000:]
+    assert json.loads((finished / "trainer_state.json").read_text())["global_step"] == 3
+    assert "Tokens seen: 384 in 3 optimizer steps" in (finished / "README.md").read_text()
+    assert json.loads((finished / "all_results.json").read_text())["resumed_at_step"] == 3
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--ddl_residual", "additive"], "--ddl_residual = 'additive' (it has 'delta')"),
+    (["--config_overrides", "hidden_size=64"], "--config_overrides hidden_size = 64 (it has 32)"),
+    (["--block_size", "64"], "trained on blocks of 32 tokens"),
+], ids=["ddl-flag", "override", "block-size"])
+def test_resuming_refuses_a_changed_model_or_block_size(flags, message, trained, tmp_path, text_file, capsys):
+    """The checkpoint's config used to win silently over changed --ddl_* flags, and a new --block_size re-packed the
+    data under the resumed position."""
+    folder = copy_run(trained, tmp_path / "run")
+    args = ["--train_file", text_file, "--output_dir", folder, *TINY_RUN, "--max_steps", "6"]
+    status, err = run_cli([*args, *flags, "--resume_from_checkpoint", "true"], capsys)
+    assert status == 2 and message in err, err[-2000:]
+    assert json.loads((folder / "trainer_state.json").read_text())["global_step"] == 3  # untouched
+
+
+def test_resume_accepts_the_same_flags_and_keeps_the_block_size(trained):
+    import train
+
+    checkpoint = str(trained[0] / "checkpoint-3")
+    model_args, data_args, _, _ = train.parse_args(["--ddl_value_channels", "4", "--ddl_residual", "delta",
+                                                    "--config_overrides", TINY_MODEL])
+    train.check_resume(checkpoint, model_args, data_args, [])
+    assert data_args.block_size == 32  # the checkpoint's, not the preset's default 256
+
+
+def test_a_failed_run_does_not_block_its_corrected_rerun(tmp_path, text_file, capsys):
+    """A run that fails after training its tokenizer leaves it in the output folder; the corrected rerun used to be
+    refused ('exists and is not empty')."""
+    out = tmp_path / "out"
+    status, err = run_cli(tiny(out, text_file, "--max_steps", "1", "--block_size", "100000"), capsys)
+    assert status == 2 and "max_position_embeddings" in err
+    assert (out / "tokenizer.json").is_file()  # what the failed run left
+    status, err = run_cli(tiny(out, text_file, "--max_steps", "1", "--eval_steps", "1", "--save_steps", "1"), capsys)
+    assert status == 0, err[-3000:]
+    assert (out / "model.safetensors").is_file()
+
+
+def test_a_second_run_into_a_folder_being_written_is_refused(tmp_path, text_file, capsys):
+    """While a run writes its (still empty) output folder, another run into it stops with one line naming the
+    writer (it used to start writing there too), and leaves it as it was."""
+    from ddl_tools.outputs import FolderLock
+
+    out = tmp_path / "out"
+    out.mkdir()
+    lock = FolderLock(str(out))  # another open file: flock treats it as another writer, as another process
+    assert lock.acquire()
+    try:
+        status, err = run_cli(tiny(out, text_file, "--max_steps", "1"), capsys)
+        assert status == 2 and f"is being written by another run (pid {os.getpid()})" in err, err[-2000:]
+        assert os.listdir(out) == [".ddl.lock"]
+    finally:
+        lock.release()
+
+
+def test_resume_skips_and_names_an_incomplete_checkpoint(tmp_path, caplog):
+    """A kill during a checkpoint save leaves a folder without trainer_state.json: `true` resumes from the newest
+    complete checkpoint and says so; naming the incomplete one points to it. (Both used to fail with 'not a Trainer
+    checkpoint folder'.)"""
+    import train
+    from ddl_tools import training
+
+    out = tmp_path / "run"
+    (out / "checkpoint-2").mkdir(parents=True)
+    (out / "checkpoint-2" / "trainer_state.json").write_text("{}")
+    (out / "checkpoint-4").mkdir()
+    (out / "checkpoint-4" / "model.safetensors").write_bytes(b"half")
+
+    def resolve(resume):
+        _, _, run_args, training_args = train.parse_args(["--output_dir", str(out), "--resume_from_checkpoint",
+                                                          resume, "--use_cpu", "--report_to", "none"])
+        try:
+            return train.resolve_resume(training_args, run_args)
+        finally:
+            getattr(training, "release_output_dirs", lambda: None)()  # (the folder's lock)
+
+    with caplog.at_level("WARNING"):
+        assert resolve("true") == str(out / "checkpoint-2")
+    assert "checkpoint-4 is incomplete" in caplog.text
+    newest = r"checkpoint-4' is incomplete .* newest complete checkpoint there is .*checkpoint-2"
+    with pytest.raises(training.UsageError, match=newest):
+        resolve(str(out / "checkpoint-4"))
+
+
+def test_card_says_loading_compiles_a_kernel_and_how_to_switch_it_off():
+    """Loading by remote code runs a C++ compiler on the first CPU forward and writes under ~/.cache: the card and
+    the README say so and name the real switches (DDL_CPU_KERNEL=0, DDL_IMPLEMENTATION=torch)."""
+    from pathlib import Path
+
+    import ddl.configuration_ddl
+    import ddl.cpu_kernels
+    from ddl_tools.training import MODEL_CARD
+
+    assert '"DDL_CPU_KERNEL"' in Path(ddl.cpu_kernels.__file__).read_text()  # the switches named are the code's
+    assert '"DDL_IMPLEMENTATION"' in Path(ddl.configuration_ddl.__file__).read_text()
+    readme = Path(ROOT, "README.md").read_text(encoding="utf-8")
+    for text in (MODEL_CARD, readme):
+        assert "DDL_CPU_KERNEL=0" in text and "DDL_IMPLEMENTATION=torch" in text
+        assert "compiler" in text and "~/.cache/torch_extensions" in text
+
+
+def test_ctrl_c_says_what_to_do(trained, tmp_path, text_file, capsys, monkeypatch):
+    """Ctrl-C is one line (not a traceback) that says whether to resume or to rerun."""
+    import train
+
+    def interrupt(*args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(train, "build_kernels", interrupt)
+    status, err = run_cli(tiny(tmp_path / "fresh", text_file, "--max_steps", "1"), capsys)
+    assert status == 130 and "no checkpoint was saved yet" in err and "Traceback" not in err
+    folder = copy_run(trained, tmp_path / "run")
+    status, err = run_cli(tiny(folder, text_file, "--max_steps", "6", "--resume_from_checkpoint", "true"), capsys)
+    assert status == 130 and "plus --resume_from_checkpoint true" in err and "checkpoint-3" in err
