@@ -73,6 +73,7 @@ from transformers.utils import logging
 import ddl  # noqa: F401  (registers the DDL Auto classes and the code files saved with checkpoints)
 from ddl import DDLConfig, DDLForCausalLM
 from ddl.cpu_kernels import cpu_kernel
+from ddl_tools.launch import check_launch, hold_output_dir, release_output_dirs
 from ddl_tools.training import (
     PAPER_RECIPE,
     PRESET_RUN_DEFAULTS,
@@ -484,6 +485,8 @@ def main(argv: list[str]) -> None:
     model_args, data_args, run_args, training_args = parse_args(argv)
     if training_args.should_log:
         logging.set_verbosity_warning()
+    check_launch(training_args)  # before anything is written: FSDP on CPU, processes that are not one job
+    hold_output_dir(training_args)  # one run per output folder
     resume = resolve_resume(training_args, run_args)
     check_model_source(model_args)
     set_seed(training_args.seed)
@@ -545,6 +548,8 @@ def cli(argv: list[str]) -> int:
     except StrictDataclassError as err:  # a DDLConfig built from a checkpoint's config.json is invalid
         print(f"train.py: error: {config_error_message(err)}", file=sys.stderr)
         return 2
+    finally:
+        release_output_dirs()
     return 0
 
 
