@@ -73,6 +73,7 @@ from transformers.utils import logging
 import ddl  # noqa: F401  (registers the DDL Auto classes and the code files saved with checkpoints)
 from ddl import DDLConfig, DDLForCausalLM
 from ddl.cpu_kernels import cpu_kernel
+from ddl_tools.hub import check_hub_strategy
 from ddl_tools.launch import check_launch, hold_output_dir, release_output_dirs
 from ddl_tools.training import (
     PAPER_RECIPE,
@@ -94,6 +95,7 @@ from ddl_tools.training import (
     preset_config,
     text_batches,
     tokenize_and_pack,
+    tokens_seen,
     train_bpe_tokenizer,
     unigram_loss,
 )
@@ -456,17 +458,32 @@ def train_and_evaluate(trainer, training_args, resume) -> dict:
 def run_metrics(trainer, metrics, model_args, training_args, blocks) -> dict:
     """What all_results.json and the model card report, beyond Trainer's own metrics."""
     state = trainer.state
-    tokens_seen = state.num_input_tokens_seen or (
-        state.global_step * training_args.per_device_train_batch_size * blocks.block_size
-        * training_args.gradient_accumulation_steps * training_args.world_size)
     device = (torch.cuda.get_device_name() if training_args.device.type == "cuda"
               else f"CPU, {torch.get_num_threads()} torch threads")
-    metrics = dict(metrics, final_train_loss=final_train_loss(state.log_history), tokens_seen=tokens_seen,
-                   unigram_loss=blocks.unigram, device=device)
-    if model_args.init_from_llama or model_args.model_name_or_path:
-        metrics["init_from"] = (f"the Llama checkpoint `{model_args.init_from_llama}`" if model_args.init_from_llama
-                                else f"the DDL checkpoint `{model_args.model_name_or_path}`")
+    metrics = dict(metrics, final_train_loss=final_train_loss(state.log_history),
+                   tokens_seen=tokens_seen(state, training_args, blocks.block_size), unigram_loss=blocks.unigram,
+                   device=device)
+    if init_source(model_args):
+        metrics["init_from"] = init_source(model_args)
     return metrics
+
+
+def init_source(model_args) -> str | None:
+    """What a run started from, in the model card's words (None: from scratch)."""
+    if model_args.init_from_llama:
+        return f"the Llama checkpoint `{model_args.init_from_llama}`"
+    if model_args.model_name_or_path:
+        return f"the DDL checkpoint `{model_args.model_name_or_path}`"
+    return None
+
+
+def card_inputs(model_args, training_args, config, blocks, data_info, tokenizer_source) -> dict:
+    """What the model card says about the run apart from its progress and results (`model_card`'s other inputs):
+    the final card and the card of every revision pushed during training."""
+    return dict(repo_name=training_args.hub_model_id or os.path.basename(os.path.abspath(training_args.output_dir)),
+                config=config, data_name=data_info["name"], block_size=blocks.block_size,
+                tokenizer_source=tokenizer_source, train_tokens=blocks.train_tokens, training_args=training_args,
+                unigram=blocks.unigram, init_from=init_source(model_args))
 
 
 def generate_sample(out, data_args, data_info, seed) -> tuple[str, str]:
@@ -486,6 +503,7 @@ def main(argv: list[str]) -> None:
     if training_args.should_log:
         logging.set_verbosity_warning()
     check_launch(training_args)  # before anything is written: FSDP on CPU, processes that are not one job
+    check_hub_strategy(training_args)
     hold_output_dir(training_args)  # one run per output folder
     resume = resolve_resume(training_args, run_args)
     check_model_source(model_args)
@@ -495,6 +513,7 @@ def main(argv: list[str]) -> None:
     raw, data_info = load_text(data_args, training_args)  # 1. the text
     tokenizer, tokenizer_source = get_tokenizer(model_args, data_args, training_args, raw, resume)
     model = build_model(model_args, tokenizer, resume)  # 2. the model
+    finalize_for_saving(model, tokenizer)  # already for the checkpoints, and the revisions pushed from them
     config = model.config
     block_size = choose_block_size(data_args, config)
     blocks = pack_blocks(raw, data_info, tokenizer, block_size, config.vocab_size, data_args, training_args)  # 3.
@@ -506,6 +525,7 @@ def main(argv: list[str]) -> None:
     trainer = DDLTrainer(model=model, args=training_args, train_dataset=blocks.train if training_args.do_train
                          else None, eval_dataset=blocks.eval, processing_class=tokenizer,
                          data_collator=default_data_collator)
+    trainer.card_inputs = card_inputs(model_args, training_args, config, blocks, data_info, tokenizer_source)
     build_kernels(config, training_args)
     metrics = train_and_evaluate(trainer, training_args, resume)  # 4. train and evaluate
 
@@ -523,11 +543,8 @@ def main(argv: list[str]) -> None:
                             unigram=blocks.unigram)
     prompt, sample = generate_sample(out, data_args, data_info, training_args.seed)  # 6. a sample
     trainer.ddl_model_card = model_card(
-        repo_name=training_args.hub_model_id or os.path.basename(os.path.abspath(out)), config=config,
-        num_parameters=model.num_parameters(), data_name=data_info["name"], block_size=blocks.block_size,
-        tokenizer_source=tokenizer_source, train_tokens=blocks.train_tokens, steps=trainer.state.global_step,
-        metrics=metrics, training_args=training_args, loss_curve=curve, unigram=blocks.unigram, sample=sample,
-        prompt=prompt)
+        **trainer.card_inputs, num_parameters=model.num_parameters(), steps=trainer.state.global_step,
+        metrics=metrics, loss_curve=curve, sample=sample, prompt=prompt)
     trainer.create_model_card()
     if training_args.push_to_hub:
         trainer.push_to_hub(commit_message="End of training")

@@ -14,6 +14,9 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, PreTrainedTokenizerFast, Trainer
+from transformers.trainer import TRAINING_ARGS_NAME
+from transformers.trainer_utils import HubStrategy, SaveStrategy
+from transformers.utils import PushInProgress
 from transformers.utils import logging
 
 from ddl import DDLConfig, DDLForCausalLM
@@ -520,8 +523,10 @@ Fine-tune it further with `python train.py --model_name_or_path <this folder> ..
 def model_card(*, repo_name: str, config: DDLConfig, num_parameters: int, data_name: str, block_size: int,
                tokenizer_source: str, train_tokens: int | None, steps: int, metrics: dict, training_args,
                loss_curve: str | None, unigram: float | None = None, sample: str | None = None,
-               prompt: str = "Romeo.\n") -> str:
-    """The checkpoint's README.md (`MODEL_CARD` filled in): variant, sizes, data, training, results, how to load it."""
+               prompt: str = "Romeo.\n", init_from: str | None = None, status: str | None = None) -> str:
+    """The checkpoint's README.md (`MODEL_CARD` filled in): variant, sizes, data, training, results, how to load it.
+    `init_from` says what the run started from (None: from scratch); `status` is a line under the introduction
+    (e.g. that training is in progress)."""
     variant = describe_variant(config)
 
     def loss_and_ppl(x):
@@ -532,9 +537,10 @@ def model_card(*, repo_name: str, config: DDLConfig, num_parameters: int, data_n
     scheduler = getattr(training_args.lr_scheduler_type, "value", training_args.lr_scheduler_type)
     timed = metrics.get("train_runtime") and steps
     intro = (f"A Deep Delta Learning language model (Zhang et al., 2026, arXiv 2601.00417): **{variant}**, trained "
-             "from scratch with `train.py` of the `ddl` project." if not metrics.get("init_from") else
-             f"A Deep Delta Learning language model (**{variant}**), trained with `train.py` from "
-             f"{metrics['init_from']}.")
+             "from scratch with `train.py` of the `ddl` project." if not init_from else
+             f"A Deep Delta Learning language model (**{variant}**), trained with `train.py` from {init_from}.")
+    if status:
+        intro += f"\n\n{status}"
     return MODEL_CARD.format(
         repo_name=repo_name, intro=intro, variant=variant, c=config, a=training_args, num_parameters=num_parameters,
         tokenizer_source=tokenizer_source, block_size=block_size, data_name=data_name,
@@ -556,10 +562,24 @@ def _warmup(warmup_steps: float) -> str:
     return f"{warmup_steps:.0%} of the steps" if 0 < warmup_steps < 1 else f"{int(warmup_steps)} steps"
 
 
+def tokens_seen(state, args, block_size: int) -> int:
+    """Tokens trained on so far: Trainer's count, else steps x blocks per step x block size."""
+    return state.num_input_tokens_seen or (state.global_step * args.per_device_train_batch_size * block_size
+                                           * args.gradient_accumulation_steps * args.world_size)
+
+
 class DDLTrainer(Trainer):
-    """`Trainer` that writes our model card (when set) instead of the generic one, e.g. on `push_to_hub`."""
+    """`Trainer` that writes our model card instead of the generic one, and pushes to the Hub revisions that load.
+
+    `ddl_model_card` is the final card (set after training). `card_inputs` (`model_card`'s description of the run:
+    everything but `num_parameters`, `steps`, `metrics` and the results) lets every in-progress push carry a card.
+    Pushes go through `ddl_tools.hub`: each revision holds the weights, config, the model's .py files, tokenizer and
+    card, and no checkpoint, log or pickle. The output folder itself gets the training arguments as JSON instead of
+    Trainer's pickled `training_args.bin` (the `checkpoint-*` folders, which resume a run, keep theirs).
+    """
 
     ddl_model_card: str | None = None
+    card_inputs: dict | None = None
 
     def create_model_card(self, *args, **kwargs):
         if self.ddl_model_card is None:
@@ -567,6 +587,69 @@ class DDLTrainer(Trainer):
         if self.is_world_process_zero():
             with open(os.path.join(self.args.output_dir, "README.md"), "w", encoding="utf-8") as f:
                 f.write(self.ddl_model_card)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        # Never a push of its own (Trainer pushes a "Model save" commit here): the final push follows the card.
+        super().save_model(output_dir, _internal_call=True)
+        folder = output_dir or self.args.output_dir
+        if self.args.should_save and os.path.abspath(folder) == os.path.abspath(self.args.output_dir):
+            pickled = os.path.join(folder, TRAINING_ARGS_NAME)
+            if os.path.exists(pickled):
+                os.remove(pickled)
+            with open(os.path.join(folder, "training_args.json"), "w", encoding="utf-8") as f:
+                f.write(self.args.to_json_string())
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        """Trainer's push at each save (`hub_strategy` every_save), as a revision that loads (see `ddl_tools.hub`)."""
+        from .hub import push_folder, stage_checkpoint
+
+        if not self.is_world_process_zero() or self.args.hub_strategy == HubStrategy.END:
+            return
+        if not self.args.hub_always_push and self.push_in_progress is not None and not self.push_in_progress.is_done():
+            return  # as Trainer: skip this save while the previous push still uploads
+        self.callback_handler.on_push_begin(self.args, self.state, self.control)
+        if not stage_checkpoint(checkpoint_folder, self.args.output_dir):
+            logger.warning("Not pushing step %d: the checkpoint holds a LoRA adapter, not a model that loads on its "
+                           "own; the merged model is pushed at the end.", self.state.global_step)
+            return
+        if self.card_inputs is not None:
+            with open(os.path.join(self.args.output_dir, "README.md"), "w", encoding="utf-8") as f:
+                f.write(self.progress_card())
+        at = (f"step {self.state.global_step}" if self.args.save_strategy == SaveStrategy.STEPS
+              else f"epoch {int(self.state.epoch)}")
+        job = push_folder(self.args.output_dir, self.hub_model_id, f"Training in progress, {at}",
+                          token=self.args.hub_token, revision=self.args.hub_revision, blocking=False)
+        self.push_in_progress = PushInProgress([job])
+
+    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
+                    token: str | None = None, revision: str | None = None, **kwargs):
+        """Trainer's final push: save, write the card, upload the output folder through `ddl_tools.hub`."""
+        from .hub import push_folder
+
+        self.callback_handler.on_push_begin(self.args, self.state, self.control)
+        token = token if token is not None else self.args.hub_token
+        if self.hub_model_id is None:
+            self.init_hf_repo(token=token)
+        self.save_model(_internal_call=True)
+        if not self.is_world_process_zero():
+            return None
+        self.create_model_card(**kwargs)
+        self._finish_current_push()
+        return push_folder(self.args.output_dir, self.hub_model_id, commit_message, token=token,
+                           revision=revision or self.args.hub_revision, blocking=blocking)
+
+    def progress_card(self) -> str:
+        """The model card of a revision pushed during training: the run as described so far, the last logged
+        losses."""
+        state, inputs = self.state, self.card_inputs
+        last = {key: [e[key] for e in state.log_history if key in e] for key in ("loss", "eval_loss")}
+        metrics = {"tokens_seen": tokens_seen(state, self.args, inputs["block_size"]),
+                   "final_train_loss": (last["loss"] or [None])[-1], "eval_loss": (last["eval_loss"] or [None])[-1]}
+        total = f" of {state.max_steps:,}" if state.max_steps > 0 else ""
+        status = (f"**Training in progress** (step {state.global_step:,}{total}): the weights of that step and the "
+                  "losses logged so far.")
+        return model_card(**inputs, num_parameters=self.model.num_parameters(), steps=state.global_step,
+                          metrics=metrics, loss_curve=None, status=status)
 
 
 __all__ = [
@@ -590,6 +673,7 @@ __all__ = [
     "preset_config",
     "text_batches",
     "tokenize_and_pack",
+    "tokens_seen",
     "train_bpe_tokenizer",
     "unigram_loss",
 ]
