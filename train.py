@@ -28,6 +28,11 @@ freshly initialised; with `--ddl_residual additive --ddl_value_channels 1` it is
     python train.py --model_name_or_path outputs/ddl-tiny-shakespeare --train_file my.txt --learning_rate 1e-4
     python train.py --init_from_llama path/to/llama --train_file my.txt
 
+LoRA (peft) on the attention and MLP projections, DDL's own parameters trained in full; saves the merged model and
+the adapter (in <output_dir>/adapter):
+
+    python train.py --model_name_or_path outputs/ddl-tiny-shakespeare --train_file my.txt --lora
+
 Resume an interrupted run (an existing output folder is never overwritten without --overwrite_output_dir):
 
     python train.py --output_dir outputs/ddl-tiny-shakespeare --resume_from_checkpoint true
@@ -75,6 +80,7 @@ from ddl import DDLConfig, DDLForCausalLM
 from ddl.cpu_kernels import cpu_kernel
 from ddl_tools.hub import check_hub_strategy
 from ddl_tools.launch import check_launch, hold_output_dir, release_output_dirs
+from ddl_tools.lora import add_lora, check_lora, describe_lora, save_adapter_and_merge
 from ddl_tools.training import (
     PAPER_RECIPE,
     PRESET_RUN_DEFAULTS,
@@ -142,6 +148,22 @@ class ModelArguments:
     trust_remote_code: bool = field(
         default=False, metadata={"help": "Allow remote code of a non-DDL --tokenizer_name / checkpoint (DDL's own "
                                          "code is imported locally and needs no permission)."}
+    )
+    lora: bool = field(
+        default=False,
+        metadata={"help": "Fine-tune with LoRA (peft: pip install 'ddl[lora]') a --model_name_or_path or "
+                          "--init_from_llama model; saves the merged model, and the adapter in <output_dir>/adapter."},
+    )
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha (the update is scaled by alpha / r)."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA input."})
+    lora_target_modules: str | None = field(
+        default=None, metadata={"help": "Comma-separated module names LoRA adapts (default: the attention and MLP "
+                                        "projections q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj)."}
+    )
+    lora_train_ddl_branch: bool = field(
+        default=True, metadata={"help": "Train DDL's own parameters (gates, values, compressors, EC, readout) in full "
+                                        "alongside LoRA (false: keep them frozen)."}
     )
 
     def ddl_flags(self) -> dict:
@@ -288,6 +310,8 @@ def get_tokenizer(model_args, data_args, training_args, raw, resume):
 
 def check_model_source(model_args):
     """Fail fast (before any data work) on a checkpoint of the wrong kind or flags that cannot apply to it."""
+    if model_args.lora:
+        check_lora(model_args)
     if model_args.model_name_or_path and model_args.init_from_llama:
         raise UsageError("Give --model_name_or_path (a DDL checkpoint) or --init_from_llama (a Llama), not both.")
     source = model_args.model_name_or_path or model_args.init_from_llama
@@ -483,7 +507,7 @@ def card_inputs(model_args, training_args, config, blocks, data_info, tokenizer_
     return dict(repo_name=training_args.hub_model_id or os.path.basename(os.path.abspath(training_args.output_dir)),
                 config=config, data_name=data_info["name"], block_size=blocks.block_size,
                 tokenizer_source=tokenizer_source, train_tokens=blocks.train_tokens, training_args=training_args,
-                unigram=blocks.unigram, init_from=init_source(model_args))
+                unigram=blocks.unigram, init_from=init_source(model_args), finetuning=describe_lora(model_args))
 
 
 def generate_sample(out, data_args, data_info, seed) -> tuple[str, str]:
@@ -514,6 +538,8 @@ def main(argv: list[str]) -> None:
     tokenizer, tokenizer_source = get_tokenizer(model_args, data_args, training_args, raw, resume)
     model = build_model(model_args, tokenizer, resume)  # 2. the model
     finalize_for_saving(model, tokenizer)  # already for the checkpoints, and the revisions pushed from them
+    if model_args.lora:
+        model = add_lora(model, model_args)
     config = model.config
     block_size = choose_block_size(data_args, config)
     blocks = pack_blocks(raw, data_info, tokenizer, block_size, config.vocab_size, data_args, training_args)  # 3.
@@ -529,6 +555,8 @@ def main(argv: list[str]) -> None:
     build_kernels(config, training_args)
     metrics = train_and_evaluate(trainer, training_args, resume)  # 4. train and evaluate
 
+    if model_args.lora:
+        model = save_adapter_and_merge(trainer)  # the adapter; the merged model is what is saved below
     finalize_for_saving(model, tokenizer)  # 5. a complete checkpoint folder
     trainer.save_model()
     trainer.save_state()

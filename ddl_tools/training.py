@@ -9,6 +9,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 from collections.abc import Iterable, Iterator
 
 import numpy as np
@@ -27,6 +28,20 @@ logger = logging.get_logger(__name__)
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
+# Chat turns (ChatML): <|im_start|>role\ncontent<|im_end|>\n. The assistant's content and its <|im_end|> are marked as
+# generation, so `apply_chat_template(..., return_assistant_tokens_mask=True)` (TRL's `assistant_only_loss`) trains
+# the model on its replies and on ending them.
+CHAT_START, CHAT_END = "<|im_start|>", "<|im_end|>"
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['role'] == 'assistant' %}"
+    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{% else %}{{ message['content'] + '<|im_end|>' }}{% endif %}"
+    "{{ '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 DATA_EXTENSIONS = {"txt": "text", "text": "text", "json": "json", "jsonl": "json", "csv": "csv"}
 
 # Model shapes. small and medium are the paper's sizes (Table 1: 12 x 768 and 24 x 1024, heads of dim 128, 124M and
@@ -172,9 +187,22 @@ def load_from_llama(path: str, ddl_config: DDLConfig, **kwargs) -> DDLForCausalL
     return model
 
 
+# The parameters DDL shares with a Llama of the same shape, by the names of their modules (DDL keeps Llama's names):
+# embeddings, attention (with QK-norm's norms), MLP, the norms, the LM head. Everything else is DDL's own.
+LLAMA_PARAMETER = re.compile(
+    r"(^|\.)(embed_tokens|self_attn|mlp|input_layernorm|post_attention_layernorm|norm|lm_head)\.")
+
+
+def is_ddl_branch_parameter(name: str) -> bool:
+    """Whether a DDL model's parameter is DDL's own (gates, values, compressors, EC, readout) rather than one a Llama
+    of the same shape has. The one home of that distinction (LoRA trains the branch in full; a model built from a
+    Llama initialises it)."""
+    return LLAMA_PARAMETER.search(name) is None
+
+
 def _is_ddl_only(name: str) -> bool:
-    ddl_parts = ("_delta.", "_compress.", "embed_conv.", "readout.", "q_norm.", "k_norm.")
-    return any(part in name for part in ddl_parts) or name == "lm_head.weight"
+    """Parameters a Llama checkpoint lacks: DDL's branch, QK-norm's norms, and the LM head (tied to the embeddings)."""
+    return is_ddl_branch_parameter(name) or ".q_norm." in name or ".k_norm." in name or name == "lm_head.weight"
 
 
 # ----------------------------------------------------------------------------------------------------------- data
@@ -298,25 +326,27 @@ def text_batches(dataset, text_column: str, batch_size: int = 1000, max_rows: in
 
 
 def train_bpe_tokenizer(batches: Iterable[list], vocab_size: int) -> PreTrainedTokenizerFast:
-    """A byte-level BPE (GPT-2 style) trained on the text: `<|endoftext|>` is bos/eos, `<|pad|>` pads on the left."""
+    """A byte-level BPE (GPT-2 style) trained on the text: `<|endoftext|>` is bos/eos, `<|pad|>` pads on the left,
+    and a chat template (`CHAT_TEMPLATE`, ChatML) with its two special tokens, for chat fine-tuning (SFT)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    if vocab_size < len(alphabet) + 2:
-        raise UsageError(f"--vocab_size must be at least {len(alphabet) + 2} (256 bytes + 2 special tokens), "
-                         f"got {vocab_size}.")
+    specials = [EOS_TOKEN, PAD_TOKEN, CHAT_START, CHAT_END]
+    if vocab_size < len(alphabet) + len(specials):
+        raise UsageError(f"--vocab_size must be at least {len(alphabet) + len(specials)} (256 bytes + "
+                         f"{len(specials)} special tokens), got {vocab_size}.")
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS_TOKEN, PAD_TOKEN], initial_alphabet=alphabet,
+        vocab_size=vocab_size, min_frequency=2, special_tokens=specials, initial_alphabet=alphabet,
         show_progress=False,
     )
     tokenizer.train_from_iterator(batches, trainer=trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, bos_token=EOS_TOKEN, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN,
-        padding_side="left",
+        extra_special_tokens=[CHAT_START, CHAT_END], chat_template=CHAT_TEMPLATE, padding_side="left",
     )
 
 
@@ -489,7 +519,7 @@ tags: [ddl, deep-delta-learning, custom_code]
 
 - Data: {data_name}{train_tokens}.
 - Tokens seen: {tokens_seen:,} in {steps:,} optimizer steps ({a.per_device_train_batch_size} x {a.gradient_accumulation_steps} x {a.world_size} blocks of {block_size} tokens per step).
-{training_time}- Optimizer: AdamW (beta1 {a.adam_beta1}, beta2 {a.adam_beta2}), weight decay {a.weight_decay}, peak lr {a.learning_rate:g}, {scheduler} schedule, warm-up {warmup}, gradient clipping {a.max_grad_norm}, seed {a.seed}.
+{training_time}{finetuning}- Optimizer: AdamW (beta1 {a.adam_beta1}, beta2 {a.adam_beta2}), weight decay {a.weight_decay}, peak lr {a.learning_rate:g}, {scheduler} schedule, warm-up {warmup}, gradient clipping {a.max_grad_norm}, seed {a.seed}.
 
 ## Results
 
@@ -523,10 +553,11 @@ Fine-tune it further with `python train.py --model_name_or_path <this folder> ..
 def model_card(*, repo_name: str, config: DDLConfig, num_parameters: int, data_name: str, block_size: int,
                tokenizer_source: str, train_tokens: int | None, steps: int, metrics: dict, training_args,
                loss_curve: str | None, unigram: float | None = None, sample: str | None = None,
-               prompt: str = "Romeo.\n", init_from: str | None = None, status: str | None = None) -> str:
+               prompt: str = "Romeo.\n", init_from: str | None = None, status: str | None = None,
+               finetuning: str | None = None) -> str:
     """The checkpoint's README.md (`MODEL_CARD` filled in): variant, sizes, data, training, results, how to load it.
     `init_from` says what the run started from (None: from scratch); `status` is a line under the introduction
-    (e.g. that training is in progress)."""
+    (e.g. that training is in progress); `finetuning` how the weights were adapted (e.g. LoRA), if not in full."""
     variant = describe_variant(config)
 
     def loss_and_ppl(x):
@@ -555,6 +586,7 @@ def model_card(*, repo_name: str, config: DDLConfig, num_parameters: int, data_n
         sample=f"\nA sample (sampling with the saved generation config):\n\n```text\n{sample.strip()}\n```\n"
         if sample is not None else "",
         prompt=prompt,
+        finetuning=f"- Fine-tuning: {finetuning}.\n" if finetuning else "",
     )
 
 
@@ -662,6 +694,7 @@ __all__ = [
     "ddl_config_from_llama",
     "describe_variant",
     "ensure_validation_split",
+    "is_ddl_branch_parameter",
     "load_ddl_checkpoint",
     "load_from_llama",
     "load_raw_datasets",

@@ -34,7 +34,8 @@ class FakeHub:
         revision = self.root / str(len(self.messages))
         if previous.exists():  # a commit adds and replaces files; it deletes none
             shutil.copytree(previous, revision)
-        names = [os.path.relpath(os.path.join(d, f), folder_path) for d, _, files in os.walk(folder_path) for f in files]
+        names = [os.path.relpath(os.path.join(d, f), folder_path)
+                 for d, _, files in os.walk(folder_path) for f in files]
         for name in filter_repo_objects(names, allow_patterns=allow_patterns, ignore_patterns=ignore_patterns):
             target = revision / (path_in_repo or "") / name
             target.parent.mkdir(parents=True, exist_ok=True)
