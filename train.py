@@ -539,7 +539,7 @@ def main(argv: list[str]) -> None:
     model = build_model(model_args, tokenizer, resume)  # 2. the model
     finalize_for_saving(model, tokenizer)  # already for the checkpoints, and the revisions pushed from them
     if model_args.lora:
-        model = add_lora(model, model_args)
+        model = add_lora(model, model_args, verbose=training_args.process_index == 0)
     config = model.config
     block_size = choose_block_size(data_args, config)
     blocks = pack_blocks(raw, data_info, tokenizer, block_size, config.vocab_size, data_args, training_args)  # 3.

@@ -65,8 +65,8 @@ def check_lora(model_args) -> None:
         raise UsageError(f"--lora needs peft ({err}); install it with: pip install 'ddl[lora]'.") from err
 
 
-def add_lora(model, model_args):
-    """Wrap `model` for LoRA training as the `--lora*` flags say; prints what trains."""
+def add_lora(model, model_args, verbose: bool = True):
+    """Wrap `model` for LoRA training as the `--lora*` flags say; prints what trains (when `verbose`)."""
     from peft import get_peft_model
 
     targets = [t.strip() for t in model_args.lora_target_modules.split(",")] if model_args.lora_target_modules else None
@@ -82,6 +82,8 @@ def add_lora(model, model_args):
         peft_model = get_peft_model(model, config)
     except ValueError as err:  # e.g. a target module the model does not have
         raise UsageError(f"--lora: {err}") from err
+    if not verbose:
+        return peft_model
     trainable, total = peft_model.get_nb_trainable_parameters()
     print(f"LoRA: r {config.r}, alpha {config.lora_alpha} on {sorted(config.target_modules)}; DDL branch "
           f"{'trained in full: ' + str(sorted(config.modules_to_save)) if config.modules_to_save else 'frozen'}; "

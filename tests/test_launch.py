@@ -31,7 +31,7 @@ LAUNCHES = {
 
 
 @pytest.mark.parametrize("case", list(LAUNCHES))
-def test_launch_that_would_not_do_what_it_says_is_refused(case, tmp_path, text_file):
+def test_launch_that_would_not_do_what_it_says_is_refused(case, tmp_path, text_file):  # noqa: F811
     config, extra, message = LAUNCHES[case]
     out = tmp_path / "out"
     args = [a for a in tiny(out, text_file, "--max_steps", "2") if a != "--use_cpu"] + extra
@@ -43,7 +43,7 @@ def test_launch_that_would_not_do_what_it_says_is_refused(case, tmp_path, text_f
     assert not out.exists()  # nothing written
 
 
-def test_second_run_into_a_busy_output_folder_is_refused(tmp_path, text_file, capsys):
+def test_second_run_into_a_busy_output_folder_is_refused(tmp_path, text_file, capsys):  # noqa: F811
     """A run holds its output folder (rank 0 locks it with flock); a second run into it, even one told to
     overwrite, is refused and leaves the first run's files alone."""
     import train
