@@ -28,6 +28,11 @@ freshly initialised; with `--ddl_residual additive --ddl_value_channels 1` it is
     python train.py --model_name_or_path outputs/ddl-tiny-shakespeare --train_file my.txt --learning_rate 1e-4
     python train.py --init_from_llama path/to/llama --train_file my.txt
 
+LoRA (peft) on the attention and MLP projections, DDL's own parameters trained in full; saves the merged model and
+the adapter (in <output_dir>/adapter):
+
+    python train.py --model_name_or_path outputs/ddl-tiny-shakespeare --train_file my.txt --lora
+
 Resume an interrupted run (an existing output folder is never overwritten without --overwrite_output_dir):
 
     python train.py --output_dir outputs/ddl-tiny-shakespeare --resume_from_checkpoint true
@@ -70,6 +75,9 @@ from transformers.utils import logging
 import ddl  # noqa: F401  (registers the DDL Auto classes and the code files saved with checkpoints)
 from ddl import DDLConfig, DDLForCausalLM
 from ddl.cpu_kernels import cpu_kernel
+from ddl_tools.hub import check_hub_strategy
+from ddl_tools.launch import check_launch
+from ddl_tools.lora import add_lora, check_lora, describe_lora, save_adapter_and_merge
 from ddl_tools.training import (
     PAPER_RECIPE,
     PRESET_RUN_DEFAULTS,
@@ -100,6 +108,7 @@ from ddl_tools.training import (
     steps_left,
     text_batches,
     tokenize_and_pack,
+    tokens_seen,
     train_bpe_tokenizer,
     unigram_loss,
 )
@@ -146,6 +155,22 @@ class ModelArguments:
     trust_remote_code: bool = field(
         default=False, metadata={"help": "Allow remote code of a non-DDL --tokenizer_name / checkpoint (DDL's own "
                                          "code is imported locally and needs no permission)."}
+    )
+    lora: bool = field(
+        default=False,
+        metadata={"help": "Fine-tune with LoRA (peft: pip install 'ddl[lora]') a --model_name_or_path or "
+                          "--init_from_llama model; saves the merged model, and the adapter in <output_dir>/adapter."},
+    )
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha (the update is scaled by alpha / r)."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA input."})
+    lora_target_modules: str | None = field(
+        default=None, metadata={"help": "Comma-separated module names LoRA adapts (default: the attention and MLP "
+                                        "projections q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj)."}
+    )
+    lora_train_ddl_branch: bool = field(
+        default=True, metadata={"help": "Train DDL's own parameters (gates, values, compressors, EC, readout) in full "
+                                        "alongside LoRA (false: keep them frozen)."}
     )
 
     def ddl_flags(self) -> dict:
@@ -287,6 +312,8 @@ def get_tokenizer(model_args, data_args, training_args, raw, resume):
 
 def check_model_source(model_args):
     """Fail fast (before any data work) on a checkpoint of the wrong kind or flags that cannot apply to it."""
+    if model_args.lora:
+        check_lora(model_args)
     if model_args.model_name_or_path and model_args.init_from_llama:
         raise UsageError("Give --model_name_or_path (a DDL checkpoint) or --init_from_llama (a Llama), not both.")
     source = model_args.model_name_or_path or model_args.init_from_llama
@@ -464,17 +491,32 @@ def train_and_evaluate(trainer, training_args, resume) -> dict:
 def run_metrics(trainer, metrics, model_args, training_args, blocks) -> dict:
     """What all_results.json and the model card report, beyond Trainer's own metrics."""
     state = trainer.state
-    tokens_seen = state.num_input_tokens_seen or (
-        state.global_step * training_args.per_device_train_batch_size * blocks.block_size
-        * training_args.gradient_accumulation_steps * training_args.world_size)
     device = (torch.cuda.get_device_name() if training_args.device.type == "cuda"
               else f"CPU, {torch.get_num_threads()} torch threads")
-    metrics = dict(metrics, final_train_loss=final_train_loss(state.log_history), tokens_seen=tokens_seen,
-                   unigram_loss=blocks.unigram, device=device)
-    if model_args.init_from_llama or model_args.model_name_or_path:
-        metrics["init_from"] = (f"the Llama checkpoint `{model_args.init_from_llama}`" if model_args.init_from_llama
-                                else f"the DDL checkpoint `{model_args.model_name_or_path}`")
+    metrics = dict(metrics, final_train_loss=final_train_loss(state.log_history),
+                   tokens_seen=tokens_seen(state, training_args, blocks.block_size), unigram_loss=blocks.unigram,
+                   device=device)
+    if init_source(model_args):
+        metrics["init_from"] = init_source(model_args)
     return metrics
+
+
+def init_source(model_args) -> str | None:
+    """What a run started from, in the model card's words (None: from scratch)."""
+    if model_args.init_from_llama:
+        return f"the Llama checkpoint `{model_args.init_from_llama}`"
+    if model_args.model_name_or_path:
+        return f"the DDL checkpoint `{model_args.model_name_or_path}`"
+    return None
+
+
+def card_inputs(model_args, training_args, config, blocks, data_info, tokenizer_source) -> dict:
+    """What the model card says about the run apart from its progress and results (`model_card`'s other inputs):
+    the final card and the card of every revision pushed during training."""
+    return dict(repo_name=training_args.hub_model_id or os.path.basename(os.path.abspath(training_args.output_dir)),
+                config=config, data_name=data_info["name"], block_size=blocks.block_size,
+                tokenizer_source=tokenizer_source, train_tokens=blocks.train_tokens, training_args=training_args,
+                unigram=blocks.unigram, init_from=init_source(model_args), finetuning=describe_lora(model_args))
 
 
 def generate_sample(out, data_args, data_info, seed) -> tuple[str, str]:
@@ -494,6 +536,8 @@ def main(argv: list[str]) -> None:
     if training_args.should_log:
         logging.set_verbosity_warning()
     check_run_length(training_args)
+    check_launch(training_args)  # before anything is written: FSDP on CPU, processes that are not one job
+    check_hub_strategy(training_args)
     resume = resolve_resume(training_args, run_args)
     if resume:
         check_resume(resume, model_args, data_args, argv)
@@ -504,6 +548,9 @@ def main(argv: list[str]) -> None:
     raw, data_info = load_text(data_args, training_args)  # 1. the text
     tokenizer, tokenizer_source = get_tokenizer(model_args, data_args, training_args, raw, resume)
     model = build_model(model_args, tokenizer, resume)  # 2. the model
+    finalize_for_saving(model, tokenizer)  # already for the checkpoints, and the revisions pushed from them
+    if model_args.lora:
+        model = add_lora(model, model_args, verbose=training_args.process_index == 0)
     config = model.config
     block_size = choose_block_size(data_args, config)
     blocks = pack_blocks(raw, data_info, tokenizer, block_size, config.vocab_size, data_args, training_args)  # 3.
@@ -515,9 +562,12 @@ def main(argv: list[str]) -> None:
     trainer = DDLTrainer(model=model, args=training_args, train_dataset=blocks.train if training_args.do_train
                          else None, eval_dataset=blocks.eval, processing_class=tokenizer,
                          data_collator=default_data_collator, callbacks=[DDLRunRecord(blocks.block_size)])
+    trainer.card_inputs = card_inputs(model_args, training_args, config, blocks, data_info, tokenizer_source)
     build_kernels(config, training_args)
     metrics = train_and_evaluate(trainer, training_args, resume)  # 4. train and evaluate
 
+    if model_args.lora:
+        model = save_adapter_and_merge(trainer)  # the adapter; the merged model is what is saved below
     finalize_for_saving(model, tokenizer)  # 5. a complete checkpoint folder
     trainer.save_model()
     trainer.save_state()
@@ -532,11 +582,8 @@ def main(argv: list[str]) -> None:
                             unigram=blocks.unigram)
     prompt, sample = generate_sample(out, data_args, data_info, training_args.seed)  # 6. a sample
     trainer.ddl_model_card = model_card(
-        repo_name=training_args.hub_model_id or os.path.basename(os.path.abspath(out)), config=config,
-        num_parameters=model.num_parameters(), data_name=data_info["name"], block_size=blocks.block_size,
-        tokenizer_source=tokenizer_source, train_tokens=blocks.train_tokens, steps=trainer.state.global_step,
-        metrics=metrics, training_args=training_args, loss_curve=curve, unigram=blocks.unigram, sample=sample,
-        prompt=prompt)
+        **trainer.card_inputs, num_parameters=model.num_parameters(), steps=trainer.state.global_step,
+        metrics=metrics, loss_curve=curve, sample=sample, prompt=prompt)
     trainer.create_model_card()
     finish_output_dir(out)  # everything is saved: the folder is a finished run
     if training_args.push_to_hub:

@@ -18,8 +18,10 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, PreTrainedTokenizerFast, Trainer, TrainerCallback, TrainerState
+from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_callback import ExportableState
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy, SaveStrategy
+from transformers.utils import PushInProgress
 from transformers.utils import logging
 
 from ddl import DDLConfig, DDLForCausalLM
@@ -30,6 +32,20 @@ logger = logging.get_logger(__name__)
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
+# Chat turns (ChatML): <|im_start|>role\ncontent<|im_end|>\n. The assistant's content and its <|im_end|> are marked as
+# generation, so `apply_chat_template(..., return_assistant_tokens_mask=True)` (TRL's `assistant_only_loss`) trains
+# the model on its replies and on ending them.
+CHAT_START, CHAT_END = "<|im_start|>", "<|im_end|>"
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['role'] == 'assistant' %}"
+    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{% else %}{{ message['content'] + '<|im_end|>' }}{% endif %}"
+    "{{ '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 DATA_EXTENSIONS = {"txt": "text", "text": "text", "json": "json", "jsonl": "json", "csv": "csv"}
 
 # Model shapes. small and medium are the paper's sizes (Table 1: 12 x 768 and 24 x 1024, heads of dim 128, 124M and
@@ -171,9 +187,22 @@ def load_from_llama(path: str, ddl_config: DDLConfig, **kwargs) -> DDLForCausalL
     return model
 
 
+# The parameters DDL shares with a Llama of the same shape, by the names of their modules (DDL keeps Llama's names):
+# embeddings, attention (with QK-norm's norms), MLP, the norms, the LM head. Everything else is DDL's own.
+LLAMA_PARAMETER = re.compile(
+    r"(^|\.)(embed_tokens|self_attn|mlp|input_layernorm|post_attention_layernorm|norm|lm_head)\.")
+
+
+def is_ddl_branch_parameter(name: str) -> bool:
+    """Whether a DDL model's parameter is DDL's own (gates, values, compressors, EC, readout) rather than one a Llama
+    of the same shape has. The one home of that distinction (LoRA trains the branch in full; a model built from a
+    Llama initialises it)."""
+    return LLAMA_PARAMETER.search(name) is None
+
+
 def _is_ddl_only(name: str) -> bool:
-    ddl_parts = ("_delta.", "_compress.", "embed_conv.", "readout.", "q_norm.", "k_norm.")
-    return any(part in name for part in ddl_parts) or name == "lm_head.weight"
+    """Parameters a Llama checkpoint lacks: DDL's branch, QK-norm's norms, and the LM head (tied to the embeddings)."""
+    return is_ddl_branch_parameter(name) or ".q_norm." in name or ".k_norm." in name or name == "lm_head.weight"
 
 
 # ----------------------------------------------------------------------------------------------------------- data
@@ -297,25 +326,27 @@ def text_batches(dataset, text_column: str, batch_size: int = 1000, max_rows: in
 
 
 def train_bpe_tokenizer(batches: Iterable[list], vocab_size: int) -> PreTrainedTokenizerFast:
-    """A byte-level BPE (GPT-2 style) trained on the text: `<|endoftext|>` is bos/eos, `<|pad|>` pads on the left."""
+    """A byte-level BPE (GPT-2 style) trained on the text: `<|endoftext|>` is bos/eos, `<|pad|>` pads on the left,
+    and a chat template (`CHAT_TEMPLATE`, ChatML) with its two special tokens, for chat fine-tuning (SFT)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    if vocab_size < len(alphabet) + 2:
-        raise UsageError(f"--vocab_size must be at least {len(alphabet) + 2} (256 bytes + 2 special tokens), "
-                         f"got {vocab_size}.")
+    specials = [EOS_TOKEN, PAD_TOKEN, CHAT_START, CHAT_END]
+    if vocab_size < len(alphabet) + len(specials):
+        raise UsageError(f"--vocab_size must be at least {len(alphabet) + len(specials)} (256 bytes + "
+                         f"{len(specials)} special tokens), got {vocab_size}.")
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS_TOKEN, PAD_TOKEN], initial_alphabet=alphabet,
+        vocab_size=vocab_size, min_frequency=2, special_tokens=specials, initial_alphabet=alphabet,
         show_progress=False,
     )
     tokenizer.train_from_iterator(batches, trainer=trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, bos_token=EOS_TOKEN, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN,
-        padding_side="left",
+        extra_special_tokens=[CHAT_START, CHAT_END], chat_template=CHAT_TEMPLATE, padding_side="left",
     )
 
 
@@ -495,7 +526,7 @@ tags: [ddl, deep-delta-learning, custom_code]
 
 - Data: {data_name}{train_tokens}.
 - Tokens seen: {tokens_seen:,} in {steps:,} optimizer steps ({a.per_device_train_batch_size} x {a.gradient_accumulation_steps} x {a.world_size} blocks of {block_size} tokens per step).
-{training_time}- Optimizer: AdamW (beta1 {a.adam_beta1}, beta2 {a.adam_beta2}), weight decay {a.weight_decay}, peak lr {a.learning_rate:g}, {scheduler} schedule, warm-up {warmup}, gradient clipping {a.max_grad_norm}, seed {a.seed}.
+{training_time}{finetuning}- Optimizer: AdamW (beta1 {a.adam_beta1}, beta2 {a.adam_beta2}), weight decay {a.weight_decay}, peak lr {a.learning_rate:g}, {scheduler} schedule, warm-up {warmup}, gradient clipping {a.max_grad_norm}, seed {a.seed}.
 
 ## Results
 
@@ -531,8 +562,11 @@ Fine-tune it further with `python train.py --model_name_or_path <this folder> ..
 def model_card(*, repo_name: str, config: DDLConfig, num_parameters: int, data_name: str, block_size: int,
                tokenizer_source: str, train_tokens: int | None, steps: int, metrics: dict, training_args,
                loss_curve: str | None, unigram: float | None = None, sample: str | None = None,
-               prompt: str = "Romeo.\n") -> str:
-    """The checkpoint's README.md (`MODEL_CARD` filled in): variant, sizes, data, training, results, how to load it."""
+               prompt: str = "Romeo.\n", init_from: str | None = None, status: str | None = None,
+               finetuning: str | None = None) -> str:
+    """The checkpoint's README.md (`MODEL_CARD` filled in): variant, sizes, data, training, results, how to load it.
+    `init_from` says what the run started from (None: from scratch); `status` is a line under the introduction
+    (e.g. that training is in progress); `finetuning` how the weights were adapted (e.g. LoRA), if not in full."""
     variant = describe_variant(config)
 
     def loss_and_ppl(x):
@@ -543,9 +577,10 @@ def model_card(*, repo_name: str, config: DDLConfig, num_parameters: int, data_n
     scheduler = getattr(training_args.lr_scheduler_type, "value", training_args.lr_scheduler_type)
     timed = metrics.get("train_runtime") and steps
     intro = (f"A Deep Delta Learning language model (Zhang et al., 2026, arXiv 2601.00417): **{variant}**, trained "
-             "from scratch with `train.py` of the `ddl` project." if not metrics.get("init_from") else
-             f"A Deep Delta Learning language model (**{variant}**), trained with `train.py` from "
-             f"{metrics['init_from']}.")
+             "from scratch with `train.py` of the `ddl` project." if not init_from else
+             f"A Deep Delta Learning language model (**{variant}**), trained with `train.py` from {init_from}.")
+    if status:
+        intro += f"\n\n{status}"
     return MODEL_CARD.format(
         repo_name=repo_name, intro=intro, variant=variant, c=config, a=training_args, num_parameters=num_parameters,
         tokenizer_source=tokenizer_source, block_size=block_size, data_name=data_name,
@@ -560,6 +595,7 @@ def model_card(*, repo_name: str, config: DDLConfig, num_parameters: int, data_n
         sample=f"\nA sample (sampling with the saved generation config):\n\n```text\n{sample.strip()}\n```\n"
         if sample is not None else "",
         prompt=prompt,
+        finetuning=f"- Fine-tuning: {finetuning}.\n" if finetuning else "",
     )
 
 
@@ -780,10 +816,24 @@ def steps_left(state: TrainerState, max_steps: int) -> int:
     return (max_steps if max_steps > 0 else state.max_steps) - state.global_step
 
 
+def tokens_seen(state, args, block_size: int) -> int:
+    """Tokens trained on so far: Trainer's count, else steps x blocks per step x block size."""
+    return state.num_input_tokens_seen or (state.global_step * args.per_device_train_batch_size * block_size
+                                           * args.gradient_accumulation_steps * args.world_size)
+
+
 class DDLTrainer(Trainer):
-    """`Trainer` that writes our model card (when set) instead of the generic one, e.g. on `push_to_hub`."""
+    """`Trainer` that writes our model card instead of the generic one, and pushes to the Hub revisions that load.
+
+    `ddl_model_card` is the final card (set after training). `card_inputs` (`model_card`'s description of the run:
+    everything but `num_parameters`, `steps`, `metrics` and the results) lets every in-progress push carry a card.
+    Pushes go through `ddl_tools.hub`: each revision holds the weights, config, the model's .py files, tokenizer and
+    card, and no checkpoint, log or pickle. The output folder itself gets the training arguments as JSON instead of
+    Trainer's pickled `training_args.bin` (the `checkpoint-*` folders, which resume a run, keep theirs).
+    """
 
     ddl_model_card: str | None = None
+    card_inputs: dict | None = None
 
     def create_model_card(self, *args, **kwargs):
         if self.ddl_model_card is None:
@@ -791,6 +841,69 @@ class DDLTrainer(Trainer):
         if self.is_world_process_zero():
             with open(os.path.join(self.args.output_dir, "README.md"), "w", encoding="utf-8") as f:
                 f.write(self.ddl_model_card)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        # Never a push of its own (Trainer pushes a "Model save" commit here): the final push follows the card.
+        super().save_model(output_dir, _internal_call=True)
+        folder = output_dir or self.args.output_dir
+        if self.args.should_save and os.path.abspath(folder) == os.path.abspath(self.args.output_dir):
+            pickled = os.path.join(folder, TRAINING_ARGS_NAME)
+            if os.path.exists(pickled):
+                os.remove(pickled)
+            with open(os.path.join(folder, "training_args.json"), "w", encoding="utf-8") as f:
+                f.write(self.args.to_json_string())
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        """Trainer's push at each save (`hub_strategy` every_save), as a revision that loads (see `ddl_tools.hub`)."""
+        from .hub import push_folder, stage_checkpoint
+
+        if not self.is_world_process_zero() or self.args.hub_strategy == HubStrategy.END:
+            return
+        if not self.args.hub_always_push and self.push_in_progress is not None and not self.push_in_progress.is_done():
+            return  # as Trainer: skip this save while the previous push still uploads
+        self.callback_handler.on_push_begin(self.args, self.state, self.control)
+        if not stage_checkpoint(checkpoint_folder, self.args.output_dir):
+            logger.warning("Not pushing step %d: the checkpoint holds a LoRA adapter, not a model that loads on its "
+                           "own; the merged model is pushed at the end.", self.state.global_step)
+            return
+        if self.card_inputs is not None:
+            with open(os.path.join(self.args.output_dir, "README.md"), "w", encoding="utf-8") as f:
+                f.write(self.progress_card())
+        at = (f"step {self.state.global_step}" if self.args.save_strategy == SaveStrategy.STEPS
+              else f"epoch {int(self.state.epoch)}")
+        job = push_folder(self.args.output_dir, self.hub_model_id, f"Training in progress, {at}",
+                          token=self.args.hub_token, revision=self.args.hub_revision, blocking=False)
+        self.push_in_progress = PushInProgress([job])
+
+    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
+                    token: str | None = None, revision: str | None = None, **kwargs):
+        """Trainer's final push: save, write the card, upload the output folder through `ddl_tools.hub`."""
+        from .hub import push_folder
+
+        self.callback_handler.on_push_begin(self.args, self.state, self.control)
+        token = token if token is not None else self.args.hub_token
+        if self.hub_model_id is None:
+            self.init_hf_repo(token=token)
+        self.save_model(_internal_call=True)
+        if not self.is_world_process_zero():
+            return None
+        self.create_model_card(**kwargs)
+        self._finish_current_push()
+        return push_folder(self.args.output_dir, self.hub_model_id, commit_message, token=token,
+                           revision=revision or self.args.hub_revision, blocking=blocking)
+
+    def progress_card(self) -> str:
+        """The model card of a revision pushed during training: the run as described so far, the last logged
+        losses."""
+        state, inputs = self.state, self.card_inputs
+        last = {key: [e[key] for e in state.log_history if key in e] for key in ("loss", "eval_loss")}
+        metrics = {"tokens_seen": tokens_seen(state, self.args, inputs["block_size"]),
+                   "final_train_loss": (last["loss"] or [None])[-1], "eval_loss": (last["eval_loss"] or [None])[-1]}
+        total = f" of {state.max_steps:,}" if state.max_steps > 0 else ""
+        status = (f"**Training in progress** (step {state.global_step:,}{total}): the weights of that step and the "
+                  "losses logged so far.")
+        return model_card(**inputs, num_parameters=self.model.num_parameters(), steps=state.global_step,
+                          metrics=metrics, loss_curve=None, status=status)
 
 
 __all__ = [
@@ -814,6 +927,7 @@ __all__ = [
     "interruption_note",
     "is_complete_checkpoint",
     "last_complete_checkpoint",
+    "is_ddl_branch_parameter",
     "load_ddl_checkpoint",
     "load_from_llama",
     "load_raw_datasets",
@@ -830,6 +944,7 @@ __all__ = [
     "steps_left",
     "text_batches",
     "tokenize_and_pack",
+    "tokens_seen",
     "train_bpe_tokenizer",
     "unigram_loss",
 ]

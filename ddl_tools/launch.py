@@ -1,0 +1,50 @@
+"""How `train.py` was launched: refuse launches that would not do what they say, before anything is written.
+
+Two launches used to exit 0 while doing something else than asked:
+- FSDP on CPU. `accelerate` (1.15) turns a process group into FSDP only when it runs on GPUs (or another
+  accelerator); on CPU it keeps `MULTI_CPU`, which is DDP: every process holds all parameters. PyTorch's FSDP2
+  (`fully_shard`) itself shards a DDL model over gloo on CPU, but `Trainer` reaches it only through `accelerate`.
+- Processes that are not one job. `accelerate launch` with a GPU config on a machine without GPUs (and `torchrun`
+  where no process group forms) starts N processes that each train alone, into the same output folder.
+
+(Two separate runs into one folder, two shells or a rerun while the first still trains, are refused by the output
+folder's lock: `ddl_tools.training.claim_output_dir`.)
+"""
+
+import os
+
+from .training import UsageError
+
+
+def launched_processes() -> int:
+    """How many processes the launcher (torchrun, accelerate launch, mpirun) says this job has."""
+    for name in ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 1
+
+
+def fsdp_requested(training_args) -> bool:
+    """An accelerate FSDP config (`accelerate launch --config_file configs/fsdp.yaml`) or Trainer's `--fsdp`."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" or bool(training_args.fsdp)
+
+
+def check_launch(training_args) -> None:
+    """Refuse (one line) a launch that would not shard as asked or whose processes would not form one job."""
+    launched = launched_processes()
+    if fsdp_requested(training_args) and training_args.device.type == "cpu":
+        raise UsageError(
+            "FSDP was requested (accelerate FSDP config or --fsdp), but on CPU accelerate runs plain DDP instead "
+            "(every process would hold all parameters): it builds FSDP only on GPUs. On CPU run DDP: accelerate "
+            "launch --config_file configs/ddp_cpu.yaml train.py --use_cpu (or torchrun --nproc_per_node N)."
+        )
+    if launched > 1 and training_args.world_size == 1:
+        why = (" (without --use_cpu, accelerate forms a process group only over GPUs, and there are none here)"
+               if training_args.device.type == "cpu" else "")
+        fix = ("On CPU pass --use_cpu to train.py (DDP over gloo; see configs/README.md)."
+               if training_args.device.type == "cpu" else "Check the launch config against configs/README.md.")
+        raise UsageError(f"Started as one of {launched} processes, but they did not form one job{why}, so each would "
+                         f"train alone into the same output folder. {fix}")
+
+
+__all__ = ["check_launch", "fsdp_requested", "launched_processes"]

@@ -1,0 +1,72 @@
+"""Multi-process launches that would not do what they say are refused with one line, before anything is written.
+
+`accelerate launch --config_file configs/fsdp.yaml` on CPU used to run plain DDP (with `--use_cpu`) or two
+independent trainings into one folder (without), both with exit status 0; and nothing stopped two runs from writing
+one output folder at the same time.
+"""
+
+import fcntl
+import os
+import sys
+
+import pytest
+
+from test_train import ROOT, TINY_RUN, TRAIN, env, text_file, tiny  # noqa: F401 (text_file: a fixture)
+
+
+def accelerate_launch(config, *args, timeout=240):
+    """`accelerate launch` through this interpreter (its console script may belong to another environment)."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(ROOT, "configs", config),
+           "--num_processes", "2", "--main_process_port", "29541", TRAIN, *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+
+
+LAUNCHES = {
+    "fsdp-config-use-cpu": ("fsdp.yaml", ["--use_cpu"], "FSDP was requested"),  # ran DDP, exit 0
+    "fsdp-config": ("fsdp.yaml", [], "FSDP was requested"),  # ran 2 independent trainings, exit 0
+    "gpu-ddp-config": ("ddp.yaml", [], "did not form one job"),  # ran 2 independent trainings, exit 0
+}
+
+
+@pytest.mark.parametrize("case", list(LAUNCHES))
+def test_launch_that_would_not_do_what_it_says_is_refused(case, tmp_path, text_file):  # noqa: F811
+    config, extra, message = LAUNCHES[case]
+    out = tmp_path / "out"
+    args = [a for a in tiny(out, text_file, "--max_steps", "2") if a != "--use_cpu"] + extra
+    proc = accelerate_launch(config, *args)
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("train.py: error:")]
+    assert lines and all(message in line for line in lines), proc.stderr[-3000:]
+    assert f'{TRAIN}", line' not in proc.stderr  # no traceback through train.py (the launcher reports the exit)
+    assert not out.exists()  # nothing written
+
+
+def test_second_run_into_a_busy_output_folder_is_refused(tmp_path, text_file, capsys):  # noqa: F811
+    """A run holds its output folder (rank 0 locks it with flock); a second run into it, even one told to
+    overwrite, is refused and leaves the first run's files alone."""
+    import train
+
+    out = tmp_path / "busy"
+    out.mkdir()
+    (out / "checkpoint-2").mkdir()  # what the running job has written so far
+    fd = os.open(out, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the first run
+    try:
+        status = train.cli(tiny(out, text_file, "--max_steps", "1", "--overwrite_output_dir"))
+    finally:
+        os.close(fd)
+    err = capsys.readouterr().err
+    assert status == 2 and "Another training run is writing to" in err, err[-2000:]
+    assert (out / "checkpoint-2").is_dir()
+
+
+def test_refused_run_leaves_no_folder_behind(tmp_path, capsys):
+    """The lock creates the output folder first; a run stopped by a bad input removes it again when it is empty."""
+    import train
+
+    out = tmp_path / "never"
+    status = train.cli(["--output_dir", str(out), "--resume_from_checkpoint", "true", *TINY_RUN])
+    assert status == 2 and "no checkpoint-* folder" in capsys.readouterr().err
+    assert not out.exists()
