@@ -513,7 +513,10 @@ On a Linux CPU the first forward pass compiles DDL's C++ kernels (20-40 s once, 
 `~/.cache/torch_extensions`; a C++ compiler is needed, else DDL runs its PyTorch paths). To skip them, set the
 environment variable `DDL_IMPLEMENTATION=torch` or pass `ddl_implementation="torch"` to `from_pretrained`.
 
-Fine-tune it further with `python train.py --model_name_or_path <this folder> ...`.
+Fine-tune it further with `python train.py --model_name_or_path <this folder> ...`, or as a classifier with
+`python train_classifier.py --model_name_or_path <this folder>` (its `auto_map` also lists
+`AutoModelForSequenceClassification`, `AutoModelForTokenClassification` and `AutoModelForQuestionAnswering`, which
+load this model with a fresh head).
 """
 
 
