@@ -16,3 +16,6 @@ PYTHON=${PYTHON:-python3}
 # kernels through its CPU interpreter. Never required by the model.
 .venv/bin/python -c "import triton" 2>/dev/null || .venv/bin/python -m pip install -q triton \
     || echo "setup.sh: no triton wheel here; the Triton interpreter tests will be skipped."
+# transformers' own common model tests (tests/test_transformers_common.py): their harness is in transformers' source
+# distribution on PyPI, not in the wheel; fetched once per version into ~/.cache/ddl/transformers-tests.
+PYTHON=.venv/bin/python scripts/transformers_common_tests.sh --fetch

@@ -11,13 +11,16 @@ DDL_RESIDUAL_MODES = ("delta", "write_only", "additive")
 DDL_VALUE_INPUTS = ("state", "context")
 # How the operations run: a runtime choice, never saved with a checkpoint (see `ddl.kernels`).
 DDL_IMPLEMENTATIONS = ("auto", "triton", "torch", "reference")
-# A saved folder carries these two files; the map lets AutoConfig/AutoModel/AutoModelForCausalLM load it with
-# trust_remote_code=True for someone who never installed `ddl` (save_pretrained alone would record only the
-# class that was saved).
+# A saved folder carries these two files; the map lets the Auto classes load it with trust_remote_code=True for
+# someone who never installed `ddl` (save_pretrained alone would record only the class that was saved). Every
+# checkpoint lists the task heads too, so a pretrained causal LM can be fine-tuned as a classifier from its folder.
 AUTO_MAP = {
     "AutoConfig": "configuration_ddl.DDLConfig",
     "AutoModel": "modeling_ddl.DDLModel",
     "AutoModelForCausalLM": "modeling_ddl.DDLForCausalLM",
+    "AutoModelForSequenceClassification": "modeling_ddl.DDLForSequenceClassification",
+    "AutoModelForTokenClassification": "modeling_ddl.DDLForTokenClassification",
+    "AutoModelForQuestionAnswering": "modeling_ddl.DDLForQuestionAnswering",
 }
 
 

@@ -416,4 +416,52 @@ class DDLForCausalLM(DDLPreTrainedModel, GenerationMixin):
         )
 
 
-__all__ = ["DDLForCausalLM", "DDLModel", "DDLPreTrainedModel"]
+# ---------------------------------------------------------------------------------------------------------------
+# Task heads: transformers' own generic heads (as Llama has them) on DDLModel's last_hidden_state (B, T, d), the
+# normalised readout of the state whatever d_v is. (Their imports sit here, with them, while the model above is
+# being rewritten on another branch; they can join the imports at the top once both have landed.)
+
+from transformers import AutoModel  # noqa: E402
+from transformers.modeling_layers import (  # noqa: E402
+    GenericForQuestionAnswering,
+    GenericForSequenceClassification,
+    GenericForTokenClassification,
+)
+
+
+class _BaseModelFromConfig:
+    """Lets the generic heads' `AutoModel.from_config(config)` find DDLModel for this very config class.
+
+    As remote code (trust_remote_code=True, `ddl` not installed) the config class comes from its own copy of
+    configuration_ddl.py (transformers loads each auto_map file under its own hash), one that nothing has registered
+    with AutoModel; transformers would then ask on stdin whether to run the checkpoint's code again, and fail where
+    there is no stdin.
+    """
+
+    def __init__(self, config):
+        AutoModel.register(type(config), DDLModel, exist_ok=True)
+        super().__init__(config)
+
+
+class DDLForSequenceClassification(_BaseModelFromConfig, GenericForSequenceClassification, DDLPreTrainedModel):
+    """DDLModel with a linear `score` head read at the last non-pad token of each row (batches need
+    `config.pad_token_id`; left and right padding both work). The loss follows `config.problem_type` (regression,
+    single- or multi-label classification)."""
+
+
+class DDLForTokenClassification(_BaseModelFromConfig, GenericForTokenClassification, DDLPreTrainedModel):
+    """DDLModel with dropout and a linear `score` head on every token (cross-entropy; label -100 is ignored)."""
+
+
+class DDLForQuestionAnswering(_BaseModelFromConfig, GenericForQuestionAnswering, DDLPreTrainedModel):
+    """DDLModel with a linear `qa_outputs` head: span start and end logits per token (extractive QA)."""
+
+
+__all__ = [
+    "DDLForCausalLM",
+    "DDLForQuestionAnswering",
+    "DDLForSequenceClassification",
+    "DDLForTokenClassification",
+    "DDLModel",
+    "DDLPreTrainedModel",
+]

@@ -555,7 +555,10 @@ the machine's C++ compiler (20-40 s, once) and writes the build under `~/.cache/
 variable `DDL_CPU_KERNEL=0` (no C++ kernels), or `DDL_IMPLEMENTATION=torch` (the PyTorch paths only; or pass
 `ddl_implementation="torch"` to `from_pretrained`).
 
-Fine-tune it further with `python train.py --model_name_or_path <this folder> ...`.
+Fine-tune it further with `python train.py --model_name_or_path <this folder> ...`, or as a classifier with
+`python train_classifier.py --model_name_or_path <this folder>` (its `auto_map` also lists
+`AutoModelForSequenceClassification`, `AutoModelForTokenClassification` and `AutoModelForQuestionAnswering`, which
+load this model with a fresh head).
 """
 
 

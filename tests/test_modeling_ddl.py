@@ -443,7 +443,10 @@ def test_remote_code_loading_in_a_fresh_process(tmp_path, tokenizer):
             (snapshot / file.name).write_bytes(file.read_bytes())
         expected[f"ddl-tests/tiny{i}"] = logits
     config = json.loads((tmp_path / "model1" / "config.json").read_text())
-    assert set(config["auto_map"]) == {"AutoConfig", "AutoModel", "AutoModelForCausalLM"}
+    assert set(config["auto_map"]) == {
+        "AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoModelForSequenceClassification",
+        "AutoModelForTokenClassification", "AutoModelForQuestionAnswering",
+    }
     assert {"model.safetensors", "configuration_ddl.py", "modeling_ddl.py", "generation_config.json"} <= {
         p.name for p in (tmp_path / "model1").iterdir()
     }

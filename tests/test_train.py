@@ -106,7 +106,10 @@ def test_checkpoint_is_complete(trained):
         assert (out / name).is_file(), name
     config = json.loads((out / "config.json").read_text())
     assert config["auto_map"] == {"AutoConfig": "configuration_ddl.DDLConfig", "AutoModel": "modeling_ddl.DDLModel",
-                                  "AutoModelForCausalLM": "modeling_ddl.DDLForCausalLM"}
+                                  "AutoModelForCausalLM": "modeling_ddl.DDLForCausalLM",
+                                  "AutoModelForSequenceClassification": "modeling_ddl.DDLForSequenceClassification",
+                                  "AutoModelForTokenClassification": "modeling_ddl.DDLForTokenClassification",
+                                  "AutoModelForQuestionAnswering": "modeling_ddl.DDLForQuestionAnswering"}
     assert config["use_cache"] is True and config["ddl_value_channels"] == 4 and config["ddl_residual"] == "delta"
     card = (out / "README.md").read_text()
     for needle in ("DDL-CC (d_v=4)", "trust_remote_code=True", "loss_curve.png", "validation", "Tokens seen: 384"):
