@@ -737,8 +737,8 @@ def release_output_dirs(failed: bool = False) -> None:
     this run created and left holding nothing but its mark is removed (a mistyped flag leaves no trace)."""
     while _held_claims:
         out, lock, created = _held_claims.pop()
-        leftover = failed and created and folder_contents(out) == [UNFINISHED_RUN]
-        if leftover:
+        leftover = failed and created and set(folder_contents(out)) <= {UNFINISHED_RUN}  # (refused before the mark)
+        if leftover and os.path.exists(os.path.join(out, UNFINISHED_RUN)):
             os.remove(os.path.join(out, UNFINISHED_RUN))
         lock.release(remove=True)
         if leftover and not os.listdir(out):
