@@ -10,6 +10,7 @@ embedding convolution), the decoder layer, the models. The operations themselves
 """
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -218,6 +219,28 @@ class DDLDecoderLayer(GradientCheckpointingLayer):
         return hidden_states
 
 
+class DDLStateReadout(nn.Module):
+    r"""What `output_hidden_states` records after each block: the block's state read through the model's final
+    readout, `(B, T, d)` whatever d_v is (the state itself when d_v = 1, so that entries equal Llama's). transformers'
+    output hooks record this module's output, and the first call's first argument (the token embeddings) as entry 0.
+    Called only when hidden states are requested; the intermediate readouts take no cache (a TC readout of a cached
+    decoding step then sees only the new tokens: ask for hidden states of full forwards)."""
+
+    def forward(self, embeds, state, readout=None, pad_mask=None):
+        return state if state.dim() == 3 else readout(state, None, pad_mask)
+
+
+@dataclass
+class DDLModelOutputWithPast(BaseModelOutputWithPast):
+    r"""
+    expanded_states (`tuple(torch.FloatTensor)`, *optional*, returned when `output_expanded_states=True`):
+        The full DDL state after every block, unread: `(B, T, d_v, d)` (`(B, T, d)` when d_v = 1). From `DDLModel`
+        (`model.model(..., output_expanded_states=True)` under a head). `hidden_states` holds the `(B, T, d)` view of the same states a Llama user expects.
+    """
+
+    expanded_states: tuple[torch.FloatTensor, ...] | None = None
+
+
 class DDLPreTrainedModel(PreTrainedModel):
     config_class = DDLConfig
     config: DDLConfig
@@ -230,8 +253,10 @@ class DDLPreTrainedModel(PreTrainedModel):
     _supports_attention_backend = True
     _can_compile_fullgraph = True
     _can_record_outputs = {
-        # For d_v > 1 the inner entries are the expanded state (B, T, d_v, d); the last is last_hidden_state (B, T, d).
-        "hidden_states": DDLDecoderLayer,
+        # (B, T, d) entries: the embeddings, then each block's state read through the final readout; the last is
+        # last_hidden_state. The unread (B, T, d_v, d) states: `output_expanded_states=True`.
+        "hidden_states": DDLStateReadout,
+        "expanded_states": DDLDecoderLayer,
         "attentions": OutputRecorder((LlamaAttention, Qwen3Attention), index=1),
     }
 
@@ -285,6 +310,7 @@ class DDLModel(DDLPreTrainedModel):
             self.readout = DDLCompressor(config, last, slots.get((last, "readout")))
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        self.state_readout = DDLStateReadout()  # (no parameters: it reads through self.readout)
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -319,7 +345,7 @@ class DDLModel(DDLPreTrainedModel):
         inputs_embeds=None,
         use_cache: bool | None = None,
         **kwargs,
-    ) -> BaseModelOutputWithPast:
+    ) -> DDLModelOutputWithPast:
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
@@ -349,7 +375,9 @@ class DDLModel(DDLPreTrainedModel):
 
         hidden_states = self.expand(inputs_embeds, cache, pad_mask)  # X_0: (B, T, d) or (B, T, d_v, d)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
-        for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+        record = kwargs.get("output_hidden_states", self.config.output_hidden_states)
+        readout = getattr(self, "readout", None)
+        for i, decoder_layer in enumerate(self.layers[: self.config.num_hidden_layers]):
             hidden_states = decoder_layer(
                 hidden_states,
                 attention_mask=causal_mask,
@@ -360,10 +388,12 @@ class DDLModel(DDLPreTrainedModel):
                 pad_mask=pad_mask,
                 **kwargs,
             )
+            if record:
+                self.state_readout(inputs_embeds if i == 0 else None, hidden_states, readout, pad_mask)
         if hidden_states.dim() == 4:
             hidden_states = self.readout(hidden_states, cache, pad_mask)  # (B, T, d)
         hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
+        return DDLModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
 
 
 class DDLForCausalLM(DDLPreTrainedModel, GenerationMixin):

@@ -332,12 +332,26 @@ def test_resize_token_embeddings():
 
 @pytest.mark.parametrize("dv", [1, 4])
 def test_output_hidden_states(dv):
+    """Every entry is (B, T, d), as for Llama: the token embeddings, then each block's state read through the final
+    readout (the last one normalised: last_hidden_state); the unread states are a separate output."""
     model = _model(ddl_value_channels=dv)
-    out = model(_ids(2, 5), output_hidden_states=True)
-    assert len(out.hidden_states) == TINY["num_hidden_layers"] + 1
-    inner = (2, 5) + ((dv,) if dv > 1 else ()) + (TINY["hidden_size"],)
-    assert all(h.shape == inner for h in out.hidden_states[:-1])  # the (expanded) residual state
-    assert out.hidden_states[-1].shape == (2, 5, TINY["hidden_size"])
+    ids = _ids(2, 5)
+    with torch.no_grad():
+        out = model.model(ids, output_hidden_states=True, output_expanded_states=True)
+        embeds = model.model.embed_tokens(ids)
+    d, layers = TINY["hidden_size"], TINY["num_hidden_layers"]
+    assert len(out.hidden_states) == layers + 1 and all(h.shape == (2, 5, d) for h in out.hidden_states)
+    torch.testing.assert_close(out.hidden_states[0], embeds, rtol=0, atol=0)
+    torch.testing.assert_close(out.hidden_states[-1], out.last_hidden_state, rtol=0, atol=0)
+    states = out.expanded_states
+    assert len(states) == layers and states[0].shape == (2, 5) + ((dv,) if dv > 1 else ()) + (d,)
+    read = (lambda x: model.model.readout(x)) if dv > 1 else (lambda x: x)
+    for entry, state in zip(out.hidden_states[1:-1], states[:-1]):
+        torch.testing.assert_close(entry, read(state), rtol=0, atol=0)
+    torch.testing.assert_close(model.model.norm(read(states[-1])), out.last_hidden_state, rtol=0, atol=0)
+    # through the causal LM head too; and without the flag nothing is recorded
+    assert model(ids, output_hidden_states=True).hidden_states[1].shape == (2, 5, d)
+    assert model(ids).hidden_states is None
 
 
 def test_loss_shifts_labels_ignores_minus_100_and_honours_num_items_in_batch():
