@@ -27,18 +27,19 @@ from .reference import delta_update
 
 
 AutoConfig.register(DDLConfig.model_type, DDLConfig, exist_ok=True)
-AutoModel.register(DDLConfig, DDLModel, exist_ok=True)
-AutoModelForCausalLM.register(DDLConfig, DDLForCausalLM, exist_ok=True)
-AutoModelForSequenceClassification.register(DDLConfig, DDLForSequenceClassification, exist_ok=True)
-AutoModelForTokenClassification.register(DDLConfig, DDLForTokenClassification, exist_ok=True)
-AutoModelForQuestionAnswering.register(DDLConfig, DDLForQuestionAnswering, exist_ok=True)
-# save_pretrained writes these into config.json's auto_map and copies the model's .py files next to the weights.
+# Each Auto class and its DDL model, once: registered here, and (register_for_auto_class) written by save_pretrained
+# into config.json's auto_map, with the model's .py files copied next to the weights.
+AUTO_CLASSES = {
+    AutoModel: DDLModel,
+    AutoModelForCausalLM: DDLForCausalLM,
+    AutoModelForSequenceClassification: DDLForSequenceClassification,
+    AutoModelForTokenClassification: DDLForTokenClassification,
+    AutoModelForQuestionAnswering: DDLForQuestionAnswering,
+}
 DDLConfig.register_for_auto_class()
-DDLModel.register_for_auto_class("AutoModel")
-DDLForCausalLM.register_for_auto_class("AutoModelForCausalLM")
-DDLForSequenceClassification.register_for_auto_class("AutoModelForSequenceClassification")
-DDLForTokenClassification.register_for_auto_class("AutoModelForTokenClassification")
-DDLForQuestionAnswering.register_for_auto_class("AutoModelForQuestionAnswering")
+for auto_class, model_class in AUTO_CLASSES.items():
+    auto_class.register(DDLConfig, model_class, exist_ok=True)
+    model_class.register_for_auto_class(auto_class.__name__)
 
 __all__ = [
     "DDLConfig",
