@@ -9,6 +9,18 @@ from transformers.models.llama.configuration_llama import LlamaConfig
 DDL_COMPRESSORS = ("cc", "tc")
 DDL_RESIDUAL_MODES = ("delta", "write_only", "additive")
 DDL_VALUE_INPUTS = ("state", "context")
+DDL_CC_FORMS = ("conv", "matrix")
+DDL_INITIALIZATIONS = ("authors", "llama")
+QK_NORM_POSITIONS = ("after_rope", "before_rope")
+# The defaults follow the authors' code (github.com/yifanzhang-pro/deep-delta-learning at d1f76215, docs/faithfulness.md).
+# A config.json saved before these fields existed was trained with ddl's earlier choices: it loads with these values.
+LEGACY_DEFAULTS = {
+    "ddl_shared_compressor": False,
+    "ddl_cc_form": "matrix",
+    "ddl_initialization": "llama",
+    "ddl_beta_hidden_bias": True,
+    "qk_norm_position": "before_rope",
+}
 # How the operations run: a runtime choice, never saved with a checkpoint (see `ddl.kernels`).
 DDL_IMPLEMENTATIONS = ("auto", "triton", "torch", "reference")
 # A saved folder carries these two files; the map lets the Auto classes load it with trust_remote_code=True for
@@ -67,8 +79,19 @@ class DDLConfig(LlamaConfig):
             (the ordinary residual vector, no extra capacity, the cheapest variant); the paper's default "DDL" is 4.
         ddl_compressor (`str`, *optional*, defaults to `"cc"`):
             How a d x d_v state is compressed to the width-d sublayer input when d_v > 1 (and how the final
-            readout is done): `"cc"` channel compression (per-feature weights over the d_v channels, initialised
-            to the average) or `"tc"` token compression (causal depthwise conv over tokens, then a read vector).
+            readout is done): `"cc"` channel compression (per-feature weights over the d_v channels) or `"tc"` token
+            compression (causal depthwise conv over tokens, then a read vector).
+        ddl_shared_compressor (`bool`, *optional*, defaults to True):
+            True: one compressor per block, applied before the attention and again (to the updated state) before
+            the MLP, as in the authors' code. False: one compressor per sublayer (ddl's earlier layout). The final
+            readout is its own compressor either way.
+        ddl_cc_form (`str`, *optional*, defaults to `"conv"`):
+            How CC is parametrised. `"conv"` (the authors'): a depthwise convolution along the d_v axis of each
+            feature (`ddl_cc_kernel_size` taps per feature, "same" zero padding), then a read vector over d_v:
+            d * K + d_v parameters. `"matrix"`: a free d x d_v weight per feature and channel (ddl's earlier form).
+            Both compute x_in[i] = sum_j w[i, j] X[j, i]; they differ in parameters and training dynamics.
+        ddl_cc_kernel_size (`int`, *optional*):
+            Taps of the CC convolution along d_v, 1 <= K <= d_v; None = d_v (the authors' default).
         ddl_state_kernel_size (`int`, *optional*, defaults to 4):
             Token-axis kernel of the TC compressor (>= 1; 1 = no token mixing).
         ddl_embed_conv (`bool`, *optional*):
@@ -87,19 +110,37 @@ class DDLConfig(LlamaConfig):
             reached within 2e-4 at the ends of the range); the gate weights start at zero, so every token starts
             at exactly beta_init.
         ddl_beta_hidden_size (`int`, *optional*):
-            None = beta from a single linear gate `w . c + b`; an int = two-layer gate `w2 . tanh(W1 c + b1) + b2`
+            None = beta from a single linear gate `w . c + b`; an int = two-layer gate `w2 . tanh(W1 c [+ b1]) + b2`
             with that hidden size (the reference code uses 128).
+        ddl_beta_hidden_bias (`bool`, *optional*, defaults to False):
+            Whether the two-layer gate's hidden layer has a bias b1 (the authors' has none).
         ddl_k_eps (`float`, *optional*, defaults to 1e-5):
             eps_k in k = h / sqrt(|h|^2 + eps_k^2). Keeps k finite (zero) when a sublayer output is all zeros.
         ddl_v_sigmoid_scale (`float`, *optional*, defaults to 4.0):
             Bound of the value: v = scale * sigmoid(W_v u + b_v) in (0, scale). None = unbounded linear value.
+        ddl_v_constant (`float`, *optional*):
+            A fixed target: v = this constant on every channel, no value projection (the authors' `ddl_v_constant`
+            option uses 2.0). None (the default) = the learned value above.
         ddl_value_input (`str`, *optional*, defaults to `"state"`):
             What the value projection reads: `"state"` = the un-normalised sublayer input x_in (the residual state for
             d_v = 1, the compressed state for d_v > 1), as in the authors' reference code that produced the paper's
             numbers, hence the default; `"context"` = the normalised context c, as written in the paper's text.
         qk_norm (`bool`, *optional*, defaults to False):
-            RMSNorm on queries and keys per head (the paper's runs used it; Llama does not). Uses transformers'
-            Qwen3 attention, whose parameters add `self_attn.q_norm` / `self_attn.k_norm` to Llama's names.
+            RMSNorm on queries and keys per head (the paper's runs used it; Llama does not; the presets turn it on).
+            Its parameters add `self_attn.q_norm` / `self_attn.k_norm` to Llama's names, as in Qwen3.
+        qk_norm_position (`str`, *optional*, defaults to `"after_rope"`):
+            Where QK-norm acts: `"after_rope"` on the rotated queries and keys (the authors' code) or `"before_rope"`
+            (Qwen3's, ddl's earlier choice). They agree at initialisation and differ once the norm weights do.
+        ddl_initialization (`str`, *optional*, defaults to `"authors"`):
+            `"authors"`: the authors' spectral initialisation: every matrix ~ N(0, f / sqrt(fan_in) * min(1,
+            sqrt(fan_out / fan_in))) with f = `ddl_init_std_factor`, the attention and MLP output projections
+            divided by the number of layers, embeddings (and an untied LM head) ~ N(0, initializer_range), the gate
+            weight small and random, the value bias as nn.Linear's default, compressors at the neutral average (taps
+            1/K, read vector 1/d_v), EC at identity. `"llama"`: transformers' N(0, initializer_range) for matrices,
+            the gate weight zero (every token starts at exactly beta_init), the value bias zero, CC at the average
+            of the channels, TC and EC at identity (ddl's earlier choice).
+        ddl_init_std_factor (`float`, *optional*, defaults to 0.5):
+            f of the authors' initialisation (their `hidden_init_std_factor`).
 
     Runtime choice, not saved with a checkpoint (like transformers' `attn_implementation`): `ddl_implementation`
     (`"auto"` | `"triton"` | `"torch"` | `"reference"`, see `ddl.kernels`) chooses how the update, the compressors and
@@ -125,16 +166,24 @@ class DDLConfig(LlamaConfig):
 
     ddl_value_channels: int = 4
     ddl_compressor: str = "cc"
+    ddl_shared_compressor: bool = True
+    ddl_cc_form: str = "conv"
+    ddl_cc_kernel_size: int | None = None
     ddl_state_kernel_size: int = 4
     ddl_embed_conv: bool | None = None
     ddl_embed_kernel_size: int = 4
     ddl_residual: str = "delta"
     ddl_beta_init: float = 1.0
     ddl_beta_hidden_size: int | None = None
+    ddl_beta_hidden_bias: bool = False
     ddl_k_eps: float = 1e-5
     ddl_v_sigmoid_scale: float | None = 4.0
+    ddl_v_constant: float | None = None
     ddl_value_input: str = "state"
     qk_norm: bool = False
+    qk_norm_position: str = "after_rope"
+    ddl_initialization: str = "authors"
+    ddl_init_std_factor: float = 0.5
     layer_types: list[str] | None = None
     number_of_conv_states: int = 0
 
@@ -162,6 +211,19 @@ class DDLConfig(LlamaConfig):
         if overrides:
             kwargs["per_layer_config"] = overrides
         super().__post_init__(**kwargs)
+
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        """A saved config; one written before the authors' defaults (no `ddl_shared_compressor` in it) keeps the
+        choices it was trained with (`LEGACY_DEFAULTS`)."""
+        if "ddl_value_channels" in config_dict and "ddl_shared_compressor" not in config_dict:
+            config_dict = {**LEGACY_DEFAULTS, **config_dict}
+        return super().from_dict(config_dict, **kwargs)
+
+    @property
+    def cc_kernel_size(self) -> int:
+        """Taps of the CC convolution along d_v (`ddl_cc_kernel_size`, None = d_v)."""
+        return self.ddl_cc_kernel_size or self.ddl_value_channels
 
     @property
     def ddl_implementation(self) -> str:
@@ -199,6 +261,16 @@ class DDLConfig(LlamaConfig):
             raise bad("ddl_residual", f"one of {DDL_RESIDUAL_MODES}")
         if self.ddl_value_input not in DDL_VALUE_INPUTS:
             raise bad("ddl_value_input", f"one of {DDL_VALUE_INPUTS}")
+        if self.ddl_cc_form not in DDL_CC_FORMS:
+            raise bad("ddl_cc_form", f"one of {DDL_CC_FORMS} (conv = the authors', matrix = ddl's earlier form)")
+        if self.ddl_cc_kernel_size is not None and not 1 <= self.ddl_cc_kernel_size <= self.ddl_value_channels:
+            raise bad("ddl_cc_kernel_size", f"None (= d_v) or an integer in [1, d_v = {self.ddl_value_channels}]")
+        if self.ddl_initialization not in DDL_INITIALIZATIONS:
+            raise bad("ddl_initialization", f"one of {DDL_INITIALIZATIONS}")
+        if not self.ddl_init_std_factor > 0:
+            raise bad("ddl_init_std_factor", "a positive float (0.5 in the authors' code)")
+        if self.qk_norm_position not in QK_NORM_POSITIONS:
+            raise bad("qk_norm_position", f"one of {QK_NORM_POSITIONS}")
         if not 0.0 <= self.ddl_beta_init <= 2.0:
             raise bad("ddl_beta_init", "in [0, 2] (0 = identity, 1 = projection, 2 = reflection)")
         for field in ("ddl_state_kernel_size", "ddl_embed_kernel_size"):

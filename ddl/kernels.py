@@ -33,7 +33,7 @@ from .cpu_kernels import (
     cpu_window_readout_applies,
 )
 from .fused import fused_delta_update, fused_token_readout
-from .reference import causal_token_conv, causal_token_readout, delta_gate, delta_value
+from .reference import causal_token_conv, causal_token_readout, constant_value, delta_gate, delta_value
 from .reference import delta_residual as reference_residual
 
 
@@ -43,23 +43,23 @@ logger = logging.get_logger(__name__)
 
 
 def delta_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, *, v_scale, k_eps, mode,
-                   gate_hidden=None, implementation="auto"):
+                   gate_hidden=None, v_constant=None, implementation="auto"):
     r"""One sublayer's residual seam, X_next = delta_update(X, h, v(u), beta(c)) (`reference.delta_residual`).
 
     Decision order:
     1. "reference": the specification.
     2. The C++ seam (`cpu_residual`: gate, value and update in one pass, forward and backward) unless "torch": CPU
-       tensors all in fp32 or all in fp64, eager, a single linear gate, the kernel built.
+       tensors all in fp32 or all in fp64, eager, a single linear gate, a learned value, the kernel built.
     3. The gate and the value in PyTorch, then the update: Triton on CUDA under "triton"; else `fused_delta_update`.
     """
     if implementation == "reference":
         return reference_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, mode,
-                                  gate_hidden)
-    if (implementation != "torch" and gate_hidden is None
+                                  gate_hidden, v_constant)
+    if (implementation != "torch" and gate_hidden is None and v_constant is None
             and cpu_residual_applies(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias)):
         return cpu_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, mode)
     beta = delta_gate(c, gate_weight, gate_bias, *(gate_hidden or ()))
-    v = delta_value(u, value_weight, value_bias, v_scale)
+    v = constant_value(x, v_constant) if v_constant is not None else delta_value(u, value_weight, value_bias, v_scale)
     if implementation == "triton" and _triton_serves(x):
         out = _triton("triton_delta_update", x, h, v, beta, k_eps, mode == "delta")
         if out is not None:

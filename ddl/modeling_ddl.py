@@ -2,10 +2,11 @@
 
 Llama's architecture with one change: each of the two residual additions of a decoder layer becomes a delta
 update of the residual state. Attention, MLP, RMSNorm and rotary embeddings are transformers' own Llama modules
-(Qwen3's attention when `qk_norm=True`), so parameter names, attention backends and caches are Llama's.
+(with QK-norm, Llama's attention plus per-head norms, Qwen3's parameter names), so parameter names, attention
+backends and caches are Llama's. The defaults follow the authors' code (docs/faithfulness.md).
 
 Reading order: the cache helpers of the token-axis convolutions, the DDL modules (delta residual, compressor,
-embedding convolution), the decoder layer, the models. The operations themselves are specified in
+embedding convolution), the attention with QK-norm, the decoder layer, the initialisation, the models. The operations themselves are specified in
 `ddl.reference` (the update is `reference.delta_update`) and dispatched to their fast paths by `ddl.kernels`.
 """
 
@@ -22,8 +23,15 @@ from transformers.masking_utils import create_causal_mask, create_recurrent_atte
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
-from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
-from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import (
+    LlamaAttention,
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+    eager_attention_forward,
+)
 from transformers.utils import can_return_tuple, logging
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
@@ -31,7 +39,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_ddl import DDLConfig, conv_state_slots
 from .kernels import delta_residual, token_conv, token_readout
-from .reference import delta_gate, delta_update, delta_value
+from .reference import constant_value, delta_gate, delta_update, delta_value
 
 
 logger = logging.get_logger(__name__)
@@ -71,8 +79,9 @@ def _mask_padding(x, pad_mask):
 class DDLDeltaResidual(nn.Module):
     r"""One sublayer's residual seam: the gate beta, the target v, and the delta update (`reference.delta_residual`).
 
-        beta = 2 sigmoid(w . c + b)                 (fp32; or w2 . tanh(W1 c + b1) + b2 with ddl_beta_hidden_size)
-        v    = s sigmoid(W_v u + b_v)   in (0, s)   (or W_v u + b_v when ddl_v_sigmoid_scale is None)
+        beta = 2 sigmoid(w . c + b)                 (fp32; or w2 . tanh(W1 c [+ b1]) + b2 with ddl_beta_hidden_size)
+        v    = s sigmoid(W_v u + b_v)   in (0, s)   (or W_v u + b_v when ddl_v_sigmoid_scale is None; or the
+                                                     constant ddl_v_constant, with no value projection)
         X   <- X + beta k (v^T - k^T X),  k = h / sqrt(|h|^2 + eps^2)
 
     c is the normalised sublayer input and u is the value input (`ddl_value_input`: the un-normalised sublayer
@@ -88,11 +97,12 @@ class DDLDeltaResidual(nn.Module):
         d, dv, hb = config.hidden_size, config.ddl_value_channels, config.ddl_beta_hidden_size
         if hb is not None:
             self.beta_hidden_weight = nn.Parameter(torch.empty(hb, d))
-            self.beta_hidden_bias = nn.Parameter(torch.empty(hb))
+            self.beta_hidden_bias = nn.Parameter(torch.empty(hb)) if config.ddl_beta_hidden_bias else None
         self.beta_weight = nn.Parameter(torch.empty(d if hb is None else hb))
         self.beta_bias = nn.Parameter(torch.empty(1))
-        self.value_weight = nn.Parameter(torch.empty(dv, d))
-        self.value_bias = nn.Parameter(torch.empty(dv))
+        if config.ddl_v_constant is None:
+            self.value_weight = nn.Parameter(torch.empty(dv, d))
+            self.value_bias = nn.Parameter(torch.empty(dv))
 
     def forward(self, x, h, context, sublayer_input):
         """x: state X; h: sublayer output (gives k); context: c = RMSNorm(x_in); sublayer_input: x_in."""
@@ -100,9 +110,11 @@ class DDLDeltaResidual(nn.Module):
             return delta_update(x, h, mode="additive")
         config = self.config
         u = sublayer_input if config.ddl_value_input == "state" else context
-        return delta_residual(x, h, context, u, self.beta_weight, self.beta_bias, self.value_weight, self.value_bias,
+        value_weight, value_bias = getattr(self, "value_weight", None), getattr(self, "value_bias", None)
+        return delta_residual(x, h, context, u, self.beta_weight, self.beta_bias, value_weight, value_bias,
                               v_scale=config.ddl_v_sigmoid_scale, k_eps=config.ddl_k_eps, mode=self.mode,
-                              gate_hidden=self._gate_hidden(), implementation=config.ddl_implementation)
+                              gate_hidden=self._gate_hidden(), v_constant=config.ddl_v_constant,
+                              implementation=config.ddl_implementation)
 
     def _gate_hidden(self):
         return (self.beta_hidden_weight, self.beta_hidden_bias) if self.config.ddl_beta_hidden_size else None
@@ -111,39 +123,59 @@ class DDLDeltaResidual(nn.Module):
         """beta `(B, T, 1)` (fp32) for normalised sublayer inputs c, as the forward computes it (for probing)."""
         return delta_gate(context, self.beta_weight, self.beta_bias, *(self._gate_hidden() or ()))
 
-    def value(self, u):
-        """v `(B, T, d_v)` for value inputs u, as the forward computes it (for probing)."""
+    def value(self, u, state=None):
+        """v `(B, T, d_v)` for value inputs u, as the forward computes it (for probing; a constant target needs the
+        state, whose shape it takes)."""
+        if self.config.ddl_v_constant is not None:
+            return constant_value(state, self.config.ddl_v_constant)
         return delta_value(u, self.value_weight, self.value_bias, self.config.ddl_v_sigmoid_scale)
 
 
 class DDLCompressor(nn.Module):
-    r"""Compress the expanded state X `(B, T, d_v, d)` to a width-d vector (sublayer input or final readout).
+    r"""Compress the expanded state X `(B, T, d_v, d)` to a width-d vector (a sublayer input or the final readout).
 
-        CC:  x_in[t, i] = sum_j w[i, j] X[t, j, i]                                 (w initialised to 1/d_v)
-        TC:  x_in[t, i] = sum_j r_j sum_s c[s, i, j] X[t - (K-1) + s, j, i]         (c = identity, r = 1/d_v)
+        CC, conv (the authors'):  y[i, o] = sum_m c[i, m] X[o + m - p, i]   (along d_v: K taps, "same" zero
+                                  padding, p = (K-1) // 2),  x_in[i] = sum_o r_o y[i, o]
+        CC, matrix:               x_in[i] = sum_j w[i, j] X[j, i]
+        TC:                       x_in[t, i] = sum_j r_j sum_s c[s, i, j] X[t - (K-1) + s, j, i]   (causal, tokens)
 
-    Both are `reference.causal_token_readout` (CC with one tap), run by `kernels.token_readout`.
+    Each CC form is a per-feature weight over the d_v channels, so both are `reference.causal_token_readout` with
+    one tap (the conv folded into that weight); TC is its K-tap case. All run by `kernels.token_readout`. With
+    `ddl_shared_compressor` one module serves both sublayers of a block: each call names its own cache slot, since
+    the TC history belongs to the state it reads, not to the module.
     """
 
-    def __init__(self, config: DDLConfig, layer_idx: int, cache_slot: int | None):
+    def __init__(self, config: DDLConfig, layer_idx: int):
         super().__init__()
         self.config = config
-        self.kind = config.ddl_compressor
-        self.layer_idx, self.cache_slot = layer_idx, cache_slot
+        self.kind = config.ddl_compressor if config.ddl_compressor == "tc" else f"cc_{config.ddl_cc_form}"
+        self.layer_idx = layer_idx
         d, dv = config.hidden_size, config.ddl_value_channels
-        if self.kind == "cc":
+        if self.kind == "cc_matrix":
             self.weight = nn.Parameter(torch.empty(d, dv))
-        else:
-            self.conv_weight = nn.Parameter(torch.empty(config.ddl_state_kernel_size, d, dv))
-            self.read = nn.Parameter(torch.empty(dv))
+            return
+        kernel = config.ddl_state_kernel_size if self.kind == "tc" else config.cc_kernel_size
+        self.conv_weight = nn.Parameter(torch.empty(kernel, d, dv) if self.kind == "tc" else torch.empty(d, kernel))
+        self.read = nn.Parameter(torch.empty(dv))
 
-    def forward(self, state, cache=None, pad_mask=None):
+    def channel_weight(self):
+        """CC's per-feature weight over the d_v channels `(d, d_v)`: the matrix, or the conv and read vector folded,
+        w[i, j] = sum_o r_o c[i, j + p - o] (taps outside [0, K) are the zero padding)."""
+        if self.kind == "cc_matrix":
+            return self.weight
+        kernel, dv = self.conv_weight.shape[1], self.read.shape[0]
+        position = torch.arange(dv, device=self.read.device)
+        source = position[None, :] + torch.arange(kernel, device=self.read.device)[:, None] - (kernel - 1) // 2
+        placement = (source[..., None] == position).to(self.read.dtype)  # (K, d_v out, d_v in): tap m of output o
+        return torch.einsum("im,o,moj->ij", self.conv_weight, self.read, placement)
+
+    def forward(self, state, cache=None, pad_mask=None, cache_slot=None):
         implementation = self.config.ddl_implementation
-        if self.kind == "cc":
-            return token_readout(state, self.weight.unsqueeze(0), implementation=implementation)  # (B, T, d)
+        if self.kind != "tc":
+            return token_readout(state, self.channel_weight().unsqueeze(0), implementation=implementation)  # (B, T, d)
         state = _mask_padding(state, pad_mask)
         taps = self.conv_weight * self.read  # (K, d, d_v): the conv taps times the read vector
-        window = cached_window(state, taps.shape[0], cache, self.layer_idx, self.cache_slot)
+        window = cached_window(state, taps.shape[0], cache, self.layer_idx, cache_slot)
         return token_readout(state, taps, window, implementation=implementation)  # (B, T, d)
 
 
@@ -164,29 +196,70 @@ class DDLEmbedConv(nn.Module):
         return token_conv(embeds, self.weight, window, implementation=self.config.ddl_implementation)  # (B, T, d_v, d)
 
 
+class DDLQKNormAttention(LlamaAttention):
+    """Llama's attention with QK-norm: an RMSNorm over each query and key head (`q_norm`, `k_norm`, Qwen3's names),
+    applied after the rotary embedding (`qk_norm_position="after_rope"`, the authors' code) or before it (Qwen3's).
+    RoPE keeps each head's RMS, so the two agree while the norm weights are uniform across a rotary pair."""
+
+    def __init__(self, config: DDLConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.q_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.norm_after_rope = config.qk_norm_position == "after_rope"
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        if not self.norm_after_rope:
+            query_states, key_states = self.q_norm(query_states), self.k_norm(key_states)
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, *position_embeddings)
+        if self.norm_after_rope:
+            query_states, key_states = self.q_norm(query_states), self.k_norm(key_states)
+        if cache is not None:
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self, query_states, key_states, value_states, attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs,
+        )
+        return self.o_proj(attn_output.reshape(*input_shape, -1).contiguous()), attn_weights
+
+
 class DDLDecoderLayer(GradientCheckpointingLayer):
     """Llama's decoder layer; its two `residual + h` lines are delta updates of the state X."""
 
     def __init__(self, config: DDLConfig, layer_idx: int):
         super().__init__()
         self.hidden_size = config.hidden_size
-        attention_class = Qwen3Attention if config.qk_norm else LlamaAttention
+        attention_class = DDLQKNormAttention if config.qk_norm else LlamaAttention
         self.self_attn = attention_class(config=config, layer_idx=layer_idx)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.attn_delta = DDLDeltaResidual(config)
         self.mlp_delta = DDLDeltaResidual(config)
+        # The authors' initialisation divides these by the depth (they write into the residual state).
+        self.self_attn.o_proj.ddl_residual_output = self.mlp.down_proj.ddl_residual_output = True
         if config.ddl_value_channels > 1:
             slots = conv_state_slots(config)
-            self.attn_compress = DDLCompressor(config, layer_idx, slots.get((layer_idx, "attn")))
-            self.mlp_compress = DDLCompressor(config, layer_idx, slots.get((layer_idx, "mlp")))
+            self.cache_slots = {which: slots.get((layer_idx, which)) for which in ("attn", "mlp")}
+            if config.ddl_shared_compressor:
+                self.compress = DDLCompressor(config, layer_idx)  # one per block, as in the authors' code
+            else:
+                self.attn_compress = DDLCompressor(config, layer_idx)
+                self.mlp_compress = DDLCompressor(config, layer_idx)
 
-    def compress(self, which, hidden_states, cache, pad_mask):
-        """x_in: the sublayer input (the state itself when d_v = 1)."""
+    def sublayer_input(self, which, hidden_states, cache, pad_mask):
+        """x_in of sublayer `which` ("attn" or "mlp"): the state compressed (the state itself when d_v = 1)."""
         if hidden_states.dim() == 3:
             return hidden_states
-        return getattr(self, f"{which}_compress")(hidden_states, cache, pad_mask)
+        compressor = getattr(self, "compress", None) or getattr(self, f"{which}_compress")
+        return compressor(hidden_states, cache, pad_mask, self.cache_slots[which])
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
@@ -200,7 +273,7 @@ class DDLDecoderLayer(GradientCheckpointingLayer):
         pad_mask=None,
         **kwargs,
     ):
-        x_in = self.compress("attn", hidden_states, cache, pad_mask)
+        x_in = self.sublayer_input("attn", hidden_states, cache, pad_mask)
         context = self.input_layernorm(x_in)
         attn_out, _ = self.self_attn(
             hidden_states=context,
@@ -213,7 +286,7 @@ class DDLDecoderLayer(GradientCheckpointingLayer):
         )
         hidden_states = self.attn_delta(hidden_states, attn_out, context, x_in)
 
-        x_in = self.compress("mlp", hidden_states, cache, pad_mask)
+        x_in = self.sublayer_input("mlp", hidden_states, cache, pad_mask)
         context = self.post_attention_layernorm(x_in)
         hidden_states = self.mlp_delta(hidden_states, self.mlp(context), context, x_in)
         return hidden_states
@@ -227,7 +300,7 @@ class DDLStateReadout(nn.Module):
     decoding step then sees only the new tokens: ask for hidden states of full forwards)."""
 
     def forward(self, embeds, state, readout=None, pad_mask=None):
-        return state if state.dim() == 3 else readout(state, None, pad_mask)
+        return state if state.dim() == 3 else readout(state, None, pad_mask, None)
 
 
 @dataclass
@@ -257,33 +330,74 @@ class DDLPreTrainedModel(PreTrainedModel):
         # last_hidden_state. The unread (B, T, d_v, d) states: `output_expanded_states=True`.
         "hidden_states": DDLStateReadout,
         "expanded_states": DDLDecoderLayer,
-        "attentions": OutputRecorder((LlamaAttention, Qwen3Attention), index=1),
+        "attentions": OutputRecorder(LlamaAttention, index=1),
     }
 
     @torch.no_grad()
     def _init_weights(self, module):
-        """All initialisation lives here, so it also runs for `from_pretrained` (missing keys) and meta-device init."""
-        super()._init_weights(module)
+        """All initialisation lives here, so it also runs for `from_pretrained` (missing keys) and meta-device init.
+        `ddl_initialization` chooses the authors' spectral scheme or transformers' (see DDLConfig)."""
         config = self.config
-        dv = config.ddl_value_channels
+        authors = config.ddl_initialization == "authors"
+        if authors and isinstance(module, nn.Linear):
+            init.normal_(module.weight, mean=0.0, std=_authors_std(module.weight, config, module))
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        else:
+            super()._init_weights(module)
         if isinstance(module, DDLDeltaResidual) and module.mode != "additive":
-            half = min(max(config.ddl_beta_init / 2.0, 0.0), 1.0)
-            logit = math.log(half / (1.0 - half)) if 0.0 < half < 1.0 else math.copysign(_MAX_GATE_LOGIT, half - 0.5)
-            init.constant_(module.beta_bias, max(min(logit, _MAX_GATE_LOGIT), -_MAX_GATE_LOGIT))
-            init.zeros_(module.beta_weight)  # every token starts at exactly beta_init
-            if hasattr(module, "beta_hidden_weight"):
-                init.normal_(module.beta_hidden_weight, mean=0.0, std=config.initializer_range)
-                init.zeros_(module.beta_hidden_bias)
-            init.normal_(module.value_weight, mean=0.0, std=config.initializer_range)
-            init.zeros_(module.value_bias)
+            _init_delta_residual(module, config, authors)
         elif isinstance(module, DDLCompressor):
-            if module.kind == "cc":
+            dv = config.ddl_value_channels
+            if module.kind == "cc_matrix":
                 init.constant_(module.weight, 1.0 / dv)  # the average of the d_v channels
-            else:
+                return
+            if module.kind == "tc" and not authors:
                 init.copy_(module.conv_weight, _identity_taps(module.conv_weight))
-                init.constant_(module.read, 1.0 / dv)
+            else:  # the authors' neutral start: every tap 1/K (TC: the average of the last K tokens)
+                init.constant_(module.conv_weight, 1.0 / module.conv_weight.shape[0 if module.kind == "tc" else 1])
+            init.constant_(module.read, 1.0 / dv)
         elif isinstance(module, DDLEmbedConv):
             init.copy_(module.weight, _identity_taps(module.weight))  # every channel starts as the embedding
+
+
+def _spectral_std(fan_in, fan_out, factor):
+    """The authors' spectral scale: factor / sqrt(fan_in) * min(1, sqrt(fan_out / fan_in))."""
+    return factor / math.sqrt(fan_in) * min(1.0, math.sqrt(fan_out / fan_in))
+
+
+def _authors_std(weight, config, module=None):
+    """The authors' std of a matrix `(fan_out, fan_in)`: spectral, divided by the depth for the projections that
+    write into the residual state; an LM head (tied or not) is drawn like the embeddings."""
+    if getattr(module, "ddl_lm_head", False):
+        return config.initializer_range
+    std = _spectral_std(weight[0].numel(), weight.shape[0], config.ddl_init_std_factor)
+    return std / config.num_hidden_layers if getattr(module, "ddl_residual_output", False) else std
+
+
+def _init_delta_residual(module, config, authors):
+    """The gate starts at beta_init (bias logit(beta_init / 2)); the rest per `ddl_initialization`."""
+    half = min(max(config.ddl_beta_init / 2.0, 0.0), 1.0)
+    logit = math.log(half / (1.0 - half)) if 0.0 < half < 1.0 else math.copysign(_MAX_GATE_LOGIT, half - 0.5)
+    init.constant_(module.beta_bias, max(min(logit, _MAX_GATE_LOGIT), -_MAX_GATE_LOGIT))
+    factor, d = config.ddl_init_std_factor, config.hidden_size
+    hidden = getattr(module, "beta_hidden_weight", None)
+    if hidden is not None:
+        std = _spectral_std(d, hidden.shape[0], factor) if authors else config.initializer_range
+        init.normal_(hidden, mean=0.0, std=std)
+        if module.beta_hidden_bias is not None:
+            init.zeros_(module.beta_hidden_bias)
+    if authors:  # the gate vector is the authors' (1, fan_in) matrix
+        init.normal_(module.beta_weight, mean=0.0, std=_spectral_std(module.beta_weight.shape[0], 1, factor))
+    else:
+        init.zeros_(module.beta_weight)  # every token starts at exactly beta_init
+    if hasattr(module, "value_weight"):
+        if authors:  # spectral weight; the bias as nn.Linear's default, U(-1/sqrt(d), 1/sqrt(d))
+            init.normal_(module.value_weight, mean=0.0, std=_spectral_std(d, module.value_weight.shape[0], factor))
+            init.uniform_(module.value_bias, -1.0 / math.sqrt(d), 1.0 / math.sqrt(d))
+        else:
+            init.normal_(module.value_weight, mean=0.0, std=config.initializer_range)
+            init.zeros_(module.value_bias)
 
 
 def _identity_taps(weight):
@@ -307,7 +421,8 @@ class DDLModel(DDLPreTrainedModel):
         )
         if config.ddl_value_channels > 1:
             last = config.num_hidden_layers - 1
-            self.readout = DDLCompressor(config, last, slots.get((last, "readout")))
+            self.readout = DDLCompressor(config, last)
+            self.readout_slot = slots.get((last, "readout"))
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         self.state_readout = DDLStateReadout()  # (no parameters: it reads through self.readout)
@@ -391,7 +506,7 @@ class DDLModel(DDLPreTrainedModel):
             if record:
                 self.state_readout(inputs_embeds if i == 0 else None, hidden_states, readout, pad_mask)
         if hidden_states.dim() == 4:
-            hidden_states = self.readout(hidden_states, cache, pad_mask)  # (B, T, d)
+            hidden_states = self.readout(hidden_states, cache, pad_mask, self.readout_slot)  # (B, T, d)
         hidden_states = self.norm(hidden_states)
         return DDLModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
 
@@ -406,6 +521,7 @@ class DDLForCausalLM(DDLPreTrainedModel, GenerationMixin):
         self.model = DDLModel(config)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head.ddl_lm_head = True  # initialised like the embeddings (it is them, when tied)
         self.post_init()
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")

@@ -60,12 +60,13 @@ def delta_update(x, h, v=None, beta=None, mode="delta", k_eps=1e-5):
 def delta_gate(c, weight, bias, hidden_weight=None, hidden_bias=None):
     r"""The gate beta = 2 sigmoid(w . c + b) in (0, 2), `(B, T, 1)`, in fp32 (only the logit, for stability).
 
-    With `hidden_weight` `(H, d)` and `hidden_bias` `(H,)`, the two-layer gate 2 sigmoid(w . tanh(W_1 c + b_1) + b).
+    With `hidden_weight` `(H, d)` and `hidden_bias` `(H,)` (or None: no hidden bias, as the authors' gate), the
+    two-layer gate 2 sigmoid(w . tanh(W_1 c + b_1) + b).
     c: `(B, T, d)`, the normalised sublayer input; weight: `(d,)` (or `(H,)`); bias: `(1,)`.
     """
     c = c.float()
     if hidden_weight is not None:
-        c = torch.tanh(F.linear(c, hidden_weight.float(), hidden_bias.float()))
+        c = torch.tanh(F.linear(c, hidden_weight.float(), None if hidden_bias is None else hidden_bias.float()))
     return 2.0 * torch.sigmoid(F.linear(c, weight.float().unsqueeze(0), bias.float()))
 
 
@@ -78,17 +79,25 @@ def delta_value(u, weight, bias, scale=4.0):
     return v if scale is None else scale * torch.sigmoid(v)
 
 
+def constant_value(x, constant):
+    """A fixed target v = `constant` on every value channel of the state x: `(B, T, d_v)`, fp32."""
+    shape = x.shape[:-1] if x.dim() == 4 else (*x.shape[:-1], 1)
+    return torch.full(shape, float(constant), dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
+
+
 def delta_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale=4.0, k_eps=1e-5,
-                   mode="delta", gate_hidden=None):
+                   mode="delta", gate_hidden=None, v_constant=None):
     r"""One sublayer's whole residual seam: the gate, the value and the update,
 
         X_next = delta_update(X, h, delta_value(u), delta_gate(c))
 
     x: the state X; h: the sublayer output; c: the normalised sublayer input; u: the value input (c, or the
-    un-normalised sublayer input x_in); `gate_hidden`: `(W_1, b_1)` of a two-layer gate, or None.
+    un-normalised sublayer input x_in); `gate_hidden`: `(W_1, b_1)` of a two-layer gate (b_1 may be None), or None;
+    `v_constant`: a fixed target instead of `delta_value` (then `value_weight`/`value_bias` are None).
     """
     beta = delta_gate(c, gate_weight, gate_bias, *(gate_hidden or ()))
-    return delta_update(x, h, delta_value(u, value_weight, value_bias, v_scale), beta, mode=mode, k_eps=k_eps)
+    v = constant_value(x, v_constant) if v_constant is not None else delta_value(u, value_weight, value_bias, v_scale)
+    return delta_update(x, h, v, beta, mode=mode, k_eps=k_eps)
 
 
 def _causal_window(x, kernel, history):

@@ -49,10 +49,11 @@ CHAT_TEMPLATE = (
 DATA_EXTENSIONS = {"txt": "text", "text": "text", "json": "json", "jsonl": "json", "csv": "csv"}
 
 # Model shapes. small and medium are the paper's sizes (Table 1: 12 x 768 and 24 x 1024, heads of dim 128, 124M and
-# 353M parameters with GPT-2's 50k vocabulary); tiny is a CPU demo. All follow the paper's runs: tied embeddings,
-# no biases, dropout 0, QK-norm, and the DDL defaults of DDLConfig (d_v = 4, CC compressor, EC, delta residual).
-# SwiGLU intermediate sizes give the MLP the parameter count of a 4x GELU MLP, as in the paper's GPT-2-sized models.
-_SHARED = dict(tie_word_embeddings=True, attention_bias=False, mlp_bias=False, attention_dropout=0.0, qk_norm=True)
+# 353M parameters with GPT-2's 50k vocabulary), with the backbone of the authors' runs: tied embeddings, no biases,
+# dropout 0, QK-norm, RMSNorm eps 1e-5, a SwiGLU MLP of width floor(8d/3), and DDLConfig's defaults (the authors':
+# d_v = 4, CC, EC, one compressor per block, their initialisation; docs/faithfulness.md). tiny is a CPU demo.
+_SHARED = dict(tie_word_embeddings=True, attention_bias=False, mlp_bias=False, attention_dropout=0.0, qk_norm=True,
+               rms_norm_eps=1e-5)
 PRESETS: dict[str, dict] = {
     "tiny": dict(
         hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4, head_dim=32,
@@ -63,7 +64,7 @@ PRESETS: dict[str, dict] = {
         max_position_embeddings=1024, **_SHARED,
     ),
     "medium": dict(
-        hidden_size=1024, intermediate_size=2752, num_hidden_layers=24, num_attention_heads=8, head_dim=128,
+        hidden_size=1024, intermediate_size=2730, num_hidden_layers=24, num_attention_heads=8, head_dim=128,
         max_position_embeddings=1024, **_SHARED,
     ),
 }
@@ -520,7 +521,8 @@ tags: [ddl, deep-delta-learning, custom_code]
 | heads | {c.num_attention_heads} x {c.head_dim} (kv heads {c.num_key_value_heads}) |
 | vocabulary | {c.vocab_size} ({tokenizer_source}) |
 | context | trained on blocks of {block_size} tokens (max_position_embeddings {c.max_position_embeddings}) |
-| QK-norm / tied embeddings | {c.qk_norm} / {c.tie_word_embeddings} |
+| QK-norm / tied embeddings | {c.qk_norm} ({c.qk_norm_position}) / {c.tie_word_embeddings} |
+| layout and initialisation | `ddl_shared_compressor={c.ddl_shared_compressor}`, `ddl_cc_form={c.ddl_cc_form}`, `ddl_initialization={c.ddl_initialization}` (the defaults are the authors' code at d1f76215) |
 
 ## Data and training
 

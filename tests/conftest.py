@@ -81,7 +81,7 @@ def trained_looking(model, scale=0.1):
     that vary across tokens and channels (a leak through a token convolution is invisible at identity taps)."""
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if any(part in name for part in ("_delta.", "_compress.", "embed_conv.", "readout.")):
+            if any(part in name for part in ("_delta.", "compress.", "embed_conv.", "readout.")):
                 param.add_(scale * torch.randn_like(param))
     return model
 

@@ -21,6 +21,11 @@ def test_ddl_defaults_are_the_papers_default_variant():
     assert (config.ddl_residual, config.ddl_beta_init, config.ddl_k_eps) == ("delta", 1.0, 1e-5)
     assert (config.ddl_v_sigmoid_scale, config.ddl_beta_hidden_size, config.qk_norm) == (4.0, None, False)
     assert config.ddl_value_input == "state"
+    # the authors' code (docs/faithfulness.md)
+    assert (config.ddl_shared_compressor, config.ddl_cc_form, config.cc_kernel_size) == (True, "conv", 4)
+    assert (config.ddl_initialization, config.ddl_init_std_factor, config.qk_norm_position) == ("authors", 0.5,
+                                                                                               "after_rope")
+    assert (config.ddl_beta_hidden_bias, config.ddl_v_constant) == (False, None)
     # EC defaults to off for the scalar state
     assert DDLConfig(ddl_value_channels=1).ddl_embed_conv is False
 
@@ -33,6 +38,8 @@ def test_ddl_defaults_are_the_papers_default_variant():
         {"ddl_compressor": "tc", "num_hidden_layers": 3},
         {"ddl_compressor": "tc", "num_hidden_layers": 1, "ddl_embed_conv": True},
         {"ddl_residual": "write_only", "ddl_beta_hidden_size": 16, "qk_norm": True},
+        {"ddl_shared_compressor": False, "ddl_cc_form": "matrix", "ddl_initialization": "llama"},
+        {"ddl_cc_kernel_size": 2, "ddl_v_constant": 2.0, "qk_norm": True, "qk_norm_position": "before_rope"},
     ],
 )
 def test_round_trip(kwargs, tmp_path):
@@ -71,6 +78,12 @@ def test_cache_layout_is_derived():
         ({"ddl_k_eps": 0.0}, "ddl_k_eps", "0.0"),
         ({"ddl_v_sigmoid_scale": -1.0}, "ddl_v_sigmoid_scale", "-1.0"),
         ({"ddl_value_channels": 1, "ddl_embed_conv": True}, "ddl_embed_conv", "True"),
+        ({"ddl_cc_form": "vector"}, "ddl_cc_form", "'vector'"),
+        ({"ddl_cc_kernel_size": 5}, "ddl_cc_kernel_size", "5"),  # > d_v = 4
+        ({"ddl_cc_kernel_size": 0}, "ddl_cc_kernel_size", "0"),
+        ({"ddl_initialization": "xavier"}, "ddl_initialization", "'xavier'"),
+        ({"ddl_init_std_factor": 0.0}, "ddl_init_std_factor", "0.0"),
+        ({"qk_norm_position": "middle"}, "qk_norm_position", "'middle'"),
     ],
 )
 def test_invalid_values_are_rejected_with_field_value_and_allowed(kwargs, field, received):
@@ -122,3 +135,66 @@ def test_checkpoints_saved_with_the_old_ddl_impl_field_load(tmp_path):
         path.write_text(json.dumps({**json.loads(path.read_text()), "ddl_impl": legacy}))
         config = DDLConfig.from_pretrained(tmp_path)
         assert config.ddl_implementation == expected and "ddl_impl" not in config.to_dict()
+
+
+# The authors' parameter counts (their model files at d1f76215: the modules each variant creates), small = 12 x 768,
+# 6 heads of 128, MLP 2048; medium = 24 x 1024, 8 heads of 128, MLP 2730; vocabulary 50304, tied, QK-norm.
+AUTHORS_PARAMETERS = {
+    "small": {"baseline": 123_590_400, "dv1": 123_627_312, "cc-ec": 123_734_956, "cc": 123_722_668,
+              "tc-ec": 123_854_764, "tc": 123_842_476},
+    "medium": {"baseline": 353_508_352, "dv1": 353_606_752, "cc-ec": 353_873_236, "cc": 353_856_852,
+               "tc-ec": 354_180_436, "tc": 354_164_052},
+}
+VARIANT_FIELDS = {
+    "baseline": {"ddl_residual": "additive", "ddl_value_channels": 1}, "dv1": {"ddl_value_channels": 1},
+    "cc-ec": {}, "cc": {"ddl_embed_conv": False}, "tc-ec": {"ddl_compressor": "tc"},
+    "tc": {"ddl_compressor": "tc", "ddl_embed_conv": False},
+}
+
+
+@pytest.mark.parametrize("size", ["small", "medium"])
+def test_presets_and_backbone_fields_alone_give_the_authors_parameter_counts(size):
+    import torch
+
+    from ddl import DDLForCausalLM
+    from ddl_tools.training import preset_config
+
+    backbone = {"small": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=6, intermediate_size=2048),
+                "medium": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=8,
+                               intermediate_size=2730)}[size]
+    for variant, fields in VARIANT_FIELDS.items():
+        configs = [DDLConfig(vocab_size=50304, head_dim=128, tie_word_embeddings=True, qk_norm=True, rms_norm_eps=1e-5,
+                             **backbone, **fields),
+                   preset_config(size, 50304, fields)]
+        for config in configs:
+            with torch.device("meta"):
+                count = DDLForCausalLM(config).num_parameters()
+            assert count == AUTHORS_PARAMETERS[size][variant], (variant, count)
+    assert preset_config(size, 50304).rms_norm_eps == 1e-5
+
+
+@pytest.mark.parametrize("variant", ["tc", "cc"])
+def test_checkpoints_saved_before_the_authors_defaults_load_with_their_own_choices(variant):
+    """Fixtures saved by ddl d2b2eaf (trained-looking weights, a TC one with QK-norm and a two-layer gate): their
+    config.json has none of the new fields; they load with ddl's earlier choices and give the logits they gave."""
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from ddl import DDLForCausalLM
+    from ddl.configuration_ddl import LEGACY_DEFAULTS
+
+    folder = Path(__file__).parent / "fixtures" / f"ddl-{variant}-before-authors-defaults"
+    assert "ddl_shared_compressor" not in json.loads((folder / "config.json").read_text())
+    model = DDLForCausalLM.from_pretrained(folder)  # (strict: a missing or unexpected weight would raise or warn)
+    for field, value in LEGACY_DEFAULTS.items():
+        assert getattr(model.config, field) == value
+    assert hasattr(model.model.layers[0], "attn_compress") and not hasattr(model.model.layers[0], "compress")
+    expected = json.loads((folder / "expected.json").read_text())
+    with torch.no_grad():
+        logits = model(torch.tensor(expected["input_ids"])).logits
+    torch.testing.assert_close(logits, torch.tensor(expected["logits"]), rtol=0, atol=1e-5)
+    # saved again, it keeps those choices explicitly, and a new config is not mistaken for an old one
+    assert DDLConfig.from_dict(model.config.to_dict()).ddl_shared_compressor is False
+    assert DDLConfig.from_dict(DDLConfig().to_dict()).ddl_shared_compressor is True

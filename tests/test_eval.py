@@ -102,11 +102,12 @@ def ids(tok):
 
 @pytest.fixture(scope="module")
 def checkpoints(tok, tmp_path_factory):
-    """Two saved checkpoints: a DDL delta model (d_v = 1) and a DDL write-only control (d_v = 2)."""
+    """Two saved checkpoints: a DDL delta model (d_v = 1) and a DDL write-only control (d_v = 2), initialised with
+    zero gate weights (`ddl_initialization="llama"`), so that every gate is exactly beta_init = 1."""
     root = tmp_path_factory.mktemp("ckpt")
     paths = {}
     for name, overrides in {"delta": {}, "write_only": {"ddl_residual": "write_only", "ddl_value_channels": 2}}.items():
-        model = tiny_ddl(tok, **overrides)
+        model = tiny_ddl(tok, ddl_initialization="llama", **overrides)
         model.save_pretrained(root / name)
         tok.save_pretrained(root / name)
         paths[name] = str(root / name)

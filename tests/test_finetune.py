@@ -113,8 +113,8 @@ def test_train_lora_saves_adapter_and_a_merged_model(trained, tmp_path, text_fil
     assert before.keys() == after.keys()
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert "model.layers.0.self_attn.q_proj.weight" in changed and "model.layers.1.mlp.down_proj.weight" in changed
-    assert {"model.layers.0.attn_delta.value_weight", "model.layers.1.mlp_compress.weight",
-            "model.embed_conv.weight", "model.readout.weight"} <= changed
+    assert {"model.layers.0.attn_delta.value_weight", "model.layers.1.compress.conv_weight",
+            "model.embed_conv.weight", "model.readout.read"} <= changed
     assert not {"model.embed_tokens.weight", "model.norm.weight", "model.layers.0.input_layernorm.weight"} & changed
 
     merged = AutoModelForCausalLM.from_pretrained(out)

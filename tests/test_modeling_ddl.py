@@ -28,6 +28,16 @@ def _variants():
             for mode in ("delta", "write_only", "additive"):
                 overrides = {"ddl_value_channels": 4, "ddl_compressor": compressor, "ddl_embed_conv": ec}
                 yield pytest.param({**overrides, "ddl_residual": mode}, id=f"dv4-{compressor}-{'ec' if ec else 'noec'}-{mode}")
+    # ddl's earlier layout (one compressor per sublayer, CC as a matrix, its initialisation, QK-norm before RoPE) and
+    # the authors' other options: each keeps every cache, padding and beam guarantee of the defaults
+    earlier = {"ddl_shared_compressor": False, "ddl_cc_form": "matrix", "ddl_initialization": "llama",
+               "qk_norm": True, "qk_norm_position": "before_rope"}
+    yield pytest.param({**earlier, "ddl_compressor": "cc"}, id="dv4-cc-ec-earlier-layout")
+    yield pytest.param({**earlier, "ddl_compressor": "tc"}, id="dv4-tc-ec-earlier-layout")
+    yield pytest.param({"ddl_compressor": "tc", "ddl_v_constant": 2.0, "ddl_beta_hidden_size": 8, "qk_norm": True},
+                       id="dv4-tc-ec-constant-v-two-layer-gate")
+    yield pytest.param({"ddl_cc_kernel_size": 3, "ddl_beta_hidden_size": 8, "ddl_beta_hidden_bias": True},
+                       id="dv4-cc-k3-ec-gate-bias")
 
 
 VARIANTS = list(_variants())
@@ -70,7 +80,7 @@ def test_llama_state_dict_loads_by_name_into_delta_model():
     ddl = DDLForCausalLM(tiny_config())
     missing, unexpected = ddl.load_state_dict(llama.state_dict(), strict=False)
     assert not unexpected
-    assert missing and all(any(p in k for p in ("_delta.", "_compress.", "embed_conv", "readout")) for k in missing)
+    assert missing and all(any(p in k for p in ("_delta.", "compress.", "embed_conv", "readout")) for k in missing)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -155,8 +165,10 @@ def test_left_padded_batch_equals_rows_alone(overrides):
     mask = torch.cat([torch.cat([torch.zeros(1, 3), torch.ones(1, 4)], 1), torch.ones(1, 7)]).long()
     kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
     together = model.generate(batch, attention_mask=mask, **kwargs)
-    assert torch.equal(together[0, 3:], model.generate(short, **kwargs)[0])
-    assert torch.equal(together[1], model.generate(long, **kwargs)[0])
+    for row, alone in ((together[0, 3:], model.generate(short, **kwargs)[0]),
+                       (together[1], model.generate(long, **kwargs)[0])):
+        # (a row alone may stop at EOS earlier; in the batch it is then padded to the longer row's length)
+        assert torch.equal(row[: len(alone)], alone) and torch.all(row[len(alone):] == 0)
     # and the logits of the real tokens of the padded row equal the row alone
     with torch.no_grad():
         padded = model(batch, attention_mask=mask).logits[0, 3:]
@@ -247,42 +259,115 @@ def test_attention_backends_agree(overrides):
 
 
 def _check_init(model, beta_init):
+    """The DDL parameters as `ddl_initialization` sets them (the backbone's scales: test_authors_initialisation_...)."""
     config = model.config
+    authors = config.ddl_initialization == "authors"
+    d, dv = config.hidden_size, config.ddl_value_channels
     expected_bias = math.log((beta_init / 2) / (1 - beta_init / 2))
     for module in model.modules():
         if isinstance(module, DDLDeltaResidual):
             assert module.beta_bias.item() == pytest.approx(expected_bias, abs=1e-6)
-            assert torch.all(module.beta_weight == 0)
-            assert module.value_weight.std() > 0 and torch.all(module.value_bias == 0)
+            if authors:  # small random gate weights (std 0.5 / d), the value bias as nn.Linear's default
+                assert 0 < module.beta_weight.abs().max() < 5 * 0.5 / d
+                assert module.value_bias.abs().max() <= 1 / math.sqrt(d) and module.value_bias.std() > 0
+            else:
+                assert torch.all(module.beta_weight == 0) and torch.all(module.value_bias == 0)
+            assert module.value_weight.std() > 0
         if isinstance(module, DDLCompressor):
-            assert torch.allclose(module.weight, torch.full_like(module.weight, 1 / config.ddl_value_channels))
+            if module.kind == "cc_matrix":
+                assert torch.all(module.weight == 1 / dv)
+            elif module.kind == "tc" and not authors:
+                assert torch.all(module.conv_weight[-1] == 1) and torch.all(module.conv_weight[:-1] == 0)
+            else:
+                taps = module.conv_weight.shape[0 if module.kind == "tc" else 1]
+                assert torch.all(module.conv_weight == 1 / taps) and torch.all(module.read == 1 / dv)
         if isinstance(module, DDLEmbedConv):
             assert torch.all(module.weight[-1] == 1) and torch.all(module.weight[:-1] == 0)
 
 
-def test_initialisation_in_init_weights_survives_construction_loading_and_meta_device(tmp_path):
-    model = DDLForCausalLM(tiny_config(ddl_beta_init=0.5))
+@pytest.mark.parametrize("initialization", ["authors", "llama"])
+def test_initialisation_in_init_weights_survives_construction_loading_and_meta_device(tmp_path, initialization):
+    config = dict(ddl_beta_init=0.5, ddl_initialization=initialization)
+    model = DDLForCausalLM(tiny_config(**config))
     _check_init(model, 0.5)
-    beta = model.model.layers[0].attn_delta.gate(torch.randn(2, 3, TINY["hidden_size"]))
-    torch.testing.assert_close(beta, torch.full_like(beta, 0.5))
+    if initialization == "llama":  # zero gate weights: every token starts at exactly beta_init
+        beta = model.model.layers[0].attn_delta.gate(torch.randn(2, 3, TINY["hidden_size"]))
+        torch.testing.assert_close(beta, torch.full_like(beta, 0.5))
     # a checkpoint without the DDL branches (e.g. a Llama) gets them initialised, not zeros
     llama, _ = _llama_and_ddl()
     llama.save_pretrained(tmp_path / "llama")
-    loaded = DDLForCausalLM.from_pretrained(tmp_path / "llama", config=tiny_config(ddl_beta_init=0.5))
+    loaded = DDLForCausalLM.from_pretrained(tmp_path / "llama", config=tiny_config(**config))
     _check_init(loaded, 0.5)
     assert torch.equal(loaded.model.layers[1].mlp.up_proj.weight, llama.model.layers[1].mlp.up_proj.weight)
     with torch.device("meta"):
-        meta = DDLForCausalLM(tiny_config(ddl_beta_init=0.5))
+        meta = DDLForCausalLM(tiny_config(**config))
     meta.to_empty(device="cpu")
     meta.init_weights()
     _check_init(meta, 0.5)
 
 
-def test_tc_compressor_initial_state_is_the_channel_average():
-    model = DDLForCausalLM(tiny_config(ddl_compressor="tc"))
-    compress = model.model.layers[0].attn_compress
+def test_authors_initialisation_scales_every_matrix_by_its_fans_and_the_outputs_by_depth():
+    """The authors' rule (their modules/initialization.py): std f / sqrt(fan_in) * min(1, sqrt(fan_out / fan_in)),
+    f = 0.5, the attention and MLP output projections divided by the number of layers, embeddings N(0, 0.02)."""
+    d, layers, width = 256, 4, 683
+    torch.manual_seed(0)
+    model = DDLForCausalLM(DDLConfig(vocab_size=2000, hidden_size=d, intermediate_size=width, num_hidden_layers=layers,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=64, qk_norm=True,
+                                     tie_word_embeddings=True, ddl_beta_hidden_size=128))
+
+    def spectral(fan_in, fan_out):
+        return 0.5 / math.sqrt(fan_in) * min(1.0, math.sqrt(fan_out / fan_in))
+
+    layer = model.model.layers[1]
+    expected = {
+        layer.self_attn.q_proj.weight: spectral(d, 256),
+        layer.self_attn.k_proj.weight: spectral(d, 128),  # GQA: fan_out 2 heads x 64
+        layer.self_attn.o_proj.weight: spectral(256, d) / layers,
+        layer.mlp.gate_proj.weight: spectral(d, width),
+        layer.mlp.down_proj.weight: spectral(width, d) / layers,
+        layer.attn_delta.value_weight: spectral(d, 4),
+        layer.attn_delta.beta_hidden_weight: spectral(d, 128),
+        layer.attn_delta.beta_weight: spectral(128, 1),
+        model.model.embed_tokens.weight: 0.02,
+    }
+    for weight, std in expected.items():
+        assert weight.std().item() == pytest.approx(std, rel=0.1)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert layer.attn_delta.beta_hidden_bias is None  # the authors' two-layer gate has no hidden bias
+    assert torch.all(layer.self_attn.q_norm.weight == 1) and torch.all(model.model.norm.weight == 1)
+
+
+def test_cc_conv_is_a_same_padded_depthwise_conv_along_the_value_channels_then_a_read_vector():
+    """The authors' CC: per feature, a K-tap cross-correlation over the d_v channels with "same" zero padding
+    (torch's padding="same" pads (K-1)//2 on the left, as theirs), then the read vector; at their initialisation
+    (taps 1/4, read 1/4, K = d_v = 4) the folded weight over the channels is (2, 3, 4, 3) / 16."""
+    model = DDLForCausalLM(tiny_config())
+    compress = model.model.layers[0].compress
+    torch.testing.assert_close(compress.channel_weight()[0], torch.tensor([2.0, 3.0, 4.0, 3.0]) / 16)
+    for kernel in (4, 3, 2, 1):
+        compress = trained_looking(DDLForCausalLM(tiny_config(ddl_cc_kernel_size=kernel))).model.layers[0].compress
+        state = torch.randn(2, 5, 4, TINY["hidden_size"])  # (B, T, d_v, d)
+        rows = state.permute(0, 1, 3, 2).reshape(10, TINY["hidden_size"], 4)  # (B*T, d, d_v): each feature's channels
+        taps = compress.conv_weight.unsqueeze(1)  # (d, 1, K): one kernel per feature
+        conv = torch.nn.functional.conv1d(rows, taps, padding="same", groups=TINY["hidden_size"])
+        expected = (conv * compress.read).sum(-1).reshape(2, 5, TINY["hidden_size"])
+        torch.testing.assert_close(compress(state), expected)
+
+
+@pytest.mark.parametrize("initialization", ["authors", "llama"])
+def test_tc_compressor_starts_neutral(initialization):
+    """TC at the authors' start reads the average of the last K tokens and channels (zeros before the sequence);
+    at ddl's earlier start, the current token's channel average. EC starts at identity either way."""
+    model = DDLForCausalLM(tiny_config(ddl_compressor="tc", ddl_initialization=initialization))
+    compress = model.model.layers[0].compress
     state = torch.randn(2, 5, 4, TINY["hidden_size"])  # (B, T, d_v, d)
-    torch.testing.assert_close(compress(state), state.mean(-2))
+    mean = state.mean(-2)
+    if initialization == "authors":
+        padded = torch.nn.functional.pad(mean, (0, 0, 3, 0))
+        expected = sum(padded[:, s : s + 5] for s in range(4)) / 4
+    else:
+        expected = mean
+    torch.testing.assert_close(compress(state), expected)
     embeds = torch.randn(2, 5, TINY["hidden_size"])
     torch.testing.assert_close(model.model.embed_conv(embeds), embeds.unsqueeze(-2).expand(-1, -1, 4, -1))
 
@@ -378,12 +463,41 @@ def test_low_precision_forward_is_finite_even_with_zero_sublayer_outputs(dtype):
     assert out.logits.dtype == dtype and torch.isfinite(out.logits).all() and torch.isfinite(out.loss)
 
 
-def test_qk_norm_uses_transformers_qwen3_attention():
+def test_qk_norm_after_rope_is_the_authors_and_before_rope_is_qwen3s():
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
+
+    from ddl.modeling_ddl import DDLQKNormAttention
+
+    hidden = torch.randn(2, 6, TINY["hidden_size"], generator=seeded(4))
+    outputs = {}
+    for position in ("before_rope", "after_rope"):
+        config = tiny_config(qk_norm=True, qk_norm_position=position, attn_implementation="eager")
+        torch.manual_seed(0)
+        attention = DDLQKNormAttention(config, 0).eval()
+        with torch.no_grad():
+            for norm in (attention.q_norm, attention.k_norm):
+                norm.weight.uniform_(0.5, 1.5)  # differ within rotary pairs, as trained norms do
+        rope = LlamaRotaryEmbedding(config)(hidden, torch.arange(6)[None])
+        outputs[position] = attention(hidden, rope, None)[0]
+        if position == "before_rope":  # exactly transformers' Qwen3 attention
+            qwen3 = Qwen3Attention(config, 0).eval()
+            qwen3.load_state_dict(attention.state_dict())
+            torch.testing.assert_close(outputs[position], qwen3(hidden, rope, None)[0], rtol=0, atol=1e-6)
+        else:  # by hand: rotate, then normalise each head
+            q, k, v = (proj(hidden).view(2, 6, -1, config.head_dim).transpose(1, 2)
+                       for proj in (attention.q_proj, attention.k_proj, attention.v_proj))
+            q, k = apply_rotary_pos_emb(q, k, *rope)
+            q, k = attention.q_norm(q), attention.k_norm(k)
+            k, v = (t.repeat_interleave(2, dim=1) for t in (k, v))  # 4 heads over 2 key/value heads
+            weights = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(config.head_dim), -1)
+            expected = attention.o_proj((weights @ v).transpose(1, 2).reshape(2, 6, -1))
+            torch.testing.assert_close(outputs[position], expected, rtol=0, atol=1e-6)
+    assert (outputs["after_rope"] - outputs["before_rope"]).abs().max() > 1e-4  # not the same model
     model = _model(qk_norm=True)
     names = {n for n, _ in model.named_parameters()}
     assert "model.layers.0.self_attn.q_norm.weight" in names and "model.layers.0.self_attn.k_norm.weight" in names
-    ids = _ids()
-    assert model(ids, output_attentions=True, attn_implementation="eager").attentions is not None
+    assert model(_ids(), output_attentions=True, attn_implementation="eager").attentions is not None
 
 
 def test_trainer_runs_a_few_steps(tmp_path):

@@ -237,9 +237,11 @@ def test_from_llama_initialises_the_ddl_branches(llama_dir):
             assert torch.equal(tensor, llama_state[name]), name
     layer = model.model.layers[0]
     assert torch.allclose(layer.attn_delta.beta_bias, torch.tensor([math.log(0.25 / 0.75)]))
-    assert torch.count_nonzero(layer.attn_delta.beta_weight) == 0
-    assert 0.005 < layer.mlp_delta.value_weight.std().item() < 0.05  # normal(0, initializer_range)
-    assert torch.all(layer.attn_compress.weight == 0.25) and torch.all(model.model.readout.weight == 0.25)
+    d = config.hidden_size  # the authors' initialisation (the default): spectral scales, neutral compressors
+    assert 0 < layer.attn_delta.beta_weight.abs().max() < 5 * 0.5 / d
+    assert layer.mlp_delta.value_weight.std().item() == pytest.approx(0.5 * math.sqrt(4) / d, rel=0.3)
+    for compress in (layer.compress, model.model.readout):
+        assert torch.all(compress.conv_weight == 0.25) and torch.all(compress.read == 0.25)
     taps = model.model.embed_conv.weight
     assert torch.all(taps[-1] == 1) and torch.all(taps[:-1] == 0)
 
