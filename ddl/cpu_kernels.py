@@ -47,8 +47,12 @@ logger = logging.get_logger(__name__)
 
 def _library_name():
     """One name per source text, so that an edited kernel is rebuilt instead of loading a stale build; AVX2 builds
-    get their own name, so that a cache shared by machines with different instruction sets keeps one of each."""
-    return "ddl_cpu_" + hashlib.sha1((SOURCE + " ".join(_flags())).encode()).hexdigest()[:12]
+    get their own name, so that a cache shared by machines with different instruction sets keeps one of each; and
+    one per PyTorch installation (its folder and version), so that environments sharing the cache each keep their
+    build instead of rebuilding it in turn (torch rebuilds whenever the compile command, which names its headers,
+    changes)."""
+    installation = f"{os.path.dirname(torch.__file__)} {torch.__version__}"
+    return "ddl_cpu_" + hashlib.sha1((SOURCE + " ".join(_flags()) + installation).encode()).hexdigest()[:12]
 
 
 def _flags():

@@ -387,3 +387,16 @@ def test_a_lock_file_whose_holder_cannot_be_told(age, fake_torch_build, caplog, 
         assert cpu_kernel() is built
     assert not (folder / "lock").exists() and "untouched for" in caplog.text
     assert (time.monotonic() - start >= 0.9) == (age == 0.0)
+
+
+def test_each_pytorch_installation_keeps_its_own_kernel_build(monkeypatch):
+    """Two environments sharing ~/.cache/torch_extensions compile with different header folders; under one name each
+    would rebuild the other's kernel (and wait for its lock) on every start."""
+    import torch
+
+    from ddl import cpu_kernels
+
+    here = cpu_kernels._library_name()
+    assert cpu_kernels._library_name() == here  # stable within one installation
+    monkeypatch.setattr(torch, "__file__", "/elsewhere/venv/lib/site-packages/torch/__init__.py")
+    assert cpu_kernels._library_name() != here
