@@ -1,4 +1,5 @@
-"""bench.py runs end to end and reports every figure as a ratio to Llama (the speed itself is not asserted)."""
+"""bench.py runs end to end and reports every figure as a ratio to Llama (the speed itself is not asserted); training
+is timed one model per fresh process, in alternations."""
 
 import json
 from collections import Counter
@@ -8,23 +9,121 @@ import pytest
 import bench
 
 
-def test_bench_smoke(tmp_path, capsys):
-    out = tmp_path / "bench.json"
-    bench.main(["--variants", "llama", "ddl-cc", "--repeats", "1", "--train_steps", "1", "--new_tokens", "2",
-                "--json", str(out)])
-    rows = {row["model"]: row for row in json.loads(out.read_text())["rows"]}
+def _forbid_training_here(monkeypatch):
+    """Any training step in this (the parent) process fails the test: training must run in the workers."""
+    def refuse(self):
+        raise AssertionError(f"{self.name} trained in the parent process")
+
+    monkeypatch.setattr(bench.Runner, "train_step", refuse)
+
+
+def test_bench_trains_per_process_and_writes_memory_timelines(tmp_path, capsys, monkeypatch):
+    """The default: training speed and peak memory come from fresh worker processes (the parent trains nothing),
+    prefill and decode from this process; a table with every figure, and each model's memory timeline."""
+    _forbid_training_here(monkeypatch)
+    # the workers run DDL's PyTorch path: each fresh process would otherwise load (and, in a build cache shared with
+    # other checkouts, maybe rebuild) the C++ kernel, seconds to this test for nothing it checks
+    monkeypatch.setenv("DDL_CPU_KERNEL", "0")
+    out, timeline = tmp_path / "bench.json", tmp_path / "timeline"
+    bench.main(["--size", "tiny", "--variants", "llama", "ddl-cc", "--repeats", "1", "--train_steps", "1",
+                "--new_tokens", "2", "--batch_size", "2", "--seq_len", "64", "--json", str(out),
+                "--memory_timeline", str(timeline)])
+    result = json.loads(out.read_text())
+    assert result["train"] == "per_process" and result["size"]["batch_size"] == 2 and result["size"]["seq_len"] == 64
+    rows = {row["model"]: row for row in result["rows"]}
     assert set(rows) == {"llama", "ddl-cc"}
     for key in ("train_tok_s", "prefill_tok_s", "decode_b1_tok_s", "decode_b8_tok_s", "peak_train_mem_MB"):
         assert rows["llama"][key]["ratio"] == 1.0 and rows["ddl-cc"][key]["median"] > 0
     # AdamW state + gradients + parameters alone exceed 4x the fp32 parameter bytes
     assert rows["llama"]["peak_train_mem_MB"]["median"] > 4 * 4 * rows["llama"]["params_M"] * 1e6 / 2**20
-    assert "| ddl-cc |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| ddl-cc |" in printed and "per process, 1 alternations" in printed
+
+    for model in ("llama", "ddl-cc"):
+        t = json.loads((timeline / f"{model}.json").read_text())
+        assert t["model"] == model and len(t["time_ms"]) == len(t["bytes"]) <= bench.TIMELINE_POINTS
+        assert all(len(row) == len(t["categories"]) for row in t["bytes"])
+        # the timeline's peak is the table's, and is kept by the compaction; parameters live throughout
+        assert t["peak_bytes"] / 2**20 == pytest.approx(rows[model]["peak_train_mem_MB"]["median"])
+        assert max(map(sum, t["bytes"])) == t["peak_bytes"] == sum(t["peak_by_category"].values())
+        params = t["categories"].index("parameter")
+        assert min(row[params] for row in t["bytes"]) >= 4 * rows[model]["params_M"] * 1e6 * 0.99
+        assert t["peak_by_category"]["activation"] > 0 and t["peak_by_category"]["optimizer_state"] > 0
+    assert (timeline / "memory_timeline.png").stat().st_size > 0
+
+
+def test_bench_in_process_training_figure(tmp_path, capsys):
+    """--train_in_process keeps the interleaved figure of one process (for comparison); no worker is started when
+    memory is skipped too."""
+    out = tmp_path / "bench.json"
+    bench.main(["--variants", "llama", "ddl-dv1", "--repeats", "1", "--train_steps", "1", "--train_in_process",
+                "--skip", "prefill", "decode", "memory", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert result["train"] == "in_process"
+    rows = {row["model"]: row for row in result["rows"]}
+    assert rows["ddl-dv1"]["train_tok_s"]["median"] > 0 and "peak_train_mem_MB" not in rows["ddl-dv1"]
+    assert "one process, interleaved (--train_in_process)" in capsys.readouterr().out
+
+
+def test_memory_timeline_folder_is_never_overwritten(tmp_path, capsys):
+    """A folder that already holds files (an earlier timeline, the 'before' of a comparison) is refused in one line,
+    before anything runs, and kept as it was."""
+    folder = tmp_path / "before"
+    folder.mkdir()
+    (folder / "llama.json").write_text("{}")
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--variants", "llama", "ddl-cc", "--memory_timeline", str(folder)])
+    assert stop.value.code == 2
+    assert "is not empty; choose a new folder" in capsys.readouterr().err
+    assert (folder / "llama.json").read_text() == "{}" and sorted(p.name for p in folder.iterdir()) == ["llama.json"]
+
+
+@pytest.mark.parametrize("argv", [["--repeats", "0"], ["--batch_size", "0"], ["--warmup_steps", "-1"],
+                                  ["--skip", "memory", "--memory_timeline", "x"]])
+def test_bad_flags_are_one_line(argv, capsys):
+    with pytest.raises(SystemExit) as stop:
+        bench.main(argv)
+    assert stop.value.code == 2 and "error: --" in capsys.readouterr().err
+
+
+def test_alternations_run_each_model_once_reversing_the_order():
+    """Each alternation starts every model once, in its own process; Llama first in one, last in the next; peak
+    memory once per model, in the first alternation."""
+    jobs = bench.worker_jobs(["ddl-cc", "llama", "ddl-tc"], 4, train=True, memory=True)
+    by_alternation = [[name for a, name, _, _ in jobs if a == alternation] for alternation in range(4)]
+    assert by_alternation == [["llama", "ddl-cc", "ddl-tc"], ["ddl-tc", "ddl-cc", "llama"]] * 2
+    assert all(train for _, _, train, _ in jobs)
+    assert [(a, name) for a, name, _, memory in jobs if memory] == [(0, "llama"), (0, "ddl-cc"), (0, "ddl-tc")]
+    # without timed training (skipped, or timed in one process), one memory process per model
+    assert bench.worker_jobs(["ddl-cc", "llama"], 4, train=False, memory=True) == [(0, "llama", False, True),
+                                                                                    (0, "ddl-cc", False, True)]
+    assert bench.worker_jobs(["ddl-cc", "llama"], 4, train=False, memory=False) == []
+
+
+def test_worker_command_carries_the_measurement_settings():
+    args = bench.parse_args(["--size", "small", "--batch_size", "1", "--seq_len", "512", "--dtype", "bfloat16",
+                             "--device", "cpu", "--compile", "--train_steps", "3", "--warmup_steps", "2"])
+    cmd = bench.worker_command(args, "ddl-cc", "r.json", train=True, memory=False)
+    worker = bench.parse_args(cmd[2:])
+    assert cmd[1] == bench.__file__ and worker._worker == "ddl-cc" and worker._train and not worker._memory
+    assert bench.bench_size(worker) == bench.bench_size(args) and bench.bench_size(args).seq_len == 512
+    for name in ("size", "device", "dtype", "implementation", "compile", "train_steps", "warmup_steps"):
+        assert getattr(worker, name) == getattr(args, name)
+
+
+def test_a_failed_worker_is_one_line(monkeypatch):
+    """A worker that dies (out of memory, say) stops the run with a line that names the model and what to try."""
+    monkeypatch.setattr(bench, "worker_command", lambda *a, **k: [bench.sys.executable, "-c", "raise SystemExit(3)"])
+    args = bench.parse_args(["--variants", "llama", "ddl-cc"])
+    records = {v: bench.Record(v, 1.0) for v in args.variants}
+    with pytest.raises(SystemExit, match=r"worker process for llama \(alternation 1\) ended with exit status 3.*"
+                                         r"smaller --batch_size"):
+        bench.run_workers(args, records, bench.worker_jobs(args.variants, 1, True, True), None)
 
 
 class _Fake:
     def __init__(self, name, values):
-        self.name, self.results = name, {"train_tok_s": values}
-        self.model = __import__("torch").nn.Linear(1, 1)
+        self.name, self.params_M, self.results = name, 1.0, {"train_tok_s": values}
 
 
 def test_ratios_are_paired_by_repeat():
@@ -33,6 +132,29 @@ def test_ratios_are_paired_by_repeat():
     row = {r["model"]: r for r in bench.summarise([ddl, llama])}["ddl"]["train_tok_s"]
     assert all(abs(row[key] - 0.9) < 1e-12 for key in ("ratio", "ratio_min", "ratio_max"))
     assert row["median"] == 72.0
+
+
+def test_ratio_spread_over_alternations():
+    """Per alternation, the variant's figure over Llama's of the same alternation; the table shows their median and
+    [min-max] (here 0.95 [0.78-0.96]), not a ratio of medians (94/100)."""
+    llama = _Fake("llama", [100.0, 90.0, 110.0, 100.0, 120.0])
+    ddl = _Fake("ddl-cc", [78.0, 85.5, 104.5, 94.0, 115.2])  # ratios 0.78, 0.95, 0.95, 0.94, 0.96
+    rows = bench.summarise([llama, ddl])
+    s = rows[1]["train_tok_s"]
+    assert (s["ratio"], s["ratio_min"], s["ratio_max"]) == pytest.approx((0.95, 0.78, 0.96))
+    table = bench.markdown(rows, "### header")
+    assert "| ddl-cc | 1.00 | 94 (0.95× [0.78–0.96]) | – |" in table
+    assert "train: one fresh process per model and alternation" in table
+
+
+def test_compact_timeline_keeps_the_peak():
+    times = list(range(0, 10_000, 2))  # µs
+    rows = [[1000, (i * 37) % 501] for i in range(len(times))]
+    rows[1234] = [1000, 9000]
+    t = bench.compact_timeline(times, ["parameter", "activation"], rows, points=100)
+    assert len(t["time_ms"]) == 100 and t["peak_bytes"] == 10000 and [1000, 9000] in t["bytes"]
+    assert t["peak_by_category"] == {"parameter": 1000, "activation": 9000}
+    assert t["time_ms"] == sorted(t["time_ms"]) and 0 <= t["time_ms"][0] < 0.1 and t["time_ms"][-1] <= 10
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 6])
