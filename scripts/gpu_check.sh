@@ -77,7 +77,7 @@ section "2. bench.py --size $SIZE, bf16: DDL's default paths, then Triton"
 for impl in auto triton; do
     record 150 "$OUT_DIR/bench_$impl.log" "$PY" bench.py --size "$SIZE" --device "$DEVICE" --dtype bfloat16 \
         --variants llama ddl-dv1 ddl-cc ddl-tc --implementation "$impl" --repeats "$REPEATS" \
-        --json "$OUT_DIR/bench_$impl.json"
+        --train_in_process --json "$OUT_DIR/bench_$impl.json"  # (one process per model would start 12 CUDA workers)
     { echo; echo "implementation=$impl:"; echo '```'; grep -vE "^\s*$|USDT|repeats done" "$OUT_DIR/bench_$impl.log" | tail -25; echo '```'; } >>"$RESULTS"
 done
 
