@@ -1,15 +1,35 @@
-"""One-command study: does the delta rule help? Seeds, matched controls and a compute-matched view (the paper,
+"""One-command study: does the delta rule help? Seeds, matched controls and compute-matched views (the paper,
 arXiv 2601.00417, lists all three among what it leaves open).
 
 Trains a grid of variants at equal dimensions, equal tokens and equal data order, for several seeds, each through
-train.py's own code path (`python train.py ...` in a subprocess), evaluates every run on the same validation blocks
-with eval.py's code path (perplexity; gate audit of each DDL variant's first seed) and writes a report to
-docs/study/: mean ± std and 95% CIs, the difference to the additive baseline, cost, learning curves, conclusion.
+train.py's own code path (`python train.py ...` in a subprocess; the model is DDLConfig's defaults, the authors'
+code, through train.py's preset), evaluates every run on the same validation blocks with eval.py's code path
+(perplexity; gate audit of each DDL variant's first seed) and writes a report to docs/study/: mean ± std and 95% CIs,
+the comparisons, cost, learning curves against tokens, wall-clock and FLOPs, conclusion.
 
-    python study.py                   # the full default study: 6 variants x 3 seeds, tiny preset, 47 min on 2 CPUs
+    python study.py                   # the full study: 6 variants x 5 seeds, tiny preset, scaled to fit 3 hours
+    python study.py --budget_hours 6  # the same, scaled to fit 6 hours of this machine
     python study.py --quick           # 5-minute smoke test (6 variants x 1 seed x 16 steps) into outputs/study-quick
     python study.py --report_only     # rebuild docs/study/ from the finished runs
-    python study.py --variants additive-dv1 delta-dv4-cc-ec delta-dv4-tc-ec --seeds 0 1 2 3 4
+    python study.py --variants additive-dv1 delta-dv4-cc-ec delta-dv4-tc-ec --max_tokens 1048576
+
+Primary comparison, named before any run: `delta-dv4-cc-ec` (the paper's default DDL) minus `additive-dv1` (the
+Llama baseline), final validation loss at equal tokens, paired by seed, two-sided t-test at 5% with its 95% interval,
+uncorrected. Every other contrast (each variant against the baseline at equal tokens and at equal FLOPs, each delta
+variant against its matched controls) is secondary: one Holm-Bonferroni family, reported with Holm-adjusted p-values
+and Bonferroni-simultaneous intervals; the conclusion states a difference only where its interval excludes zero.
+
+Equal FLOPs: every run is evaluated `--curve_evals` times during training on the first `--curve_eval_blocks`
+validation blocks; its loss there is read at the FLOPs the baseline run of the same seed spent
+(`ddl_tools.study.training_flops_per_token` documents the accounting).
+
+Scale (`--budget_hours H`, default 3; `--max_tokens N` instead sets it by hand): before the first run, each variant
+trains `--calibration_steps` steps through the same code path in a temporary folder (or `--calibration FILE` reuses
+the calibration.json of an earlier study on this machine); from the measured seconds per step and per-run fixed cost
+(start-up, evaluations, saving), `ddl_tools.study.plan_scale` picks the largest whole number of steps for which
+variants x seeds runs fit in H hours less `--budget_slack` (10%) and the calibration's own time. The study folder
+records the plan (calibration.json), a rerun resumes with it, and the report states the chosen scale, the measured
+throughput, the predicted and the actual cost. The machine should be otherwise idle, during calibration and runs.
 
 Resumable: each (variant, seed) run writes outputs/study/runs/<variant>-s<seed>/result.json last; rerunning the
 same command skips finished runs and redoes interrupted ones, so the study can span several sittings (Ctrl-C, even
@@ -26,13 +46,8 @@ flags after `--` pass through unchanged (they become part of the study's setting
         --gradient_accumulation_steps 4 --world_size 8 --launcher "accelerate launch --multi_gpu --num_processes 8" \\
         --eval_tokens 2_000_000 --study_dir outputs/study-small --report_dir docs/study-small -- --bf16 true
 
-Default budget (the arithmetic): on 2 idle CPU cores the tiny preset runs ~0.47 s/step (additive d_v=1),
-~0.55 s/step (delta / write-only d_v=1) and ~0.9 s/step (any d_v=4 CC+EC) at 16 x 256 tokens per step, i.e.
-~4.3 s per step for the six variants. 3 seeds x 4.3 s x 256 steps = 55 min of training, plus ~35 s per run of
-start-up, data preparation, evaluation and saving (measured; 18 x 35 s = 11 min): ~66 min, leaving ~25% slack for
-a busy machine within 90 minutes. Hence --max_tokens 1,048,576 = 256 steps x 16 x 256 (51% of `python train.py`'s 2.05M
-tokens); the models learn well below the unigram loss (6.32) by then. Measured: the whole default study took 47 min on
-2 idle cores (with evaluation during training, since dropped), validation losses 5.28-5.36.
+The earlier 3-seed study (made before the authors' defaults, 1,048,576 tokens per run) is kept as a record in
+docs/study/3-seeds-before-authors-defaults/.
 """
 
 import argparse
@@ -46,8 +61,9 @@ import time
 from dataclasses import asdict, dataclass, field
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_TOKENS = 1_048_576  # per run; see "Default budget" above
+DEFAULT_BUDGET_HOURS = 3.0  # "a few hours of these 2 cores" for the whole default grid (issue 16)
 QUICK_STEPS = 16  # --quick: 16 steps of the preset's batch
+CALIBRATION_FILE = "calibration.json"
 
 
 @dataclass
@@ -57,11 +73,14 @@ class StudySettings:
     variants: list[str]
     seeds: list[int]
     preset: str
-    max_tokens: int
+    max_tokens: int | None  # None until the budget has chosen it (`resolve_scale`)
     per_device_train_batch_size: int
     gradient_accumulation_steps: int
     world_size: int  # processes the launcher starts (tokens per step = batch x accumulation x world x block)
     block_size: int
+    curve_evals: int  # in-training evaluations per run (the validation curve of the equal-FLOPs view)
+    curve_eval_blocks: int  # validation blocks each of them evaluates
+    budget_hours: float | None  # the study's time budget that chose max_tokens (None: --max_tokens given)
     dataset_name: str | None
     dataset_config_name: str | None
     train_file: str | None
@@ -87,7 +106,7 @@ class StudySettings:
 
 
 def parse_args(argv):
-    from ddl_tools.study import DEFAULT_SEEDS, DEFAULT_VARIANTS
+    from ddl_tools.study import DEFAULT_SEEDS, DEFAULT_VARIANTS, PRIMARY
     from ddl_tools.training import PRESET_RUN_DEFAULTS, PRESETS
     from train import ModelArguments
 
@@ -97,11 +116,24 @@ def parse_args(argv):
         argv, train_args = argv[:i], argv[i + 1 :]
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS),
-                   help="<delta|write_only|additive>-dv<N>[-cc|-tc][-ec]; the first additive-dv1 is the baseline")
+                   help="<delta|write_only|additive>-dv<N>[-cc|-tc][-ec]; additive-dv1 is the baseline. Primary "
+                        f"comparison (named before the runs): {PRIMARY[0]} - {PRIMARY[1]}, final validation loss at "
+                        "equal tokens, paired by seed, 95%%; every other contrast is Holm-corrected")
     p.add_argument("--seeds", nargs="*", type=int, default=list(DEFAULT_SEEDS))
     p.add_argument("--preset", default="tiny", choices=list(PRESETS))
     p.add_argument("--max_tokens", type=int, default=None,
-                   help=f"training tokens per run (default {DEFAULT_TOKENS:,}; --quick {QUICK_STEPS} steps)")
+                   help="training tokens per run, set by hand (default: chosen by --budget_hours; --quick "
+                        f"{QUICK_STEPS} steps)")
+    p.add_argument("--budget_hours", type=float, default=None,
+                   help=f"hours the whole grid may take on this machine (default {DEFAULT_BUDGET_HOURS:g}): "
+                        "calibration steps of each variant choose --max_tokens")
+    p.add_argument("--budget_slack", type=float, default=0.1, help="fraction of the budget kept free")
+    p.add_argument("--calibration_steps", type=int, default=12, help="timed steps per variant before the study")
+    p.add_argument("--calibration", default=None,
+                   help="reuse this calibration.json (an earlier study's on this machine) instead of timing")
+    p.add_argument("--curve_evals", type=int, default=8,
+                   help="in-training evaluations per run (the curve read at equal FLOPs)")
+    p.add_argument("--curve_eval_blocks", type=int, default=64, help="validation blocks each of them evaluates")
     p.add_argument("--per_device_train_batch_size", type=int, default=None, help="default: the preset's")
     p.add_argument("--gradient_accumulation_steps", type=int, default=1)
     p.add_argument("--world_size", type=int, default=1, help="processes per run started by --launcher")
@@ -126,18 +158,31 @@ def parse_args(argv):
     args.block_size = args.block_size or run_defaults["block_size"]
     tokens_per_step = (args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
                        * args.block_size)
+    if args.max_tokens is not None and args.budget_hours is not None:
+        p.error("give --max_tokens or --budget_hours, not both: the budget chooses the tokens per run.")
     if args.quick:
         args.seeds = args.seeds if "--seeds" in argv else [0]
-        args.max_tokens = args.max_tokens or QUICK_STEPS * tokens_per_step
+        if args.budget_hours is None:
+            args.max_tokens = args.max_tokens or QUICK_STEPS * tokens_per_step
         args.eval_tokens = args.eval_tokens or 8192
         args.audit_tokens = 4096 if "--audit_tokens" not in argv else args.audit_tokens
+        args.curve_evals = args.curve_evals if "--curve_evals" in argv else 2
+        args.curve_eval_blocks = args.curve_eval_blocks if "--curve_eval_blocks" in argv else 8
+    if args.max_tokens is None and args.budget_hours is None:
+        args.budget_hours = DEFAULT_BUDGET_HOURS
+    for name in ("budget_hours", "calibration_steps", "curve_evals", "curve_eval_blocks"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            p.error(f"--{name} must be positive, got {getattr(args, name)}.")
+    if not 0 <= args.budget_slack < 1:
+        p.error(f"--budget_slack must be in [0, 1), got {args.budget_slack}.")
     args.study_dir = args.study_dir or os.path.join("outputs", "study-quick" if args.quick else "study")
     args.report_dir = args.report_dir or (os.path.join(args.study_dir, "report") if args.quick
                                           else os.path.join("docs", "study"))
     if args.train_file and not args.validation_file:
         p.error("--train_file needs --validation_file: every run must be evaluated on the same fixed text.")
     settings = StudySettings(
-        variants=args.variants, seeds=args.seeds, preset=args.preset, max_tokens=args.max_tokens or DEFAULT_TOKENS,
+        variants=args.variants, seeds=args.seeds, preset=args.preset, max_tokens=args.max_tokens,
+        curve_evals=args.curve_evals, curve_eval_blocks=args.curve_eval_blocks, budget_hours=args.budget_hours,
         per_device_train_batch_size=args.per_device_train_batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps, world_size=args.world_size,
         block_size=args.block_size, dataset_name=args.dataset_name,
@@ -152,18 +197,22 @@ def parse_args(argv):
 # ------------------------------------------------------------------------------------------------- one run
 
 
-def train_command(settings: StudySettings, variant: str, seed: int, out: str, stats_path: str, tokenizer: str):
-    """The command line of one training run: train.py's flags, run through this file's child entry (which records
-    peak memory). No evaluation during training: the study evaluates every run afterwards on the same blocks."""
+def train_command(settings: StudySettings, variant: str, seed: int, out: str, stats_path: str, tokenizer: str,
+                  steps: int | None = None):
+    """The command line of one training run (`steps`: default the study's): train.py's flags, run through this
+    file's child entry (which records peak memory). During training, `curve_evals` evaluations on the first
+    `curve_eval_blocks` validation blocks (the last at the final step) give the validation curve of the equal-FLOPs
+    view; the study evaluates every run afterwards on all its validation blocks."""
     from ddl_tools.study import variant_flags
 
-    steps = settings.max_steps
+    steps = steps or settings.max_steps
     flags = {
         "output_dir": out, "overwrite_output_dir": "true", "seed": seed, "preset": settings.preset,
         "max_steps": steps, "per_device_train_batch_size": settings.per_device_train_batch_size,
         "gradient_accumulation_steps": settings.gradient_accumulation_steps, "block_size": settings.block_size,
-        "tokenizer_name": tokenizer, "report_to": "none", "save_strategy": "no", "eval_strategy": "no",
-        "max_eval_samples": 32, "logging_steps": max(1, min(10, steps // 20)),
+        "tokenizer_name": tokenizer, "report_to": "none", "save_strategy": "no", "eval_strategy": "steps",
+        "eval_steps": max(1, steps // settings.curve_evals), "max_eval_samples": settings.curve_eval_blocks,
+        "logging_steps": max(1, min(10, steps // 20)),
         "sample_max_new_tokens": 16,
         **{k: str(v).lower() if isinstance(v, bool) else v for k, v in variant_flags(variant).items()},
     }
@@ -211,15 +260,17 @@ class Evaluator:
         self.texts, self.source = validation_texts(settings)
 
     def __call__(self, model_dir: str, audit: bool) -> dict:
-        from ddl_tools import evaluation
+        from ddl_tools import evaluation, study
 
         model, tokenizer = self.eval_script.load_checkpoint(model_dir, self.device, self.dtype)
         ids = evaluation.tokenize_documents(tokenizer, self.texts, self.settings.eval_tokens)
         block = self.settings.block_size
         windows = evaluation.token_windows(ids, block, drop_remainder=True)  # = train.py's packed eval blocks
         ppl = evaluation.perplexity(model, windows, batch_size=16, block_size=block)
+        flops = study.training_flops_per_token(model.config, block)
         out = {"val_loss": ppl.mean_nll, "val_perplexity": ppl.perplexity, "val_tokens": ppl.tokens,
-               "val_text": self.source, "parameters": model.num_parameters()}
+               "val_text": self.source, "parameters": model.num_parameters(), "flops_per_token": flops.total,
+               "flops_breakdown": asdict(flops)}
         if audit:
             audit_windows = evaluation.token_windows(ids[: self.settings.audit_tokens], block)
             try:
@@ -287,13 +338,15 @@ def run_child(cmd: list[str], log_path: str) -> int:
         return subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent())
 
 
-def make_launcher(settings: StudySettings, study_dir: str, first_seed: int):
+def make_launcher(settings: StudySettings, study_dir: str, first_seed: int | None, steps: int | None = None):
+    """`launch(spec, path)`: train one run (`steps`: default the study's) and evaluate it; the result of `run_study`."""
     tokenizer = shared_tokenizer(settings, study_dir)
     evaluator = Evaluator(settings)
+    steps = steps or settings.max_steps
 
     def launch(spec, path: str) -> dict:
         out, stats_path, log_path = (os.path.join(path, name) for name in ("model", "train_stats.json", "train.log"))
-        cmd = train_command(settings, spec.variant, spec.seed, out, stats_path, tokenizer)
+        cmd = train_command(settings, spec.variant, spec.seed, out, stats_path, tokenizer, steps)
         start = time.time()
         code = run_child(cmd, log_path)
         if code != 0:
@@ -308,20 +361,164 @@ def make_launcher(settings: StudySettings, study_dir: str, first_seed: int):
         with open(stats_path) as f:
             stats = json.load(f)
         cuda = stats.get("cuda_max_allocated_mib")
+        history, eval_curve = training_curves(log_history, settings.tokens_per_step)
+        eval_s = sum(p["eval_s"] for p in eval_curve)
+        train_s = metrics["train_runtime"] - eval_s if metrics.get("train_runtime") else None
         result = {
-            "steps": settings.max_steps, "tokens": metrics.get("tokens_seen"),
-            "train_runtime_s": metrics.get("train_runtime"), "process_wall_s": train_wall,
-            "tokens_per_s": metrics["tokens_seen"] / metrics["train_runtime"] if metrics.get("train_runtime") else None,
+            "steps": steps, "tokens": metrics.get("tokens_seen"),
+            "train_runtime_s": metrics.get("train_runtime"), "curve_eval_s": eval_s, "process_wall_s": train_wall,
+            "tokens_per_s": metrics["tokens_seen"] / train_s if train_s else None,
             "peak_memory_mib": cuda if cuda is not None else stats["max_rss_mib"],
             "memory_kind": "peak GPU memory allocated" if cuda is not None else "process max RSS (CPU)",
             "final_train_loss": metrics.get("final_train_loss"), "device": metrics.get("device"),
-            "history": [{"step": e["step"], "tokens": e.get("num_input_tokens_seen", e["step"] * settings.tokens_per_step),
-                         "train_loss": e["loss"], "wall_s": e["train_runtime"]} for e in log_history if "loss" in e],
+            "history": history, "eval_curve": eval_curve,
         }
+        start = time.time()
         result.update(evaluator(out, audit=spec.seed == first_seed))
+        result["final_eval_s"] = time.time() - start
         return result
 
     return launch
+
+
+def training_curves(log_history: list[dict], tokens_per_step: int) -> tuple[list[dict], list[dict]]:
+    """Trainer's log history as the study's curves: the training-loss logs (`wall_s`: seconds of training, the
+    in-training evaluations before each log taken out) and the in-training validation losses."""
+    history, eval_curve, paused = [], [], 0.0
+    for e in log_history:
+        tokens = e.get("num_input_tokens_seen") or e["step"] * tokens_per_step
+        if "eval_loss" in e:
+            eval_curve.append({"step": e["step"], "tokens": tokens, "val_loss": e["eval_loss"],
+                               "eval_s": e.get("eval_runtime", 0.0)})
+            paused += e.get("eval_runtime", 0.0)
+        elif "loss" in e:
+            history.append({"step": e["step"], "tokens": tokens, "train_loss": e["loss"],
+                            "wall_s": e["train_runtime"] - paused})
+    return history, eval_curve
+
+
+# --------------------------------------------------------------------------------------------------- scale
+
+
+def calibrate(settings: StudySettings, args) -> dict:
+    """Time `--calibration_steps` training steps of every variant (seed = the study's first), through the study's own
+    launch path in a temporary folder next to the study folder (deleted after), with one in-training evaluation at
+    the end. Per variant: `step_s` (seconds per step, between the first and last step logs: the first step's
+    warm-up excluded) and `run_s`, the fixed cost of one study run: the process's time beyond its steps (start-up,
+    data, warm-up, saving), `--curve_evals` in-training evaluations at the measured cost of one, and the final
+    evaluation (the first seed's gate audit is not included)."""
+    import shutil
+    import tempfile
+    from dataclasses import replace
+
+    from ddl_tools import study
+
+    steps = args.calibration_steps
+    if steps < 3:
+        raise ValueError(f"--calibration_steps must be at least 3 to time steps after the first, got {steps}.")
+    probe = replace(settings, max_tokens=steps * settings.tokens_per_step, curve_evals=1)
+    parent = os.path.dirname(os.path.abspath(args.study_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix="study-calibration-", dir=parent)
+    start = time.time()
+    variants = {}
+    try:
+        launch = make_launcher(probe, tmp, first_seed=None, steps=steps)
+        for variant in settings.variants:
+            path = os.path.join(tmp, variant)
+            os.makedirs(path)
+            print(f"calibration: {variant}, {steps} steps ...", flush=True)
+            r = launch(study.RunSpec(variant, settings.seeds[0]), path)
+            first, last = r["history"][0], r["history"][-1]
+            if last["step"] <= first["step"]:
+                raise ValueError(f"calibration of {variant}: too few step logs to time a step.")
+            step_s = (last["wall_s"] - first["wall_s"]) / (last["step"] - first["step"])
+            eval_one = r["curve_eval_s"] / max(1, len(r["eval_curve"]))
+            run_s = r["process_wall_s"] - steps * step_s + settings.curve_evals * eval_one + r["final_eval_s"]
+            variants[variant] = {"step_s": step_s, "tokens_per_s": settings.tokens_per_step / step_s, "run_s": run_s,
+                                 "flops_per_token": r["flops_per_token"], "device": r.get("device")}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {"steps": steps, "seconds": time.time() - start, "variants": variants,
+            "load_average": os.getloadavg()[0], "preset": settings.preset,
+            "tokens_per_step": settings.tokens_per_step, "curve_evals": settings.curve_evals}
+
+
+def resolve_scale(settings: StudySettings, args) -> dict | None:
+    """Set `settings.max_tokens` from `--budget_hours`: the plan a study folder recorded at its first start (a
+    rerun resumes with it), else a new calibration (or `--calibration FILE`) and `plan_scale`. Returns the plan,
+    None when --max_tokens was given. Raises ValueError (one line) for a folder planned otherwise."""
+    from ddl_tools import study
+
+    if settings.max_tokens is not None:
+        return None
+    recorded = os.path.join(args.study_dir, CALIBRATION_FILE)
+    if os.path.isfile(os.path.join(args.study_dir, study.STUDY_FILE)):
+        if not os.path.isfile(recorded):
+            raise ValueError(f"{args.study_dir!r} holds a study whose --max_tokens was given by hand; rerun with the "
+                             "same --max_tokens to resume it, or choose another --study_dir.")
+        with open(recorded, encoding="utf-8") as f:
+            plan = json.load(f)
+        if plan["budget_hours"] != settings.budget_hours:
+            raise ValueError(f"{args.study_dir!r} holds a study planned for --budget_hours {plan['budget_hours']:g}; "
+                             "rerun with it to resume, or choose another --study_dir.")
+        settings.max_tokens = plan["max_tokens"]
+        return plan
+    if args.report_only:
+        raise ValueError(f"{args.study_dir!r} holds no study to report on.")
+    if os.path.isdir(args.study_dir) and os.listdir(args.study_dir):  # refused by check_study_config: before timing
+        raise ValueError(f"{args.study_dir!r} exists and is not a study folder (no {study.STUDY_FILE}); choose another "
+                         "--study_dir.")
+    if args.calibration:
+        calibration = read_calibration(args.calibration, settings)
+        spent = 0.0
+    else:
+        calibration = calibrate(settings, args)
+        spent = calibration["seconds"]
+    variants = calibration["variants"]
+    plan = study.plan_scale({v: variants[v]["step_s"] for v in settings.variants},
+                            {v: variants[v]["run_s"] for v in settings.variants}, len(settings.seeds),
+                            settings.budget_hours * 3600, settings.tokens_per_step, spent, args.budget_slack)
+    settings.max_tokens = plan["max_tokens"]
+    return {"budget_hours": settings.budget_hours, "slack": args.budget_slack, **plan,
+            "calibration_source": args.calibration or "measured at the study's start", "calibration": calibration}
+
+
+def read_calibration(path: str, settings: StudySettings) -> dict:
+    """The calibration of an earlier study (its calibration.json, or the calibration inside it), for this grid."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--calibration {path!r}: cannot read it ({err}).") from err
+    data = data.get("calibration", data)
+    missing = [v for v in settings.variants if v not in data.get("variants", {})]
+    if missing:
+        raise ValueError(f"--calibration {path!r} has no timing of {', '.join(missing)}; calibrate anew (leave out "
+                         "--calibration).")
+    if (data.get("preset"), data.get("tokens_per_step")) != (settings.preset, settings.tokens_per_step):
+        raise ValueError(f"--calibration {path!r} timed the {data.get('preset')} preset at "
+                         f"{data.get('tokens_per_step')} tokens per step, not {settings.preset} at "
+                         f"{settings.tokens_per_step}; calibrate anew (leave out --calibration).")
+    return data
+
+
+def describe_scale(plan: dict | None, results: list[dict]) -> dict:
+    """The report's lines on how the scale was chosen and what the study cost."""
+    if plan is None:
+        return {"scale": "--max_tokens given by hand"}
+    calibration = plan["calibration"]
+    spent = sum((r.get("process_wall_s") or 0) + (r.get("final_eval_s") or 0) for r in results)
+    return {
+        "scale": f"chosen by --budget_hours {plan['budget_hours']:g} (slack {plan['slack']:.0%}): the largest whole "
+                 f"number of steps for which the grid's predicted time fits; {plan['steps']} steps",
+        "throughput (calibration, "
+        f"{calibration['steps']} steps each; {plan['calibration_source']})": "; ".join(
+            f"{v} {c['tokens_per_s']:,.0f} tokens/s ({c['step_s']:.2f} s/step), {c['run_s']:.0f} s fixed per run"
+            for v, c in calibration["variants"].items()),
+        "predicted cost (calibration included)": f"{plan['predicted_s'] / 3600:.2f} h",
+        "measured cost of the finished runs (training processes and final evaluations)": f"{spent / 3600:.2f} h",
+    }
 
 
 # ---------------------------------------------------------------------------------------------------- main
@@ -371,7 +568,7 @@ def train_grid(settings: StudySettings, args, grid) -> dict:
     return summary
 
 
-def report(settings: StudySettings, args, grid, failed: dict) -> int:
+def report(settings: StudySettings, args, grid, failed: dict, plan: dict | None = None) -> int:
     """Write the report from the finished runs of the grid and print its headline."""
     from ddl_tools import study
 
@@ -384,13 +581,15 @@ def report(settings: StudySettings, args, grid, failed: dict) -> int:
              "tokens per run": settings.max_steps * settings.tokens_per_step,
              "data": settings.dataset_name or settings.train_file or "embedded Shakespeare (4 held-out works)",
              "seeds": settings.seeds, "extra train.py flags": " ".join(settings.train_args) or "none",
-             "device": results[0].get("device")}
+             "in-training evaluations (equal-FLOPs curve)": f"{settings.curve_evals} x {settings.curve_eval_blocks} "
+                                                             "validation blocks",
+             "device": results[0].get("device"), **describe_scale(plan, results)}
     baseline = study.BASELINE if study.BASELINE in settings.variants else settings.variants[0]
     path = study.write_report(results, args.report_dir, shown, failed, baseline, settings.variants)
     print(f"\nreport: {path}\n")
     with open(path, encoding="utf-8") as f:
         text = f.read()
-    print(text[text.find("## Final validation loss"):text.find("## Learning curves")].strip())
+    print(text[text.find("## Final validation loss"):text.find("## Learning curves")].strip())  # and comparisons
     print("\n" + text[text.find("## Conclusion"):].strip())
     return 1 if failed else 0
 
@@ -403,7 +602,16 @@ def main(argv: list[str]) -> int:
     logging.set_verbosity_warning()
     logging.disable_progress_bar()
     try:
+        from ddl_tools import study
+
+        study.build_grid(settings.variants, settings.seeds)  # bad names: refused before any calibration
+        study.check_report_dir(args.report_dir)
+        plan = resolve_scale(settings, args)
         grid = check_settings(settings, args)
+        if plan is not None and not os.path.isfile(os.path.join(args.study_dir, CALIBRATION_FILE)):
+            from ddl_tools.outputs import write_json
+
+            write_json(os.path.join(args.study_dir, CALIBRATION_FILE), plan)
     except ValueError as err:
         print(f"study.py: error: {err}", file=sys.stderr)
         return 2
@@ -423,8 +631,11 @@ def main(argv: list[str]) -> int:
         print(f"study: {len(settings.variants)} variants x {len(settings.seeds)} seeds = {len(grid)} runs; "
               f"{settings.preset} preset, {settings.max_steps} steps x {settings.tokens_per_step:,} tokens = "
               f"{settings.max_steps * settings.tokens_per_step:,} tokens per run; runs in {args.study_dir}")
+        if plan is not None:
+            print(f"scale: {settings.max_steps} steps per run, chosen to fit --budget_hours {settings.budget_hours:g} "
+                  f"(predicted {plan['predicted_s'] / 3600:.2f} h, calibration included)")
         failed = {} if args.report_only else train_grid(settings, args, grid)["failed"]
-        return report(settings, args, grid, failed)
+        return report(settings, args, grid, failed, plan)
     finally:
         lock.release(remove=True)
 

@@ -13,12 +13,13 @@ from ddl_tools import study
 # ------------------------------------------------------------------------------------------------------ grid
 
 
-def test_default_grid_is_six_variants_by_three_seeds_seed_major():
+def test_default_grid_is_six_variants_by_five_seeds_seed_major():
     grid = study.build_grid(study.DEFAULT_VARIANTS, study.DEFAULT_SEEDS)
-    assert len(grid) == 18
+    assert len(grid) == 30 and study.DEFAULT_SEEDS == (0, 1, 2, 3, 4)
     assert [s.name for s in grid[:6]] == [f"{v}-s0" for v in study.DEFAULT_VARIANTS]
     assert {s.seed for s in grid[6:12]} == {1}
     assert study.DEFAULT_VARIANTS[0] == study.BASELINE == "additive-dv1"
+    assert study.PRIMARY == ("delta-dv4-cc-ec", "additive-dv1") and set(study.PRIMARY) <= set(study.DEFAULT_VARIANTS)
 
 
 @pytest.mark.parametrize("name, flags", [
@@ -73,9 +74,15 @@ def test_train_command_passes_the_variant_seed_and_budget(tmp_path):
     assert flags["--ddl_residual"] == "delta" and flags["--ddl_value_channels"] == "4"
     assert flags["--ddl_embed_conv"] == "true" and flags["--tokenizer_name"] == "tok"
     assert flags["--overwrite_output_dir"] == "true" and flags["--report_to"] == "none"
+    assert flags["--eval_strategy"] == "steps" and flags["--eval_steps"] == "8" and flags["--max_eval_samples"] == "8"
     assert cmd[-2:] == ["--learning_rate", "3e-4"]
-    full, _ = script.parse_args([])
-    assert full.max_steps == 256 and full.seeds == [0, 1, 2] and full.max_tokens == 1_048_576
+    full, _ = script.parse_args([])  # the budget chooses the tokens (resolve_scale), 5 seeds
+    assert full.max_tokens is None and full.budget_hours == 3.0 and full.seeds == [0, 1, 2, 3, 4]
+    assert full.curve_evals == 8 and full.curve_eval_blocks == 64
+    by_hand, _ = script.parse_args(["--max_tokens", "1048576"])
+    assert by_hand.max_steps == 256 and by_hand.budget_hours is None
+    cmd = script.train_command(by_hand, "additive-dv1", 0, "out", "stats.json", "tok")
+    assert dict(zip(cmd[4::2], cmd[5::2]))["--eval_steps"] == "32"  # 8 evaluations, the last at the final step
 
 
 def first_batches(variant, seed, tmp_path, n=4):
@@ -234,10 +241,12 @@ def made_up_results(audit_rows):
             loss = 5.0 + offset + 0.03 * seed
             history = [{"step": s, "tokens": s * 4096, "train_loss": 8 - s * 0.1 + offset, "wall_s": s * (1 + offset)}
                        for s in range(1, 21)]
+            curve = [{"step": s, "tokens": s * 4096, "val_loss": 5.5 - 0.025 * s + offset} for s in (4, 8, 12, 16, 20)]
             results.append({
                 "variant": variant, "seed": seed, "val_loss": loss, "val_perplexity": math.exp(loss), "tokens": 81920,
                 "tokens_per_s": 2000.0, "parameters": 1_400_000, "peak_memory_mib": 1200.0,
-                "memory_kind": "process max RSS (CPU)", "history": history,
+                "memory_kind": "process max RSS (CPU)", "history": history, "eval_curve": curve,
+                "flops_per_token": 1_250_000 if "dv4" in variant else 1_000_000,
                 **({"audit": audit_rows} if seed == 0 and variant.startswith("delta") else {}),
             })
     return results
@@ -256,7 +265,7 @@ def test_report_on_made_up_results(tmp_path):
     results = made_up_results(rows)
     path = study.write_report(results, str(tmp_path), {"preset": "tiny"}, order=study.DEFAULT_VARIANTS)
     text = open(path, encoding="utf-8").read()
-    for png in ("loss_vs_tokens.png", "loss_vs_wallclock.png"):
+    for png in ("loss_vs_tokens.png", "loss_vs_wallclock.png", "loss_vs_flops.png"):
         assert os.path.getsize(tmp_path / png) > 1000 and f"]({png})" in text
     assert (tmp_path / "audit" / "delta-dv1" / "audit_beta_hist.png").exists()
     assert "### `delta-dv1`" in text and "### `delta-dv4-cc-ec`" in text
@@ -264,22 +273,27 @@ def test_report_on_made_up_results(tmp_path):
     for line in text.splitlines():  # the results table comes first; the matched-controls table after it
         if line.startswith("| `"):
             table.setdefault(line.split("|")[1].strip(), line)
-    assert "5.0300 ± 0.0300" in table["`additive-dv1`"] and "(baseline)" in table["`additive-dv1`"]
-    assert "-0.0800 [-0.0800, -0.0800]" in table["`delta-dv4-cc-ec`"]  # same offset every seed: zero-width CI
+    assert "5.0300 ± 0.0300" in table["`additive-dv1`"]
     assert "1,400,000" in table["`delta-dv1`"] and "process max RSS (CPU)" in text
-    assert "reaches a **lower** validation loss than additive-dv1" in text
+    primary = next(line for line in text.splitlines() if line.startswith("| **primary**"))
+    assert "`delta-dv4-cc-ec` − `additive-dv1` | equal tokens | -0.0800 | [-0.0800, -0.0800] | 95%" in primary
+    assert text.index("**Primary comparison (named before the runs):**") < text.index("**Secondary comparisons**")
+    assert "delta-dv4-cc-ec reaches a **lower** validation loss than additive-dv1 at equal tokens" in text
     assert "delta-dv1 vs write_only-dv1" not in text  # exact offsets: every difference here is resolved
     assert "reaches a **lower** validation loss than write_only-dv1" in text  # matched control
+    # equal FLOPs: the baseline's last evaluation (5.5 - 0.025 x 20 = 5.0 at 20 x 4096 tokens x 1e6 FLOPs);
+    # delta-dv4-cc-ec spends 1.25e6 FLOPs per token, so it is read at 16 x 4096 tokens: 5.5 - 0.025 x 16 - 0.08 = 5.02
+    assert "5.0000 ± 0.0000" in table["`additive-dv1`"] and "5.0200 ± 0.0000" in table["`delta-dv4-cc-ec`"]
+    assert "`delta-dv4-cc-ec` − `additive-dv1` | equal FLOPs | +0.0200" in text
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert [r["variant"] for r in summary] == ["additive-dv1", "delta-dv1", "write_only-dv1", "delta-dv4-cc-ec"]
+    assert [r["variant"] for r in summary["variants"]] == ["additive-dv1", "delta-dv1", "write_only-dv1",
+                                                           "delta-dv4-cc-ec"]
+    assert summary["comparisons"][0]["primary"] and summary["comparisons"][0]["claimed"]
 
 
 def test_conclusion_with_one_seed_claims_nothing():
     results = [r for r in made_up_results(None) if r["seed"] == 0]
-    for r in results:
-        r.pop("audit", None)
-    rows = study.summary_rows(results)
-    assert "single seed" in study.conclusion(rows, study.contrasts(results))
+    assert "single seed" in study.conclusion(study.comparisons(results), 1)
 
 
 def test_conclusion_says_when_the_interval_includes_zero():
@@ -287,8 +301,8 @@ def test_conclusion_says_when_the_interval_includes_zero():
     for r in results:  # delta-dv1: +0.05, -0.05, +0.01 around the baseline, per seed
         if r["variant"] == "delta-dv1":
             r["val_loss"] = 5.0 + 0.03 * r["seed"] + (0.05, -0.05, 0.01)[r["seed"]]
-    text = study.conclusion(study.summary_rows(results), [])
-    assert "delta-dv1 vs additive-dv1" in text and "includes zero" in text
+    text = study.conclusion(study.comparisons(results), 3)
+    assert "delta-dv1 vs additive-dv1 at equal tokens" in text and "not distinguishable at this scale" in text
 
 
 # ------------------------------------------------------------------------ issue 14: never lose a user's work
@@ -327,6 +341,7 @@ def test_study_runs_from_another_working_directory(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "st" / "runs" / "additive-dv1-s0" / "result.json").read_text())
     assert result["steps"] == 2 and math.isfinite(result["val_loss"])
+    assert [p["step"] for p in result["eval_curve"]] == [1, 2] and result["flops_per_token"] > 0  # equal-FLOPs view
     assert (tmp_path / "st" / "runs" / "additive-dv1-s0" / "model" / "model.safetensors").is_file()
     assert (tmp_path / "rep" / "report.md").is_file()
     assert not os.path.exists(os.path.join(ROOT, "st"))
@@ -420,7 +435,7 @@ def test_a_second_study_in_the_same_folder_is_refused(tmp_path, capsys):
     script = study_script()
     folder = tmp_path / "s"
     args = ["--variants", "additive-dv1", "--seeds", "0", "--study_dir", str(folder), "--launcher", "false",
-            "--tokenizer_name", str(tmp_path / "tok")]
+            "--tokenizer_name", str(tmp_path / "tok"), "--max_tokens", "4096"]
     assert script.check_settings(*script.parse_args(args)) is not None  # creates the study folder
     running = FolderLock(str(folder))
     assert running.acquire()
@@ -438,3 +453,177 @@ def test_a_study_dir_that_is_a_file_is_one_line(tmp_path):
     with pytest.raises(ValueError, match="is a file, not a folder"):  # study.py prints it as one line (FileExistsError)
         study.check_study_config(str(afile), {"max_tokens": 100})
     assert afile.read_text() == "mine"
+
+
+# ------------------------------------------------------------- issue 16: primary comparison, Holm, FLOPs, scale
+
+
+def test_holm_adjust_against_a_hand_worked_example():
+    # p = 0.01, 0.04, 0.03, 0.005 (m = 4). Sorted: 0.005 x 4 = 0.02; 0.01 x 3 = 0.03; 0.03 x 2 = 0.06;
+    # 0.04 x 1 = 0.04, raised to the running maximum 0.06. Back in the given order:
+    assert study.holm_adjust([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    # capped at 1; a NaN (no test) stays NaN and does not count in m (here m = 2: 0.3 x 2 = 0.6, 0.7 x 1 -> 0.7)
+    adjusted = study.holm_adjust([0.7, math.nan, 0.3])
+    assert adjusted[0] == pytest.approx(0.7) and math.isnan(adjusted[1]) and adjusted[2] == pytest.approx(0.6)
+    assert study.holm_adjust([0.6, 0.9]) == pytest.approx([1.0, 1.0])
+
+
+def test_p_values_and_widened_intervals_match_scipy():
+    from scipy import stats
+
+    values, base = {0: 5.10, 1: 5.02, 2: 5.21, 3: 5.05, 4: 5.13}, {0: 5.20, 1: 5.07, 2: 5.22, 3: 5.16, 4: 5.15}
+    diffs = [values[s] - base[s] for s in range(5)]
+    est = study.difference(values, base, level=1 - 0.05 / 7)
+    test = stats.ttest_rel(list(values.values()), list(base.values()))
+    assert est.p_value == pytest.approx(test.pvalue)
+    low, high = stats.ttest_1samp(diffs, 0.0).confidence_interval(1 - 0.05 / 7)
+    assert (est.ci_low, est.ci_high) == (pytest.approx(low), pytest.approx(high)) and est.level == 1 - 0.05 / 7
+
+
+def five_seed_results():
+    """The default grid over 5 seeds; delta-dv4-cc-ec 0.03 below the baseline with a small spread (resolved even
+    after correction), delta-dv1 0.02 below with a larger one (a 95% interval that excludes zero, a simultaneous one
+    that does not)."""
+    noise = {"delta-dv4-cc-ec": (0.0, 0.004, -0.003, 0.002, -0.003), "delta-dv1": (0.009, -0.0165, 0.006, -0.012, 0.0135)}
+    offset = {"additive-dv1": 0.0, "delta-dv1": -0.02, "write_only-dv1": 0.0, "delta-dv4-cc-ec": -0.03,
+              "write_only-dv4-cc-ec": 0.0, "additive-dv4-cc-ec": 0.0}
+    results = []
+    for variant in study.DEFAULT_VARIANTS:
+        for seed in range(5):
+            loss = 5.0 + 0.05 * seed + offset[variant] + noise.get(variant, (0.001 * seed,) * 5)[seed]
+            results.append({"variant": variant, "seed": seed, "val_loss": loss, "history": []})
+    return results
+
+
+def test_primary_first_then_one_corrected_secondary_family():
+    results = five_seed_results()
+    comps = study.comparisons(results, order=study.DEFAULT_VARIANTS)
+    primary = comps[0]
+    assert primary.primary and (primary.variant, primary.control, primary.view) == (*study.PRIMARY, "equal tokens")
+    assert primary.estimate.level == 0.95 and primary.claimed and primary.adjusted_p == primary.estimate.p_value
+    secondary = comps[1:]
+    assert not any(c.primary for c in secondary)
+    # 4 other variants vs the baseline + 3 new matched controls (delta-dv1 vs additive-dv1 is already there); no
+    # equal-FLOPs contrasts without in-training curves
+    assert len(secondary) == 7 and {c.family_size for c in secondary} == {7}
+    assert all(c.estimate.level == pytest.approx(1 - 0.05 / 7) for c in secondary)
+    assert (study.PRIMARY[0], study.PRIMARY[1], "equal tokens") not in {(c.variant, c.control, c.view)
+                                                                        for c in secondary}
+    dv1 = next(c for c in secondary if (c.variant, c.control) == ("delta-dv1", "additive-dv1"))
+    uncorrected = study.difference(*[{r["seed"]: r["val_loss"] for r in results if r["variant"] == v}
+                                     for v in ("delta-dv1", "additive-dv1")])
+    assert uncorrected.excludes_zero() and not dv1.claimed  # resolved at 95%, not after the correction
+    assert dv1.adjusted_p == pytest.approx(study.holm_adjust([c_raw(c, results) for c in secondary])[
+        secondary.index(dv1)])
+    text = study.conclusion(comps, 5)
+    assert text.startswith("**Primary comparison (named before the runs):**\n- delta-dv4-cc-ec reaches a **lower**")
+    assert "one Holm-Bonferroni family of 7" in text
+    assert "- delta-dv1 vs additive-dv1 at equal tokens: -0.0220 nats; the 99.29% simultaneous interval" in text
+    assert "not distinguishable at this scale" in text
+
+
+def c_raw(c, results):
+    by = lambda v: {r["seed"]: r["val_loss"] for r in results if r["variant"] == v}  # noqa: E731
+    return study.difference(by(c.variant), by(c.control)).p_value
+
+
+def test_training_flops_per_token_against_a_hand_count():
+    from conftest import tiny_config
+
+    # TINY: d = 32, MLP 64, 2 layers, 4 heads of 8 (2 key-value heads), vocabulary 99; context 16.
+    # dense: per layer q 32x32 + k, v 2 x 32x16 + o 32x32 + MLP 3 x 32x64 = 9,216; x 2 layers + head 32x99 = 21,600
+    # attention: 2 layers x 2 products x 32 (4 x 8) x 16 = 2,048
+    additive = study.training_flops_per_token(tiny_config(ddl_residual="additive", ddl_value_channels=1), 16)
+    assert (additive.dense, additive.attention, additive.ddl) == (6 * 21_600, 6 * 2_048, 0)
+    # the paper's default DDL (delta, d_v = 4, CC, EC 4 taps): per seam gate 32 + value 4x32 + k 32 + write 4x32
+    # + readout 4x32 = 448, x 4 seams = 1,792; compressors (2 x 2 + 1) x 4x32 = 640; EC 4 x 4x32 = 512
+    default = study.training_flops_per_token(tiny_config(), 16)
+    assert default.ddl == 6 * (1_792 + 640 + 512) and default.total == 6 * (21_600 + 2_048 + 2_944)
+    # write_only, d_v = 2, TC of 3 taps, no EC, a two-layer gate of 8: seam 8x32 + 8 + 2x32 + 32 + 2x32 = 424,
+    # x 4 = 1,696; compressors 5 x 3 x 2x32 = 960
+    other = study.training_flops_per_token(tiny_config(ddl_residual="write_only", ddl_value_channels=2,
+                                                       ddl_compressor="tc", ddl_state_kernel_size=3,
+                                                       ddl_embed_conv=False, ddl_beta_hidden_size=8), 16)
+    assert other.ddl == 6 * (1_696 + 960)
+    assert study.training_flops_per_token(tiny_config(), 32).attention == 2 * default.attention  # linear in context
+
+
+def test_dense_and_attention_flops_equal_torchs_count_of_a_llama_step():
+    """torch's FlopCounterMode counts every matrix product of a forward and backward pass: for the additive d_v = 1
+    model (Llama) that is exactly the dense and attention terms."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from conftest import tiny_config
+    from ddl import DDLForCausalLM
+
+    config = tiny_config(ddl_residual="additive", ddl_value_channels=1)
+    config._attn_implementation = "eager"  # matrix products torch can see
+    model = DDLForCausalLM(config)
+    ids = torch.randint(3, config.vocab_size, (2, 16))
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert counter.get_total_flops() == 2 * 16 * study.training_flops_per_token(config, 16).total
+
+
+def test_loss_at_flops_interpolates_the_validation_curve():
+    run = {"flops_per_token": 10, "eval_curve": [{"tokens": 100, "val_loss": 6.0}, {"tokens": 200, "val_loss": 5.0},
+                                                 {"tokens": 400, "val_loss": 4.0}]}
+    assert study.loss_at_flops(run, 1500) == pytest.approx(5.5)
+    assert study.loss_at_flops(run, 3000) == pytest.approx(4.5)
+    assert study.loss_at_flops(run, 4000) == pytest.approx(4.0)
+    assert study.loss_at_flops(run, 4001) is None and study.loss_at_flops(run, 900) is None  # no extrapolation
+    assert study.loss_at_flops({"eval_curve": run["eval_curve"]}, 1500) is None  # FLOPs per token unknown
+
+
+def test_training_curves_take_evaluation_pauses_out_of_the_wall_clock():
+    script = study_script()
+    log = [{"step": 10, "loss": 7.0, "train_runtime": 5.0, "num_input_tokens_seen": 100},
+           {"step": 10, "eval_loss": 6.5, "eval_runtime": 2.0, "num_input_tokens_seen": 100},
+           {"step": 20, "loss": 6.0, "train_runtime": 12.0, "num_input_tokens_seen": 200},
+           {"step": 20, "eval_loss": 6.1, "eval_runtime": 3.0}]
+    history, curve = script.training_curves(log, 10)
+    assert [h["wall_s"] for h in history] == [5.0, 10.0] and [h["tokens"] for h in history] == [100, 200]
+    assert curve == [{"step": 10, "tokens": 100, "val_loss": 6.5, "eval_s": 2.0},
+                     {"step": 20, "tokens": 200, "val_loss": 6.1, "eval_s": 3.0}]
+
+
+def test_plan_scale_fits_the_grid_in_the_budget():
+    # 2 variants x 5 seeds in 1 hour, 10% slack, 60 s of calibration spent: 3,240 - 60 = 3,180 s usable;
+    # fixed 5 x (30 + 50) = 400 s; per step 5 x (0.5 + 1.0) = 7.5 s -> floor(2,780 / 7.5) = 370 steps
+    plan = study.plan_scale({"a": 0.5, "b": 1.0}, {"a": 30.0, "b": 50.0}, seeds=5, budget_s=3600,
+                            tokens_per_step=4096, spent_s=60, slack=0.1)
+    assert plan["steps"] == 370 and plan["max_tokens"] == 370 * 4096
+    assert plan["predicted_s"] == pytest.approx(60 + 400 + 370 * 7.5) and plan["predicted_s"] <= 3600 * 0.9
+    with pytest.raises(ValueError, match="too small .* about 0.14 hours"):  # (60 + 400 + 7.5) / 0.9 s = 0.144 h
+        study.plan_scale({"a": 0.5, "b": 1.0}, {"a": 30.0, "b": 50.0}, 5, 400, 4096, spent_s=60, slack=0.1)
+
+
+def test_budget_from_a_recorded_calibration_is_recorded_and_resumed(tmp_path, capsys):
+    script = study_script()
+    recorded = {"preset": "tiny", "tokens_per_step": 4096, "steps": 12, "seconds": 100.0,
+                "variants": {"additive-dv1": {"step_s": 0.5, "tokens_per_s": 8192, "run_s": 30.0},
+                             "delta-dv1": {"step_s": 1.0, "tokens_per_s": 4096, "run_s": 50.0}}}
+    (tmp_path / "cal.json").write_text(json.dumps(recorded))
+    folder = str(tmp_path / "s")
+    args = ["--variants", "additive-dv1", "delta-dv1", "--seeds", "0", "1", "2", "3", "4", "--study_dir", folder,
+            "--budget_hours", "1", "--calibration", str(tmp_path / "cal.json")]
+    settings, parsed = script.parse_args(args)
+    plan = script.resolve_scale(settings, parsed)
+    assert settings.max_tokens == plan["max_tokens"] == 378 * 4096  # floor((3,240 - 400) / 7.5): nothing spent
+    script.check_settings(settings, parsed)
+    from ddl_tools.outputs import write_json
+
+    write_json(os.path.join(folder, script.CALIBRATION_FILE), plan)
+    again, parsed = script.parse_args(args[:-2])  # a rerun: no calibration, the recorded plan
+    assert script.resolve_scale(again, parsed)["steps"] == 378 and again.max_tokens == 378 * 4096
+    other, parsed = script.parse_args(args[:-4] + ["--budget_hours", "2"])
+    with pytest.raises(ValueError, match="planned for --budget_hours 1"):
+        script.resolve_scale(other, parsed)
+    wrong, parsed = script.parse_args(args[:8] + ["--study_dir", str(tmp_path / "t"), "--calibration",
+                                                  str(tmp_path / "cal.json"), "--block_size", "128"])
+    with pytest.raises(ValueError, match="not tiny at 2048"):
+        script.resolve_scale(wrong, parsed)
+    with pytest.raises(SystemExit):
+        script.parse_args(["--max_tokens", "4096", "--budget_hours", "1"])
+    assert "not both" in capsys.readouterr().err
