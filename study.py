@@ -514,7 +514,7 @@ def describe_scale(plan: dict | None, results: list[dict]) -> dict:
                  f"number of steps for which the grid's predicted time fits; {plan['steps']} steps",
         "throughput (calibration, "
         f"{calibration['steps']} steps each; {plan['calibration_source']})": "; ".join(
-            f"{v} {c['tokens_per_s']:,.0f} tokens/s ({c['step_s']:.2f} s/step), {c['run_s']:.0f} s fixed per run"
+            f"{v} {c['tokens_per_s']:,.0f} tokens/s ({c['step_s']:.3f} s/step), {c['run_s']:.0f} s fixed per run"
             for v, c in calibration["variants"].items()),
         "predicted cost (calibration included)": f"{plan['predicted_s'] / 3600:.2f} h",
         "measured cost of the finished runs (training processes and final evaluations)": f"{spent / 3600:.2f} h",
