@@ -11,7 +11,9 @@ document into the first K-1 tokens of the next. `Documents` makes every token co
 
 so each document sees zeros before its first token, exactly as when it runs alone; the first document of a row keeps
 the row's own history (zeros, or the cache's). One index operation each way, differentiable, and no change to any
-kernel. Unpacked batches never get here (`find_documents` returns None) and run as before.
+kernel. Unpacked batches never get here (`find_documents` returns None) and run as before. Where transformers' causal
+mask would not keep the documents apart (it looks for packing only without a cache and without a mask), the model
+adds `Documents.attention_mask_function` to it.
 """
 
 import torch

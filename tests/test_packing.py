@@ -57,10 +57,6 @@ def _flattened(documents, **collator_args):
     return {k: v.to(torch.get_default_device()) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
-def _alone(model, documents):
-    return torch.cat([model(d.unsqueeze(0)).logits for d in documents], dim=1)
-
-
 @pytest.mark.parametrize("overrides, implementation", CASES)
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.float64, 1e-7)], ids=["fp32", "fp64"])
 def test_each_packed_document_gives_what_it_gives_alone(overrides, implementation, dtype, atol, monkeypatch):
@@ -73,14 +69,23 @@ def test_each_packed_document_gives_what_it_gives_alone(overrides, implementatio
     model = _model(overrides, implementation, monkeypatch, dtype)
     documents = _documents()
     batch = _flattened(documents, return_flash_attn_kwargs=True)
+    ids, positions = batch["input_ids"], batch["position_ids"]
     with torch.no_grad():
-        alone = _alone(model, documents)
-        by_positions = model(batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
-        while_caching = model(batch["input_ids"], position_ids=batch["position_ids"], use_cache=True).logits
-        by_lengths = model(batch["input_ids"], cu_seq_lens_q=batch["cu_seq_lens_q"],
-                           cu_seq_lens_k=batch["cu_seq_lens_k"], use_cache=False).logits
-    for name, packed in (("position ids", by_positions), ("with a cache", while_caching), ("cu_seq_lens", by_lengths)):
-        torch.testing.assert_close(packed, alone, rtol=0, atol=atol, msg=name)
+        alone = [model(d.unsqueeze(0), output_hidden_states=True) for d in documents]
+        by_positions = model(ids, position_ids=positions, use_cache=False, output_hidden_states=True)
+        runs = {
+            "position ids": by_positions.logits,
+            "with a cache": model(ids, position_ids=positions, use_cache=True).logits,
+            "all-ones mask": model(ids, position_ids=positions, attention_mask=torch.ones_like(ids)).logits,
+            "cu_seq_lens": model(ids, cu_seq_lens_q=batch["cu_seq_lens_q"], cu_seq_lens_k=batch["cu_seq_lens_k"],
+                                 use_cache=False).logits,
+        }
+    for name, packed in runs.items():
+        torch.testing.assert_close(packed, torch.cat([a.logits for a in alone], 1), rtol=0, atol=atol, msg=name)
+    for layer, packed in enumerate(by_positions.hidden_states):  # each block's state read through the readout
+        expected = torch.cat([a.hidden_states[layer] for a in alone], 1)
+        scale = 10 * float(expected.abs().max())  # unnormalised states, read after every (fp32) gate
+        torch.testing.assert_close(packed, expected, rtol=0, atol=atol * scale, msg=f"hidden state {layer}")
 
 
 @pytest.mark.parametrize("overrides, implementation", CASES)
@@ -142,3 +147,25 @@ def test_documents_from_cumulative_lengths_and_from_position_ids_agree():
     assert torch.equal(by_positions.index, expected) and torch.equal(by_lengths.index, expected)
     assert find_documents(2, 6, position_ids=torch.arange(6).expand(2, 6)) is None  # unpacked: nothing to do
     assert find_documents(2, 6, cu_seq_lens_q=torch.tensor([0, 6, 12])) is None
+
+
+@pytest.mark.parametrize("implementation", ["auto", "torch"])
+@pytest.mark.parametrize("overrides", [VARIANTS[0], VARIANTS[3]])
+def test_a_packed_chunk_after_a_cache_continues_its_first_document_and_starts_the_next(overrides, implementation,
+                                                                                       monkeypatch):
+    """Prefill part of document A, then one chunk [rest of A | B] (position ids restarting at B): A continues from
+    the cache, B starts alone, and decoding continues B alone."""
+    model = _model(overrides, implementation, monkeypatch)
+    a, b = (d.unsqueeze(0) for d in _documents((9, 6)))
+    with torch.no_grad():
+        a_alone, b_alone = model(a).logits, model(b).logits
+        cache = model(a[:, :5], use_cache=True).cache
+        positions = torch.tensor([[5, 6, 7, 8, 0, 1, 2, 3, 4, 5]])
+        chunk = model(torch.cat([a[:, 5:], b], 1), cache=cache, position_ids=positions, use_cache=True)
+        nxt = torch.tensor([[5]])
+        mask = torch.cat([torch.zeros(1, 9, dtype=torch.long), torch.ones(1, 7, dtype=torch.long)], 1)
+        step = model(nxt, cache=chunk.cache, attention_mask=mask, position_ids=torch.tensor([[6]]), use_cache=True)
+        b_step = model(torch.cat([b, nxt], 1)).logits[:, -1]
+    torch.testing.assert_close(chunk.logits[:, :4], a_alone[:, 5:], rtol=0, atol=1e-5)
+    torch.testing.assert_close(chunk.logits[:, 4:], b_alone, rtol=0, atol=1e-5)
+    torch.testing.assert_close(step.logits[:, -1], b_step, rtol=0, atol=1e-5)
