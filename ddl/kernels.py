@@ -93,24 +93,33 @@ def window_readout(window, weight):
     return products.sum(-1).sum(1).to(dtype).unsqueeze(1)  # two reductions: faster than one over (1, 3)
 
 
-def token_readout(x, weight, window=None, *, implementation="auto"):
+def token_readout(x, weight, window=None, *, documents=None, implementation="auto"):
     r"""A compressor's readout of the state (`reference.causal_token_readout`; CC is its one-tap case): `(B, T, d)`.
 
     x: the state `(B, T, d_v, d)`; weight: `(K, d, d_v)`; window: x's causal window as the cache holds it
-    (`modeling_ddl.cached_window`), or None at the start of a sequence. Decision order:
+    (`modeling_ddl.cached_window`), or None at the start of a sequence; documents: a packed batch's
+    `packing.Documents` (the readout restarts at each document, whichever path runs), or None. Decision order:
     1. "reference": the specification.
     2. A decoding step (one token, no autograd) with a cached window: the C++ window readout unless "torch", else
        `window_readout`: both read the window where the cache keeps it.
     3. The C++ readout unless "torch" (CPU, fp32/fp64, eager, the kernel built).
     4. Triton on CUDA under "triton"; else `fused_token_readout`.
     """
-    if implementation == "reference":
-        return causal_token_readout(x, weight, window_history(window, x))
-    if window is not None and x.shape[1] == 1 and not torch.is_grad_enabled():
+    if documents is not None:
+        history = window_history(window, x)
+        return documents.convolve(lambda wide: _token_readout(wide, weight, history, implementation), x,
+                                  weight.shape[0])
+    if implementation != "reference" and window is not None and x.shape[1] == 1 and not torch.is_grad_enabled():
         if implementation != "torch" and cpu_window_readout_applies(window, weight):
             return cpu_window_readout(window, weight)
         return window_readout(window, weight)
-    history = window_history(window, x)
+    return _token_readout(x, weight, window_history(window, x), implementation)
+
+
+def _token_readout(x, weight, history, implementation):
+    """`token_readout` of a whole sequence after its history (None: zeros): steps 1, 3 and 4."""
+    if implementation == "reference":
+        return causal_token_readout(x, weight, history)
     if implementation != "torch" and cpu_readout_applies(x, weight):
         return cpu_token_readout(x, weight, history)
     if implementation == "triton" and _triton_serves(x):
@@ -120,14 +129,21 @@ def token_readout(x, weight, window=None, *, implementation="auto"):
     return fused_token_readout(x, weight, history)
 
 
-def token_conv(x, weight, window=None, *, implementation="auto"):
+def token_conv(x, weight, window=None, *, documents=None, implementation="auto"):
     r"""EC of the embeddings (`reference.causal_token_conv`): the state `(B, T, d_v, d)`.
 
-    x: `(B, T, d)`; weight: `(K, d, d_v)`; window: as for `token_readout`. The specification already writes one
-    state-sized tensor in place and leaves its small backward to autograd, so it is also the fast path; Triton on
-    CUDA under "triton".
+    x: `(B, T, d)`; weight: `(K, d, d_v)`; window, documents: as for `token_readout`. The specification already
+    writes one state-sized tensor in place and leaves its small backward to autograd, so it is also the fast path;
+    Triton on CUDA under "triton".
     """
     history = window_history(window, x)
+    if documents is not None:
+        return documents.convolve(lambda wide: _token_conv(wide, weight, history, implementation), x,
+                                  weight.shape[0])
+    return _token_conv(x, weight, history, implementation)
+
+
+def _token_conv(x, weight, history, implementation):
     if implementation == "triton" and _triton_serves(x):
         out = _triton("triton_token_conv", x, weight, history)
         if out is not None:

@@ -39,6 +39,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_ddl import DDLConfig, conv_state_slots
 from .kernels import delta_residual, token_conv, token_readout
+from .packing import find_documents
 from .reference import constant_value, delta_gate, delta_update, delta_value
 
 
@@ -48,25 +49,39 @@ logger = logging.get_logger(__name__)
 _MAX_GATE_LOGIT = 9.21
 
 
-def cached_window(x, kernel_size, cache, layer_idx, slot):
+def cached_window(x, kernel_size, cache, layer_idx, slot, documents=None):
     """x's causal window as the cache holds it, time last: the `kernel_size - 1` inputs before x and x itself,
     `(B, C, K-1+T)` with C the flattened feature axes; None when the cache holds no earlier inputs (no cache, or the
     start of a sequence: the history is zeros).
 
     Stores `x` in conv-state `slot` of cache layer `layer_idx` (time last, as transformers' conv states are), so
-    decoding, beam search (reorder), static caches and assisted decoding (crop) all keep it right.
+    decoding, beam search (reorder), static caches and assisted decoding (crop) all keep it right. Of a packed batch
+    (`documents`) it stores each row's last document only, after zeros, so decoding continues that document alone.
     """
     if cache is None or kernel_size == 1:
         return None
     batch, seq_len = x.shape[:2]
     had_past = cache.has_previous_state(layer_idx, slot)
     flat = x.reshape(batch, seq_len, -1).transpose(1, 2)  # (B, C, T)
+    if documents is not None:
+        return _cached_window_of_documents(flat, kernel_size, cache, layer_idx, slot, had_past, documents)
     full = cache.update_conv_state(flat, layer_idx, state_idx=slot, conv_kernel_size=kernel_size - 1)
     if not had_past:
         return None
     width = kernel_size - 1 + seq_len
     window = full[..., -width:]
     return F.pad(window, (width - window.shape[-1], 0)) if window.shape[-1] < width else window
+
+
+def _cached_window_of_documents(flat, kernel_size, cache, layer_idx, slot, had_past, documents):
+    """`cached_window` of a packed batch: the cache gets the last document after K-1 zeros (however short it is),
+    and the window is the cache's earlier inputs (which the row's first document continues) then `flat`."""
+    stored = F.pad(documents.last_document(flat), (kernel_size - 1, 0))
+    full = cache.update_conv_state(stored, layer_idx, state_idx=slot, conv_kernel_size=kernel_size - 1)
+    if not had_past:
+        return None
+    past = full[..., : full.shape[-1] - stored.shape[-1]][..., -(kernel_size - 1) :]
+    return torch.cat([F.pad(past, (kernel_size - 1 - past.shape[-1], 0)), flat], dim=-1)
 
 
 def _mask_padding(x, pad_mask):
@@ -169,14 +184,14 @@ class DDLCompressor(nn.Module):
         placement = (source[..., None] == position).to(self.read.dtype)  # (K, d_v out, d_v in): tap m of output o
         return torch.einsum("im,o,moj->ij", self.conv_weight, self.read, placement)
 
-    def forward(self, state, cache=None, pad_mask=None, cache_slot=None):
+    def forward(self, state, cache=None, pad_mask=None, cache_slot=None, documents=None):
         implementation = self.config.ddl_implementation
         if self.kind != "tc":
             return token_readout(state, self.channel_weight().unsqueeze(0), implementation=implementation)  # (B, T, d)
         state = _mask_padding(state, pad_mask)
         taps = self.conv_weight * self.read  # (K, d, d_v): the conv taps times the read vector
-        window = cached_window(state, taps.shape[0], cache, self.layer_idx, cache_slot)
-        return token_readout(state, taps, window, implementation=implementation)  # (B, T, d)
+        window = cached_window(state, taps.shape[0], cache, self.layer_idx, cache_slot, documents)
+        return token_readout(state, taps, window, documents=documents, implementation=implementation)  # (B, T, d)
 
 
 class DDLEmbedConv(nn.Module):
@@ -190,10 +205,11 @@ class DDLEmbedConv(nn.Module):
             torch.empty(config.ddl_embed_kernel_size, config.hidden_size, config.ddl_value_channels)
         )
 
-    def forward(self, embeds, cache=None, pad_mask=None):
+    def forward(self, embeds, cache=None, pad_mask=None, documents=None):
         embeds = _mask_padding(embeds, pad_mask)
-        window = cached_window(embeds, self.weight.shape[0], cache, 0, self.cache_slot)
-        return token_conv(embeds, self.weight, window, implementation=self.config.ddl_implementation)  # (B, T, d_v, d)
+        window = cached_window(embeds, self.weight.shape[0], cache, 0, self.cache_slot, documents)
+        return token_conv(embeds, self.weight, window, documents=documents,
+                          implementation=self.config.ddl_implementation)  # (B, T, d_v, d)
 
 
 class DDLQKNormAttention(LlamaAttention):
@@ -254,12 +270,12 @@ class DDLDecoderLayer(GradientCheckpointingLayer):
                 self.attn_compress = DDLCompressor(config, layer_idx)
                 self.mlp_compress = DDLCompressor(config, layer_idx)
 
-    def sublayer_input(self, which, hidden_states, cache, pad_mask):
+    def sublayer_input(self, which, hidden_states, cache, pad_mask, documents=None):
         """x_in of sublayer `which` ("attn" or "mlp"): the state compressed (the state itself when d_v = 1)."""
         if hidden_states.dim() == 3:
             return hidden_states
         compressor = getattr(self, "compress", None) or getattr(self, f"{which}_compress")
-        return compressor(hidden_states, cache, pad_mask, self.cache_slots[which])
+        return compressor(hidden_states, cache, pad_mask, self.cache_slots[which], documents)
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
@@ -271,9 +287,10 @@ class DDLDecoderLayer(GradientCheckpointingLayer):
         use_cache: bool | None = False,
         position_embeddings=None,
         pad_mask=None,
+        documents=None,
         **kwargs,
     ):
-        x_in = self.sublayer_input("attn", hidden_states, cache, pad_mask)
+        x_in = self.sublayer_input("attn", hidden_states, cache, pad_mask, documents)
         context = self.input_layernorm(x_in)
         attn_out, _ = self.self_attn(
             hidden_states=context,
@@ -286,7 +303,7 @@ class DDLDecoderLayer(GradientCheckpointingLayer):
         )
         hidden_states = self.attn_delta(hidden_states, attn_out, context, x_in)
 
-        x_in = self.sublayer_input("mlp", hidden_states, cache, pad_mask)
+        x_in = self.sublayer_input("mlp", hidden_states, cache, pad_mask, documents)
         context = self.post_attention_layernorm(x_in)
         hidden_states = self.mlp_delta(hidden_states, self.mlp(context), context, x_in)
         return hidden_states
@@ -299,8 +316,8 @@ class DDLStateReadout(nn.Module):
     Called only when hidden states are requested; the intermediate readouts take no cache (a TC readout of a cached
     decoding step then sees only the new tokens: ask for hidden states of full forwards)."""
 
-    def forward(self, embeds, state, readout=None, pad_mask=None):
-        return state if state.dim() == 3 else readout(state, None, pad_mask, None)
+    def forward(self, embeds, state, readout=None, pad_mask=None, documents=None):
+        return state if state.dim() == 3 else readout(state, None, pad_mask, None, documents)
 
 
 @dataclass
@@ -429,10 +446,10 @@ class DDLModel(DDLPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    def expand(self, embeds, cache, pad_mask):
+    def expand(self, embeds, cache, pad_mask, documents=None):
         """The initial state X_0: the embeddings (d_v = 1), EC of them, or them repeated over the d_v channels."""
         if self.config.ddl_embed_conv:
-            return self.embed_conv(embeds, cache, pad_mask)
+            return self.embed_conv(embeds, cache, pad_mask, documents)
         if self.config.ddl_value_channels == 1:
             return embeds
         return embeds.unsqueeze(-2).expand(*embeds.shape[:2], self.config.ddl_value_channels, embeds.shape[-1])
@@ -447,6 +464,23 @@ class DDLModel(DDLPreTrainedModel):
                 "This DDL variant keeps token-convolution histories in the cache, which a bare `DynamicCache()` "
                 "cannot hold. Pass `DynamicCache(config=model.config)` (or let `generate()` build the cache)."
             )
+
+    @staticmethod
+    def _find_documents(inputs_embeds, attention_mask, pad_mask, position_ids, cache, cu_seq_lens_q):
+        """The documents of a packed batch (`packing.find_documents`: no padding (`pad_mask` None, from no mask or an
+        all-ones one), and the caller's position ids restarting inside a row, or `cu_seq_lens_q`), for the token
+        convolutions to restart at each; and, where transformers' causal mask would not keep them apart in attention
+        (it looks for packing only without a mask and without a cache), the mask function that does.
+        (None, None) for any other batch, without looking at the data unless position ids or lengths are given."""
+        if (position_ids is None and cu_seq_lens_q is None) or pad_mask is not None or (
+                attention_mask is not None and attention_mask.dim() != 2):
+            return None, None
+        documents = find_documents(*inputs_embeds.shape[:2], position_ids, cu_seq_lens_q, cache)
+        if documents is None or (attention_mask is None and cache is None and position_ids is not None):
+            return documents, None
+        if getattr(cache, "is_compileable", False):  # its masks span the whole static length
+            return documents, None
+        return documents, documents.attention_mask_function(cache.get_seq_length() if cache is not None else 0)
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @merge_with_config_defaults
@@ -469,26 +503,31 @@ class DDLModel(DDLPreTrainedModel):
             cache = DynamicCache(config=self.config)
         if cache is not None:
             self._check_cache(cache)
+        given_position_ids = position_ids
         if position_ids is None:
             past_seen_tokens = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
 
+        documents = None
         if isinstance(attention_mask, dict):  # built by generate() for compileable (static) caches
             causal_mask, pad_mask = attention_mask["full_attention"], attention_mask.get("linear_attention")
         else:
+            pad_mask = create_recurrent_attention_mask(self.config, inputs_embeds, attention_mask, cache)
+            documents, packed_attention = self._find_documents(
+                inputs_embeds, attention_mask, pad_mask, given_position_ids, cache, kwargs.get("cu_seq_lens_q"))
             causal_mask = create_causal_mask(
                 config=self.config,
                 inputs_embeds=inputs_embeds,
                 attention_mask=attention_mask,
                 cache=cache,
                 position_ids=position_ids,
+                and_mask_function=packed_attention,
             )
-            pad_mask = create_recurrent_attention_mask(self.config, inputs_embeds, attention_mask, cache)
         if pad_mask is not None:
             pad_mask = pad_mask.to(inputs_embeds.dtype)  # once here, not in every token convolution
 
-        hidden_states = self.expand(inputs_embeds, cache, pad_mask)  # X_0: (B, T, d) or (B, T, d_v, d)
+        hidden_states = self.expand(inputs_embeds, cache, pad_mask, documents)  # X_0: (B, T, d) or (B, T, d_v, d)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
         record = kwargs.get("output_hidden_states", self.config.output_hidden_states)
         readout = getattr(self, "readout", None)
@@ -501,12 +540,13 @@ class DDLModel(DDLPreTrainedModel):
                 cache=cache,
                 use_cache=use_cache,
                 pad_mask=pad_mask,
+                documents=documents,
                 **kwargs,
             )
             if record:
-                self.state_readout(inputs_embeds if i == 0 else None, hidden_states, readout, pad_mask)
+                self.state_readout(inputs_embeds if i == 0 else None, hidden_states, readout, pad_mask, documents)
         if hidden_states.dim() == 4:
-            hidden_states = self.readout(hidden_states, cache, pad_mask, self.readout_slot)  # (B, T, d)
+            hidden_states = self.readout(hidden_states, cache, pad_mask, self.readout_slot, documents)  # (B, T, d)
         hidden_states = self.norm(hidden_states)
         return DDLModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
 
