@@ -257,13 +257,13 @@ class Evaluator:
         self.eval_script, self.settings = eval_script, settings
         self.device, self.dtype = eval_script.resolve_device_dtype(
             eval_script.EvalConfig(checkpoints=[], device=None, dtype="auto"))
-        self.texts, self.source = validation_texts(settings)
+        self.texts, self.source, self.documents = validation_texts(settings)
 
     def __call__(self, model_dir: str, audit: bool) -> dict:
         from ddl_tools import evaluation, study
 
         model, tokenizer = self.eval_script.load_checkpoint(model_dir, self.device, self.dtype)
-        ids = evaluation.tokenize_documents(tokenizer, self.texts, self.settings.eval_tokens)
+        ids = evaluation.tokenize_documents(tokenizer, self.texts, self.settings.eval_tokens, self.documents)
         block = self.settings.block_size
         windows = evaluation.token_windows(ids, block, drop_remainder=True)  # = train.py's packed eval blocks
         ppl = evaluation.perplexity(model, windows, batch_size=16, block_size=block)
@@ -280,14 +280,15 @@ class Evaluator:
         return out
 
 
-def validation_texts(settings: StudySettings) -> tuple[list[str], str]:
+def validation_texts(settings: StudySettings) -> tuple[list[str], str, bool]:
     """The fixed validation text of every run: the embedded corpus's held-out works, --validation_file, or a split
-    of --dataset_name (streamed when --streaming, stopping after about --eval_tokens tokens' worth of rows)."""
+    of --dataset_name (streamed when --streaming, stopping after about --eval_tokens tokens' worth of rows); and
+    whether its rows are documents (an EOS after each, as train.py packs them) or the lines of a .txt file (none)."""
     if settings.validation_file:
         from ddl_tools.training import load_raw_datasets
 
-        raw, _ = load_raw_datasets(train_file=settings.train_file, validation_file=settings.validation_file)
-        return list(raw["validation"]["text"]), settings.validation_file
+        raw, info = load_raw_datasets(train_file=settings.train_file, validation_file=settings.validation_file)
+        return list(raw["validation"]["text"]), settings.validation_file, info["documents"]
     if settings.dataset_name:
         import datasets
 
@@ -299,10 +300,10 @@ def validation_texts(settings: StudySettings) -> tuple[list[str], str]:
             chars += len(row["text"])
             if settings.eval_tokens and chars > 8 * settings.eval_tokens:
                 break
-        return texts, f"{settings.dataset_name}:{settings.eval_split}"
+        return texts, f"{settings.dataset_name}:{settings.eval_split}", True
     from ddl_tools.data import CORPUS_NAME, shakespeare_splits
 
-    return shakespeare_splits()["validation"], f"{CORPUS_NAME}:validation (held-out works)"
+    return shakespeare_splits()["validation"], f"{CORPUS_NAME}:validation (held-out works)", True
 
 
 def shared_tokenizer(settings: StudySettings, study_dir: str) -> str:

@@ -40,11 +40,12 @@ BETA_BINS = 40  # bins of width 0.05 on [0, 2]: the regime edges 0.1, 0.9, 1.0 a
 # Text -> token windows
 
 
-def tokenize_documents(tokenizer, texts, max_tokens=None) -> torch.Tensor:
+def tokenize_documents(tokenizer, texts, max_tokens=None, add_eos=True) -> torch.Tensor:
     """One token stream: each document tokenized on its own and followed by the EOS token (if the tokenizer has
     one), as train.py packs its validation set. Empty documents are dropped. `max_tokens` truncates the stream.
+    `add_eos=False` for rows that are consecutive lines of one text (a .txt file), which train.py packs without one.
     """
-    eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    eos = [] if tokenizer.eos_token_id is None or not add_eos else [tokenizer.eos_token_id]
     stream = []
     for text in texts:
         if not text or not text.strip():

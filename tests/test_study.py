@@ -627,3 +627,29 @@ def test_budget_from_a_recorded_calibration_is_recorded_and_resumed(tmp_path, ca
     with pytest.raises(SystemExit):
         script.parse_args(["--max_tokens", "4096", "--budget_hours", "1"])
     assert "not both" in capsys.readouterr().err
+
+
+def test_a_text_file_is_scored_on_the_stream_train_py_packs(tmp_path):
+    """A .txt validation file's rows are the lines of one text: train.py packs them without an end-of-text token
+    after each, and so must the study's final evaluation (with one after every line, an untrained-for token cost
+    every line and the final loss disagreed with train.py's own evaluation by nats)."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import study as script
+    from conftest import tiny_tokenizer
+
+    from ddl_tools import evaluation
+    from ddl_tools.training import load_raw_datasets, tokenize_and_pack
+
+    lines = "".join(f"Line {i} of the play, with words.\n" for i in range(40))
+    (tmp_path / "train.txt").write_text(lines)
+    (tmp_path / "val.txt").write_text(lines)
+    settings, _ = script.parse_args(["--quick", "--study_dir", str(tmp_path / "s"), "--train_file",
+                                     str(tmp_path / "train.txt"), "--validation_file", str(tmp_path / "val.txt")])
+    texts, _, documents = script.validation_texts(settings)
+    assert documents is False
+    tokenizer = tiny_tokenizer(lines)
+    ids = evaluation.tokenize_documents(tokenizer, texts, add_eos=documents)
+    raw, info = load_raw_datasets(train_file=str(tmp_path / "train.txt"), validation_file=str(tmp_path / "val.txt"))
+    packed = tokenize_and_pack(raw, tokenizer, "text", 16, info["documents"])["validation"]
+    stream = [token for block in packed["input_ids"] for token in block]
+    assert ids[: len(stream)].tolist() == stream and tokenizer.eos_token_id not in ids.tolist()
