@@ -179,10 +179,9 @@ class DDLCompressor(nn.Module):
         if self.kind == "cc_matrix":
             return self.weight
         kernel, dv = self.conv_weight.shape[1], self.read.shape[0]
-        position = torch.arange(dv, device=self.read.device)
-        source = position[None, :] + torch.arange(kernel, device=self.read.device)[:, None] - (kernel - 1) // 2
-        placement = (source[..., None] == position).to(self.read.dtype)  # (K, d_v out, d_v in): tap m of output o
-        return torch.einsum("im,o,moj->ij", self.conv_weight, self.read, placement)
+        pad = (kernel - 1) // 2
+        windows = F.pad(self.read, (kernel, kernel)).unfold(0, dv, 1)  # windows[s, j] = r[s + j - K] (0 outside)
+        return self.conv_weight @ windows[pad + 1 : pad + kernel + 1].flip(0)  # (d, K) @ (K, d_v): r[j + p - m]
 
     def forward(self, state, cache=None, pad_mask=None, cache_slot=None, documents=None):
         implementation = self.config.ddl_implementation
