@@ -5,7 +5,8 @@ on any device; `ddl.kernels` chooses them where no compiled kernel applies.
 `fused_delta_update` keeps only its inputs (X, h, v, beta) and a few numbers per token for backward and recomputes
 k, k^T X and the coefficient there, instead of autograd keeping every intermediate (k, the fp32 copies, the readout,
 the rank-1 product). X is kept alive anyway by the next norm or compressor, so the extra memory of a sublayer is h
-alone. In inference it skips autograd entirely.
+alone (and with `ddl_rebuild_states`, X itself is rebuilt in backward from X_next: `rebuild_state`, `ddl.rebuild`).
+In inference it skips autograd entirely.
 
 `fused_token_readout` accumulates the readout in place along contiguous d (no state-sized temporary per tap) and has
 a hand-written backward (autograd would zero-fill and copy a state-sized gradient for every lag's slice).

@@ -216,3 +216,18 @@ def test_the_choice_is_a_runtime_one_not_saved_and_checked(monkeypatch):
         tiny_config().ddl_rebuild_states
     with pytest.raises(ValueError, match="ddl_rebuild_states must be one of"):
         DDLConfig(ddl_rebuild_states="yes")
+
+
+def test_fp32_states_under_bf16_autocast_are_rebuilt_by_auto_with_the_stored_paths_gradients(rebuilds):
+    """Under autocast the sublayer outputs come in bf16 but the states stay fp32 (the update and the readouts are not
+    autocast operations): "auto" rebuilds them, and the gradients are the stored path's."""
+    ids, kwargs = _batch("padded")
+    results = {}
+    for choice in ("off", "auto"):
+        model = _model({"ddl_compressor": "tc"}, "torch", choice, torch.float32)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(ids, labels=ids, use_cache=False, **kwargs).loss
+        loss.backward()
+        results[choice] = (loss.detach(), {name: param.grad for name, param in model.named_parameters()})
+    assert rebuilds
+    _assert_same(results["off"], results["auto"], rtol=1e-5, atol=1e-6)
