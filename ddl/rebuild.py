@@ -11,7 +11,7 @@ each state from the next one, as reversible networks do, keeping only the last s
 
 `StateTape` does it with autograd's saved-tensor hooks, for every operation that saves a state, whatever its
 implementation: while the tape is active (one forward, `DDLModel.forward`), a tensor saved for backward that *is*
-the current state is saved as its index on the tape instead, and unpacked in backward by rebuilding it from the
+the current state (or a view of it) is saved as its index on the tape instead, and unpacked in backward by rebuilding it from the
 state after it. The updates put their output and their write on the tape (`kernels.delta_residual(tape=...)`); when
 the next state comes, the tape lets go of the previous one, so forward frees it. Backward runs the sublayers in
 reverse, and the gradient of X_{l+1} is complete (every reader of X_{l+1} has run its backward) before any reader
@@ -21,9 +21,10 @@ C++ kernel copies), unless it was made through `derived` (the TC input masked at
 layout): then backward makes it again from the rebuilt state.
 
 Rounding: the rebuilt X_l differs from the stored one by the rounding of X_{l+1} in the model dtype, one rounding
-per update, adding up over the depth (not amplified: the writes are the stored ones). In fp32/fp64 that is at the
-level of the model's own rounding; in bf16 it is the resolution of bf16 itself per update, hence the per-dtype
-default of "auto" (`rebuild_applies`; docs/performance.md).
+per update, adding up over the depth (not amplified: the writes are the stored ones); relative to X_l that is the
+dtype's resolution times |X_{l+1}| / |X_l|, large for the first states, which are much smaller than the later ones.
+In fp32/fp64 it stays at the level of the model's own rounding; in bf16 it is not, hence the per-dtype default of
+"auto" (`rebuild_applies`; docs/performance.md).
 """
 
 import threading
@@ -33,7 +34,6 @@ import torch
 
 from .configuration_ddl import REBUILD_CHOICES
 from .fused import rebuild_state
-
 
 
 class StateTape(torch.autograd.graph.saved_tensors_hooks):
@@ -48,7 +48,7 @@ class StateTape(torch.autograd.graph.saved_tensors_hooks):
         super().__init__(self._pack, self._unpack)
         self.states = []  # X_l: the current one (and, in backward, the last one rebuilt); None where let go
         self.writes = []  # the write of update l: X_{l+1} = X_l + a c^T
-        self._derived = []  # (tensor, fn): tensors made from the current state by fn (`derived`)
+        self._derived = []  # (weak ref, fn): tensors made from the current state by fn (`derived`)
         self._previous = None
 
     def __enter__(self):
@@ -145,7 +145,7 @@ def _same_layout(state, base):
 class _Saved:
     """A state (or fn of it) saved for backward as its place on the tape."""
 
-    __slots__ = ("tape", "index", "fn")
+    __slots__ = ("fn", "index", "tape")
 
     def __init__(self, tape, index, fn):
         self.tape, self.index, self.fn = tape, index, fn

@@ -15,7 +15,6 @@ from conftest import TINY, seeded, tiny_config, trained_looking
 from ddl import DDLConfig, DDLForCausalLM, rebuild
 from ddl.fused import fused_delta_update, rebuild_state
 
-
 VARIANTS = [
     pytest.param({}, id="cc-ec"),
     pytest.param({"ddl_embed_conv": False}, id="cc"),
@@ -213,7 +212,7 @@ def test_the_choice_is_a_runtime_one_not_saved_and_checked(monkeypatch):
     assert rebuild.rebuild_applies(tiny_config(), torch.float32)
     monkeypatch.setenv("DDL_REBUILD_STATES", "sometimes")
     with pytest.raises(ValueError, match="DDL_REBUILD_STATES='sometimes' must be one of"):
-        tiny_config().ddl_rebuild_states
+        _ = tiny_config().ddl_rebuild_states
     with pytest.raises(ValueError, match="ddl_rebuild_states must be one of"):
         DDLConfig(ddl_rebuild_states="yes")
 
