@@ -2,7 +2,8 @@
 
 What a checkpoint ships: `configuration_ddl` (DDLConfig), `modeling_ddl` (the model), `reference` (the operations'
 specifications), `kernels` (the one place that chooses each operation's implementation), and the fast paths it
-chooses from: `fused` (PyTorch), `cpu_kernels` (C++, source in `cpu_kernels_source`), `triton_kernels` (CUDA).
+chooses from: `fused` (PyTorch), `cpu_kernels` (C++, source in `cpu_kernels_source`), `triton_kernels` (CUDA);
+`packing` (packed batches) and `rebuild` (the expanded states rebuilt in backward, `ddl_rebuild_states`).
 """
 
 from transformers import (

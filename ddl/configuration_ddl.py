@@ -23,6 +23,7 @@ LEGACY_DEFAULTS = {
 }
 # How the operations run: a runtime choice, never saved with a checkpoint (see `ddl.kernels`).
 DDL_IMPLEMENTATIONS = ("auto", "triton", "torch", "reference")
+REBUILD_CHOICES = ("auto", "on", "off")  # `ddl_rebuild_states` (ddl.rebuild)
 # A saved folder carries these two files; the map lets the Auto classes load it with trust_remote_code=True for
 # someone who never installed `ddl` (save_pretrained alone would record only the class that was saved). Every
 # checkpoint lists the task heads too, so a pretrained causal LM can be fine-tuned as a classifier from its folder.
@@ -145,7 +146,9 @@ class DDLConfig(LlamaConfig):
     Runtime choice, not saved with a checkpoint (like transformers' `attn_implementation`): `ddl_implementation`
     (`"auto"` | `"triton"` | `"torch"` | `"reference"`, see `ddl.kernels`) chooses how the update, the compressors and
     EC run on this machine. Set it on the config, pass it to `from_pretrained(..., ddl_implementation="torch")`, or
-    set the environment variable `DDL_IMPLEMENTATION`; default `"auto"`.
+    set the environment variable `DDL_IMPLEMENTATION`; default `"auto"`. Likewise `ddl_rebuild_states` (`"off"` |
+    `"on"` | `"auto"`, environment `DDL_REBUILD_STATES`, default `"off"`): whether training rebuilds each expanded
+    state in backward from the next one instead of keeping it (`ddl.rebuild`; `"auto"`: in fp32/fp64 only).
 
     Derived fields (set from the above; do not edit): `layer_types` marks the layers whose cache also holds
     token-axis convolution histories (`"hybrid"`), and `number_of_conv_states` / `per_layer_config` say how many
@@ -194,6 +197,8 @@ class DDLConfig(LlamaConfig):
         self._ddl_implementation = None
         if implementation is not None or legacy == "reference":
             self.ddl_implementation = implementation or "reference"
+        self._ddl_rebuild_states = None
+        self.ddl_rebuild_states = kwargs.pop("ddl_rebuild_states", None)
         if self.ddl_embed_conv is None:
             self.ddl_embed_conv = self.ddl_value_channels > 1
         # The cache layout is derived, never taken from the caller (a saved config.json carries a copy of it).
@@ -241,9 +246,27 @@ class DDLConfig(LlamaConfig):
             raise ValueError(f"ddl_implementation must be one of {DDL_IMPLEMENTATIONS} (see ddl.kernels), got {name!r}.")
         self._ddl_implementation = name
 
+    @property
+    def ddl_rebuild_states(self) -> str:
+        """Whether training rebuilds the expanded states in backward (`ddl.rebuild`): set on this config, else
+        `DDL_REBUILD_STATES`, else "off"."""
+        if self._ddl_rebuild_states is not None:
+            return self._ddl_rebuild_states
+        name = os.environ.get("DDL_REBUILD_STATES", "").strip().lower() or "off"
+        if name not in REBUILD_CHOICES:
+            raise ValueError(f"DDL_REBUILD_STATES={name!r} must be one of {REBUILD_CHOICES}; unset it or pick one.")
+        return name
+
+    @ddl_rebuild_states.setter
+    def ddl_rebuild_states(self, name: str | None):
+        if name is not None and name not in REBUILD_CHOICES:
+            raise ValueError(f"ddl_rebuild_states must be one of {REBUILD_CHOICES} (see ddl.rebuild), got {name!r}.")
+        self._ddl_rebuild_states = name
+
     def to_dict(self):
         output = super().to_dict()
         output.pop("_ddl_implementation", None)  # a runtime choice: a checkpoint must not pin another machine's
+        output.pop("_ddl_rebuild_states", None)  # likewise
         return output
 
     def validate_architecture(self):

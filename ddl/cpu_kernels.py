@@ -267,9 +267,12 @@ def cpu_residual_applies(x, h, c, u, gate_weight, gate_bias, value_weight, value
 
 class _Residual(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, erase, u_kind):
+    def forward(ctx, x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, erase, u_kind,
+                writes):
         out, stats = cpu_kernel().residual_forward(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias,
                                                   v_scale, k_eps, erase, True)
+        if writes is not None:
+            writes.append(_write_of_stats(h, stats, value_weight.shape[0]))
         ctx.save_for_backward(x, h, c, u, gate_weight, value_weight, stats)
         ctx.v_scale, ctx.erase, ctx.u_kind = v_scale, erase, u_kind
         return out
@@ -281,13 +284,23 @@ class _Residual(torch.autograd.Function):
         gx, gh, gc, gu, gw, gb, gwv, gbv = cpu_kernel().residual_backward(
             grad.contiguous(), x, h, c, u, gate_weight, value_weight, stats, ctx.v_scale, ctx.erase, ctx.u_kind
         )
-        return gx, gh, gc, gu if ctx.u_kind == 0 else None, gw, gb, gwv, gbv, None, None, None, None
+        return gx, gh, gc, gu if ctx.u_kind == 0 else None, gw, gb, gwv, gbv, None, None, None, None, None
+
+
+def _write_of_stats(h, stats, nv):
+    """The rank-1 write (h, beta s t) of the kernel's update, X_next = X + h (x) (beta s t) (`fused.rebuild_state`),
+    from the per-token numbers it saves for backward: beta, s, v and h^T X (0 for write-only), in that order."""
+    n = h.numel() // h.shape[-1]
+    beta, s = stats[:n].unsqueeze(-1), stats[n : 2 * n].unsqueeze(-1)
+    v, hx = stats[2 * n : 2 * n + n * nv].view(n, nv), stats[2 * n + n * nv :].view(n, nv)
+    return h, (beta * s * (v - s * hx)).view(*h.shape[:-1], nv)
 
 
 def cpu_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale=4.0, k_eps=1e-5,
-                 mode="delta"):
+                 mode="delta", writes=None):
     """`reference.delta_residual` (a single linear gate) through the C++ kernel, for any number of tokens, with
-    autograd (check `cpu_residual_applies` first)."""
+    autograd (check `cpu_residual_applies` first). `writes`: a list that gets the update's rank-1 write appended
+    (`fused.rebuild_state`); training only."""
     u_kind = 1 if u is c else (2 if u is x and x.dim() == h.dim() else 0)  # before any copy: by identity
     x = x.contiguous()  # the stride-0 repeated embeddings of a d_v > 1 model without EC
     u = x if u_kind == 2 else u.contiguous()
@@ -295,7 +308,7 @@ def cpu_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v
             value_weight.contiguous(), value_bias.contiguous(), -1.0 if v_scale is None else float(v_scale),
             float(k_eps), mode == "delta")
     if torch.is_grad_enabled():
-        return _Residual.apply(*args, u_kind)
+        return _Residual.apply(*args, u_kind, writes)
     return cpu_kernel().residual_forward(*args, False)[0]
 
 

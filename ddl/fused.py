@@ -5,7 +5,8 @@ on any device; `ddl.kernels` chooses them where no compiled kernel applies.
 `fused_delta_update` keeps only its inputs (X, h, v, beta) and a few numbers per token for backward and recomputes
 k, k^T X and the coefficient there, instead of autograd keeping every intermediate (k, the fp32 copies, the readout,
 the rank-1 product). X is kept alive anyway by the next norm or compressor, so the extra memory of a sublayer is h
-alone. In inference it skips autograd entirely.
+alone (and with `ddl_rebuild_states`, X itself is rebuilt in backward from X_next: `rebuild_state`, `ddl.rebuild`).
+In inference it skips autograd entirely.
 
 `fused_token_readout` accumulates the readout in place along contiguous d (no state-sized temporary per tap) and has
 a hand-written backward (autograd would zero-fill and copy a state-sized gradient for every lag's slice).
@@ -42,7 +43,8 @@ def _rank1(h, coef, scalar_state):
 
 
 def _delta_forward(x, h, v, beta, k_eps, erase):
-    """X_next and the per-token scalars (s, t, beta, h^T X) that the backward needs, in few fused operations."""
+    """X_next, the per-token scalars (s, t, beta, h^T X) that the backward needs, and the rank-1 write
+    (`rank1_write`), in few fused operations."""
     acc = torch.promote_types(x.dtype, torch.float32)
     scalar_state = x.dim() == h.dim()
     h_acc = h.to(acc)  # bf16/fp16 are read out in fp32
@@ -52,12 +54,38 @@ def _delta_forward(x, h, v, beta, k_eps, erase):
     h_dot_x = _dot_h(h_acc, x, scalar_state) if erase else None  # h^T X: (B, T, d_v)
     if erase:
         target = torch.addcmul(target, inv_norm, h_dot_x, value=-1.0)  # v - k^T X
-    if x.dtype == acc:  # fold 1/|h| into the per-token scale: X_next = X + h (x) (beta s t)
-        out = torch.addcmul(x, *_rank1(h, (beta * inv_norm) * target, scalar_state))
-    else:  # fp16 would overflow on s = 1/|h| for tiny h: write k = s h (|k| < 1) in the model dtype instead
-        k = (h_acc * inv_norm).to(x.dtype)
-        out = torch.addcmul(x, *_rank1(k, (beta * target).to(x.dtype), scalar_state))
-    return out, (inv_norm, target, beta, h_dot_x)
+    write = rank1_write(h, inv_norm, target, beta, x.dtype)
+    out = torch.addcmul(x, *_rank1(*write, scalar_state))
+    return out, (inv_norm, target, beta, h_dot_x), write
+
+
+def rank1_write(h, inv_norm, target, beta, dtype):
+    r"""The update's rank-1 write as the factors (a, c) that the forward adds, X_next = X + a (x) c:
+
+        fp32/fp64 states:  a = h,            c = beta s t     (1/|h| folded into the per-token scale)
+        bf16/fp16 states:  a = k = s h,      c = beta t       (in the model dtype: fp16 would overflow on s = 1/|h|
+                                                                for tiny h, and |k| < 1)
+
+    with s = 1/sqrt(|h|^2 + eps^2) and t = v - k^T X (write-only: t = v). One function for the forward and for
+    `rebuild_state`, so that the rebuild subtracts exactly the numbers that were added."""
+    if dtype == target.dtype:
+        return h, (beta * inv_norm) * target
+    return (h.to(target.dtype) * inv_norm).to(dtype), (beta * target).to(dtype)
+
+
+def rebuild_state(x_next, write):
+    r"""The state before a delta update, rebuilt from the one after it and the update's rank-1 write (a, c):
+
+        X = X_next - a c^T        (delta:  X_next = X + k c^T with c = beta (v - k^T X);  write-only: c = beta v)
+
+    The write is a function of X, but it is kept from the forward (a is the sublayer output h, which backward keeps
+    anyway, and c is d_v numbers per token), so nothing needs solving: backward can drop X in forward and rebuild it
+    from X_next (`ddl.rebuild`). Exact up to the rounding of X_next in the model dtype (one rounding per update;
+    the errors of a deep stack add up, they are not amplified). x_next: `(B, T, d_v, d)` (or `(B, T, d)`); a:
+    `(B, T, d)`; c: `(B, T, d_v)`."""
+    a, c = write
+    return torch.addcmul(x_next, *_rank1(a.to(x_next.dtype), c.to(x_next.dtype), x_next.dim() == a.dim()),
+                         value=-1.0)
 
 
 class _DeltaUpdate(torch.autograd.Function):
@@ -72,8 +100,10 @@ class _DeltaUpdate(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, h, v, beta, k_eps, erase):
-        out, saved = _delta_forward(x, h, v, beta, k_eps, erase)
+    def forward(ctx, x, h, v, beta, k_eps, erase, writes):
+        out, saved, write = _delta_forward(x, h, v, beta, k_eps, erase)
+        if writes is not None:  # a `rebuild.StateTape` rebuilds x from out in backward instead of keeping it
+            writes.append(write)
         ctx.save_for_backward(x, h, *saved)
         ctx.erase, ctx.scalar_state, ctx.v_dtype = erase, x.dim() == h.dim(), v.dtype
         return out
@@ -100,18 +130,23 @@ class _DeltaUpdate(torch.autograd.Function):
             grad_x = torch.addcmul(grad, *_rank1(h_acc, -inv_norm * beta * grad_coef, scalar))
         grad_v = beta * grad_coef
         grad_beta = (grad_coef * target).sum(-1, keepdim=True)
-        return grad_x.to(x.dtype), grad_h.to(h.dtype), grad_v.to(ctx.v_dtype), grad_beta.to(beta.dtype), None, None
+        return (grad_x.to(x.dtype), grad_h.to(h.dtype), grad_v.to(ctx.v_dtype), grad_beta.to(beta.dtype), None, None,
+                None)
 
 
-def fused_delta_update(x, h, v=None, beta=None, mode="delta", k_eps=1e-5):
-    """Same contract as `reference.delta_update`; less memory in training, no autograd bookkeeping in inference."""
+def fused_delta_update(x, h, v=None, beta=None, mode="delta", k_eps=1e-5, writes=None):
+    """Same contract as `reference.delta_update`; less memory in training, no autograd bookkeeping in inference.
+    `writes`: a list that gets the update's rank-1 write (`rank1_write`) appended, for `rebuild_state`."""
     if mode == "additive":
         return x + (h if x.dim() == h.dim() else h.unsqueeze(-2))
     if mode not in DELTA_MODES:
         raise ValueError(f"delta_update: unknown mode {mode!r}; expected one of {DELTA_MODES}.")
     if not torch.is_grad_enabled():
-        return _delta_forward(x, h, v, beta, k_eps, mode == "delta")[0]
-    return _DeltaUpdate.apply(x, h, v, beta, k_eps, mode == "delta")
+        out, _, write = _delta_forward(x, h, v, beta, k_eps, mode == "delta")
+        if writes is not None:
+            writes.append(write)
+        return out
+    return _DeltaUpdate.apply(x, h, v, beta, k_eps, mode == "delta", writes)
 
 
 def readout_forward(x, taps):
@@ -189,5 +224,5 @@ def fused_token_readout(x, weight, history=None):
     return readout_with_history(_readout, x, weight, history)
 
 
-__all__ = ["as_taps", "fused_delta_update", "fused_token_readout", "readout_backward", "readout_forward",
-           "readout_with_history"]
+__all__ = ["as_taps", "fused_delta_update", "fused_token_readout", "rank1_write", "readout_backward", "readout_forward",
+           "readout_with_history", "rebuild_state"]

@@ -43,8 +43,11 @@ logger = logging.get_logger(__name__)
 
 
 def delta_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, *, v_scale, k_eps, mode,
-                   gate_hidden=None, v_constant=None, implementation="auto"):
+                   gate_hidden=None, v_constant=None, implementation="auto", tape=None):
     r"""One sublayer's residual seam, X_next = delta_update(X, h, v(u), beta(c)) (`reference.delta_residual`).
+
+    With a `rebuild.StateTape` (the model's rebuild of the states in backward; "auto" and "torch" only), X_next and
+    the update's rank-1 write go on the tape, which then rebuilds X from them in backward instead of keeping it.
 
     Decision order:
     1. "reference": the specification.
@@ -55,16 +58,19 @@ def delta_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias,
     if implementation == "reference":
         return reference_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, mode,
                                   gate_hidden, v_constant)
+    writes = None if tape is None else []
     if (implementation != "torch" and gate_hidden is None and v_constant is None
             and cpu_residual_applies(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias)):
-        return cpu_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, mode)
+        out = cpu_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, mode, writes)
+        return out if tape is None else tape.push(out, writes[0])
     beta = delta_gate(c, gate_weight, gate_bias, *(gate_hidden or ()))
     v = constant_value(x, v_constant) if v_constant is not None else delta_value(u, value_weight, value_bias, v_scale)
-    if implementation == "triton" and _triton_serves(x):
+    if implementation == "triton" and tape is None and _triton_serves(x):
         out = _triton("triton_delta_update", x, h, v, beta, k_eps, mode == "delta")
         if out is not None:
             return out
-    return fused_delta_update(x, h, v, beta, mode=mode, k_eps=k_eps)
+    out = fused_delta_update(x, h, v, beta, mode=mode, k_eps=k_eps, writes=writes)
+    return out if tape is None else tape.push(out, writes[0])
 
 
 # -------------------------------------------------------------------------------------- the token convolutions

@@ -10,6 +10,7 @@ embedding convolution), the attention with QK-norm, the decoder layer, the initi
 `ddl.reference` (the update is `reference.delta_update`) and dispatched to their fast paths by `ddl.kernels`.
 """
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -40,6 +41,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from .configuration_ddl import DDLConfig, conv_state_slots
 from .kernels import delta_residual, token_conv, token_readout
 from .packing import find_documents
+from .rebuild import StateTape, active_tape, derived, rebuild_applies
 from .reference import constant_value, delta_gate, delta_update, delta_value
 
 
@@ -129,7 +131,7 @@ class DDLDeltaResidual(nn.Module):
         return delta_residual(x, h, context, u, self.beta_weight, self.beta_bias, value_weight, value_bias,
                               v_scale=config.ddl_v_sigmoid_scale, k_eps=config.ddl_k_eps, mode=self.mode,
                               gate_hidden=self._gate_hidden(), v_constant=config.ddl_v_constant,
-                              implementation=config.ddl_implementation)
+                              implementation=config.ddl_implementation, tape=active_tape())
 
     def _gate_hidden(self):
         return (self.beta_hidden_weight, self.beta_hidden_bias) if self.config.ddl_beta_hidden_size else None
@@ -187,7 +189,7 @@ class DDLCompressor(nn.Module):
         implementation = self.config.ddl_implementation
         if self.kind != "tc":
             return token_readout(state, self.channel_weight().unsqueeze(0), implementation=implementation)  # (B, T, d)
-        state = _mask_padding(state, pad_mask)
+        state = derived(lambda x: _mask_padding(x, pad_mask), state)  # (rebuilt in backward with the state)
         taps = self.conv_weight * self.read  # (K, d, d_v): the conv taps times the read vector
         window = cached_window(state, taps.shape[0], cache, self.layer_idx, cache_slot, documents)
         return token_readout(state, taps, window, documents=documents, implementation=implementation)  # (B, T, d)
@@ -526,8 +528,21 @@ class DDLModel(DDLPreTrainedModel):
         if pad_mask is not None:
             pad_mask = pad_mask.to(inputs_embeds.dtype)  # once here, not in every token convolution
 
-        hidden_states = self.expand(inputs_embeds, cache, pad_mask, documents)  # X_0: (B, T, d) or (B, T, d_v, d)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
+        rebuild = rebuild_applies(self.config, inputs_embeds.dtype, self.gradient_checkpointing and self.training)
+        with StateTape() if rebuild else contextlib.nullcontext() as tape:  # ddl.rebuild: states rebuilt in backward
+            hidden_states = self._blocks(inputs_embeds, tape, causal_mask, position_embeddings, position_ids, cache,
+                                         use_cache, pad_mask, documents, **kwargs)
+        hidden_states = self.norm(hidden_states)
+        return DDLModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
+
+    def _blocks(self, inputs_embeds, tape, causal_mask, position_embeddings, position_ids, cache, use_cache, pad_mask,
+                documents, **kwargs):
+        """X_0, the decoder layers, and the final readout of the state: `(B, T, d)`. (X_0 is made here, so that no
+        caller's variable keeps it through the layers: with a `tape`, forward frees each state.)"""
+        hidden_states = self.expand(inputs_embeds, cache, pad_mask, documents)  # X_0: (B, T, d) or (B, T, d_v, d)
+        if tape is not None:
+            tape.start(hidden_states)
         record = kwargs.get("output_hidden_states", self.config.output_hidden_states)
         readout = getattr(self, "readout", None)
         for i, decoder_layer in enumerate(self.layers[: self.config.num_hidden_layers]):
@@ -546,8 +561,7 @@ class DDLModel(DDLPreTrainedModel):
                 self.state_readout(inputs_embeds if i == 0 else None, hidden_states, readout, pad_mask, documents)
         if hidden_states.dim() == 4:
             hidden_states = self.readout(hidden_states, cache, pad_mask, self.readout_slot, documents)  # (B, T, d)
-        hidden_states = self.norm(hidden_states)
-        return DDLModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
+        return hidden_states
 
 
 class DDLForCausalLM(DDLPreTrainedModel, GenerationMixin):

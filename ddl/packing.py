@@ -20,6 +20,8 @@ import torch
 from transformers.masking_utils import find_packed_sequence_indices, packed_sequence_mask_function
 from transformers.utils.import_utils import is_tracing
 
+from .rebuild import derived
+
 
 class Documents:
     """Where the documents of a packed batch lie: `index` `(B, T)` numbers each token's document within its row,
@@ -56,7 +58,8 @@ class Documents:
         """`conv(x)` for a causal convolution of `kernel` taps over x's token axis, restarted at every document."""
         if kernel == 1:
             return conv(x)
-        return self.gather(conv(self.spread(x, kernel)), kernel)
+        # (with the states rebuilt in backward, so is the spread copy of one: `rebuild.derived`)
+        return self.gather(conv(derived(lambda state: self.spread(state, kernel), x)), kernel)
 
     def last_document(self, x):
         """x `(B, C, T)` (time last, as the cache keeps conv inputs) with every token before its row's last
