@@ -233,35 +233,38 @@ class DDLConfig(LlamaConfig):
     @property
     def ddl_implementation(self) -> str:
         """How DDL's operations run here (`ddl.kernels`): set on this config, else `DDL_IMPLEMENTATION`, else auto."""
-        if self._ddl_implementation is not None:
-            return self._ddl_implementation
-        name = os.environ.get("DDL_IMPLEMENTATION", "").strip().lower() or "auto"
-        if name not in DDL_IMPLEMENTATIONS:
-            raise ValueError(f"DDL_IMPLEMENTATION={name!r} must be one of {DDL_IMPLEMENTATIONS}; unset it or pick one.")
-        return name
+        return self._runtime_choice("ddl_implementation", DDL_IMPLEMENTATIONS, "auto")
 
     @ddl_implementation.setter
     def ddl_implementation(self, name: str | None):
-        if name is not None and name not in DDL_IMPLEMENTATIONS:
-            raise ValueError(f"ddl_implementation must be one of {DDL_IMPLEMENTATIONS} (see ddl.kernels), got {name!r}.")
-        self._ddl_implementation = name
+        self._set_runtime_choice("ddl_implementation", name, DDL_IMPLEMENTATIONS, "ddl.kernels")
 
     @property
     def ddl_rebuild_states(self) -> str:
         """Whether training rebuilds the expanded states in backward (`ddl.rebuild`): set on this config, else
         `DDL_REBUILD_STATES`, else "off"."""
-        if self._ddl_rebuild_states is not None:
-            return self._ddl_rebuild_states
-        name = os.environ.get("DDL_REBUILD_STATES", "").strip().lower() or "off"
-        if name not in REBUILD_CHOICES:
-            raise ValueError(f"DDL_REBUILD_STATES={name!r} must be one of {REBUILD_CHOICES}; unset it or pick one.")
-        return name
+        return self._runtime_choice("ddl_rebuild_states", REBUILD_CHOICES, "off")
 
     @ddl_rebuild_states.setter
     def ddl_rebuild_states(self, name: str | None):
-        if name is not None and name not in REBUILD_CHOICES:
-            raise ValueError(f"ddl_rebuild_states must be one of {REBUILD_CHOICES} (see ddl.rebuild), got {name!r}.")
-        self._ddl_rebuild_states = name
+        self._set_runtime_choice("ddl_rebuild_states", name, REBUILD_CHOICES, "ddl.rebuild")
+
+    def _runtime_choice(self, name, choices, default):
+        """A runtime choice (never saved): the value set on this config, else the environment variable of the same
+        name in capitals, else `default`."""
+        value = getattr(self, f"_{name}")
+        if value is not None:
+            return value
+        variable = name.upper()
+        value = os.environ.get(variable, "").strip().lower() or default
+        if value not in choices:
+            raise ValueError(f"{variable}={value!r} must be one of {choices}; unset it or pick one.")
+        return value
+
+    def _set_runtime_choice(self, name, value, choices, see):
+        if value is not None and value not in choices:
+            raise ValueError(f"{name} must be one of {choices} (see {see}), got {value!r}.")
+        setattr(self, f"_{name}", value)
 
     def to_dict(self):
         output = super().to_dict()
