@@ -482,17 +482,18 @@ def test_resume_skips_and_names_an_incomplete_checkpoint(tmp_path, caplog):
         resolve(str(out / "checkpoint-4"))
 
 
-def test_card_says_loading_compiles_a_kernel_and_how_to_switch_it_off():
+def test_card_says_loading_compiles_a_kernel_and_how_to_switch_it_off(monkeypatch):
     """Loading by remote code runs a C++ compiler on the first CPU forward and writes under ~/.cache: the card and
     the README say so and name the real switches (DDL_CPU_KERNEL=0, DDL_IMPLEMENTATION=torch)."""
     from pathlib import Path
 
-    import ddl.configuration_ddl
     import ddl.cpu_kernels
+    from ddl import DDLConfig
     from ddl_tools.training import MODEL_CARD
 
     assert '"DDL_CPU_KERNEL"' in Path(ddl.cpu_kernels.__file__).read_text()  # the switches named are the code's
-    assert '"DDL_IMPLEMENTATION"' in Path(ddl.configuration_ddl.__file__).read_text()
+    monkeypatch.setenv("DDL_IMPLEMENTATION", "torch")
+    assert DDLConfig().ddl_implementation == "torch"
     readme = Path(ROOT, "README.md").read_text(encoding="utf-8")
     for text in (MODEL_CARD, readme):
         assert "DDL_CPU_KERNEL=0" in text and "DDL_IMPLEMENTATION=torch" in text
