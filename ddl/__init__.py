@@ -15,6 +15,7 @@ from transformers import (
     AutoModelForTokenClassification,
 )
 
+from . import modeling_ddl
 from .configuration_ddl import DDLConfig
 from .modeling_ddl import (
     DDLForCausalLM,
@@ -42,13 +43,4 @@ for auto_class, model_class in AUTO_CLASSES.items():
     auto_class.register(DDLConfig, model_class, exist_ok=True)
     model_class.register_for_auto_class(auto_class.__name__)
 
-__all__ = [
-    "DDLConfig",
-    "DDLForCausalLM",
-    "DDLForQuestionAnswering",
-    "DDLForSequenceClassification",
-    "DDLForTokenClassification",
-    "DDLModel",
-    "DDLPreTrainedModel",
-    "delta_update",
-]
+__all__ = ["DDLConfig", *modeling_ddl.__all__, "delta_update"]

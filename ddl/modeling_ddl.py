@@ -21,7 +21,13 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache, LinearAttentionCacheLayerMixin
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask
-from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers import AutoModel
+from transformers.modeling_layers import (
+    GenericForQuestionAnswering,
+    GenericForSequenceClassification,
+    GenericForTokenClassification,
+    GradientCheckpointingLayer,
+)
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -617,15 +623,7 @@ class DDLForCausalLM(DDLPreTrainedModel, GenerationMixin):
 
 # ---------------------------------------------------------------------------------------------------------------
 # Task heads: transformers' own generic heads (as Llama has them) on DDLModel's last_hidden_state (B, T, d), the
-# normalised readout of the state whatever d_v is. (Their imports sit here, with them, while the model above is
-# being rewritten on another branch; they can join the imports at the top once both have landed.)
-
-from transformers import AutoModel  # noqa: E402
-from transformers.modeling_layers import (  # noqa: E402
-    GenericForQuestionAnswering,
-    GenericForSequenceClassification,
-    GenericForTokenClassification,
-)
+# normalised readout of the state whatever d_v is.
 
 
 class _BaseModelFromConfig:

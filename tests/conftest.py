@@ -123,3 +123,13 @@ def assert_same_loss_and_gradients(models, ids, loss_atol=1e-6, grad_rtol=1e-5, 
     reference = dict(models["reference"].named_parameters())
     for name, param in models["fused"].named_parameters():
         torch.testing.assert_close(param.grad, reference[name].grad, rtol=grad_rtol, atol=grad_atol, msg=name)
+
+
+def run_cli(cli, args, capsys):
+    """A script's `cli(args)` run in process (an interpreter start costs seconds), as `python script.py` runs it:
+    its exit status (argparse's own errors exit through SystemExit) and what it wrote to stderr."""
+    try:
+        status = cli(args)
+    except SystemExit as exit_:
+        status = exit_.code
+    return status, capsys.readouterr().err

@@ -21,6 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "train.py")
 sys.path.insert(0, ROOT)
 
+from conftest import run_cli as run_script_cli  # noqa: E402
 from ddl_tools.training import (  # noqa: E402
     ddl_config_from_llama,
     ensure_validation_split,
@@ -327,11 +328,7 @@ def test_bad_input_is_rejected_clearly(case, bad_input_args, capsys):
     import train
 
     args, message = bad_input_args(case)
-    try:
-        status = train.cli(args)
-    except SystemExit as exit_:  # argparse's own errors (unknown choice)
-        status = exit_.code
-    err = capsys.readouterr().err
+    status, err = run_script_cli(train.cli, args, capsys)
     assert status == 2
     assert message in err and "error:" in err, err[-3000:]
     assert "Traceback" not in err
@@ -352,8 +349,7 @@ def run_cli(args, capsys):
     """`python train.py args` in this process (an interpreter start costs seconds): status, stderr."""
     import train
 
-    status = train.cli([str(a) for a in args])
-    return status, capsys.readouterr().err
+    return run_script_cli(train.cli, [str(a) for a in args], capsys)
 
 
 def copy_run(trained, dest, checkpoints=True):

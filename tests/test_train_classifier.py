@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, tiny_config
+from conftest import ROOT, run_cli, tiny_config
 
 
 SCRIPT = os.path.join(ROOT, "train_classifier.py")
@@ -224,11 +224,7 @@ def test_bad_input_is_one_line(case, bad_input_args, capsys):
     import train_classifier
 
     args, message = bad_input_args(case)
-    try:
-        status = train_classifier.cli(args)
-    except SystemExit as exit_:  # argparse's own errors (unknown choice)
-        status = exit_.code
-    err = capsys.readouterr().err
+    status, err = run_cli(train_classifier.cli, args, capsys)
     assert status == 2
     lines = [line for line in err.splitlines() if "error:" in line]
     assert len(lines) == 1 and message in lines[0], err[-3000:]
