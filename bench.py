@@ -6,6 +6,7 @@
     python bench.py --size small --repeats 1 --batch_size 1 --variants llama ddl-cc   # the small model on a CPU
     python bench.py --variants llama ddl-dv1 --compile
     python bench.py --variants llama ddl-cc --skip prefill decode --memory_timeline timeline  # where memory goes
+    python bench.py --variants llama ddl-cc-stored ddl-cc-rebuild   # the state rebuild off and on, side by side
 
 Every figure is reported as a ratio to Llama paired by repeat: each repeat's figure over Llama's in the same
 repeat, the median and the spread (min-max) of those ratios. Machine noise that drifts over seconds then hits both
@@ -86,6 +87,12 @@ VARIANTS = {
     "ddl-tc": dict(ddl_value_channels=4, ddl_compressor="tc", ddl_embed_conv=True),
     "ddl-write_only": dict(ddl_value_channels=1, ddl_residual="write_only"),
 }
+DEFAULT_VARIANTS = list(VARIANTS)
+# The expanded-state variants with the state rebuild pinned (`ddl_rebuild_states`, ddl/rebuild.py) on or off, to
+# compare both in the same alternations; the variants above follow the model's default (and DDL_REBUILD_STATES).
+for _name in ("ddl-cc", "ddl-tc"):
+    VARIANTS[f"{_name}-stored"] = dict(VARIANTS[_name], ddl_rebuild_states="off")
+    VARIANTS[f"{_name}-rebuild"] = dict(VARIANTS[_name], ddl_rebuild_states="on")
 
 DECODE_PROMPT_LEN = 16
 TIMELINE_POINTS = 1000  # instants kept of a step's memory timeline (the profiler records one per allocation)
@@ -382,7 +389,7 @@ def parse_args(argv=None):
     parser.add_argument("--batch_size", type=int, help="sequences per training/prefill batch instead of the size's "
                         "(e.g. 1 or 2 for --size small on a CPU, whose batch of 8 x 1024 needs many GB per model)")
     parser.add_argument("--seq_len", type=int, help="tokens per sequence instead of the size's")
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=DEFAULT_VARIANTS)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--implementation", choices=list(DDL_IMPLEMENTATIONS), default="auto",
