@@ -183,9 +183,21 @@ class DDLCompressor(nn.Module):
 
     def channel_weight(self):
         """CC's per-feature weight over the d_v channels `(d, d_v)`: the matrix, or the conv and read vector folded,
-        w[i, j] = sum_o r_o c[i, j + p - o] (taps outside [0, K) are the zero padding)."""
+        w[i, j] = sum_o r_o c[i, j + p - o] (taps outside [0, K) are the zero padding). Without autograd (decoding
+        calls it 2L + 1 times per token) the fold is kept until either parameter changes (identity, storage or
+        in-place version)."""
         if self.kind == "cc_matrix":
             return self.weight
+        params = (self.conv_weight, self.read)
+        if torch.is_grad_enabled() or torch.compiler.is_compiling() or any(p.is_inference() for p in params):
+            return self._fold()
+        key = [(p, p.data_ptr(), p._version) for p in params]
+        cached = self.__dict__.get("_folded")  # (not a buffer: never saved, moved or seen by state_dict)
+        if cached is None or any(a[0] is not b[0] or a[1:] != b[1:] for a, b in zip(cached[0], key)):
+            cached = self.__dict__["_folded"] = (key, self._fold())
+        return cached[1]
+
+    def _fold(self):
         kernel, dv = self.conv_weight.shape[1], self.read.shape[0]
         pad = (kernel - 1) // 2
         windows = F.pad(self.read, (kernel, kernel)).unfold(0, dv, 1)  # windows[s, j] = r[s + j - K] (0 outside)

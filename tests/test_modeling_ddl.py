@@ -354,6 +354,45 @@ def test_cc_conv_is_a_same_padded_depthwise_conv_along_the_value_channels_then_a
         torch.testing.assert_close(compress(state), expected)
 
 
+def test_cc_fold_kept_for_inference_follows_every_change_of_the_weights():
+    """Without autograd the folded CC weight is kept between calls (decoding reads it 2L + 1 times per token); an
+    optimizer step, an in-place edit, a load_state_dict, a new Parameter or a dtype change must each refold it."""
+    model = _model()
+    compress = model.model.layers[0].compress
+
+    def check():
+        with torch.no_grad():
+            kept = compress.channel_weight()
+        with torch.inference_mode():
+            inference = compress.channel_weight()
+        with torch.enable_grad():
+            fresh = compress.channel_weight()
+        assert fresh.requires_grad
+        torch.testing.assert_close(kept, fresh.detach(), rtol=0, atol=0)
+        torch.testing.assert_close(inference, fresh.detach(), rtol=0, atol=0)
+
+    check()
+    with torch.no_grad():
+        assert compress.channel_weight() is compress.channel_weight()  # kept, not refolded
+    loss = model(_ids(), labels=_ids()).loss
+    loss.backward()
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    check()
+    with torch.no_grad():
+        compress.read.mul_(-2.0)
+    check()
+    with torch.no_grad():
+        compress.conv_weight[0, 0] += 1.0
+    check()
+    state = {k: v + 0.1 for k, v in model.state_dict().items()}
+    model.load_state_dict(state)
+    check()
+    compress.read = torch.nn.Parameter(torch.randn_like(compress.read))
+    check()
+    model.double()
+    check()
+
+
 @pytest.mark.parametrize("initialization", ["authors", "llama"])
 def test_tc_compressor_starts_neutral(initialization):
     """TC at the authors' start reads the average of the last K tokens and channels (zeros before the sequence);
