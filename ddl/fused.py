@@ -73,7 +73,7 @@ def rank1_write(h, inv_norm, target, beta, dtype):
     return (h.to(target.dtype) * inv_norm).to(dtype), (beta * target).to(dtype)
 
 
-def rebuild_state(x_next, write):
+def rebuild_state(x_next, write, in_place=False):
     r"""The state before a delta update, rebuilt from the one after it and the update's rank-1 write (a, c):
 
         X = X_next - a c^T        (delta:  X_next = X + k c^T with c = beta (v - k^T X);  write-only: c = beta v)
@@ -82,10 +82,10 @@ def rebuild_state(x_next, write):
     anyway, and c is d_v numbers per token), so nothing needs solving: backward can drop X in forward and rebuild it
     from X_next (`ddl.rebuild`). Exact up to the rounding of X_next in the model dtype (one rounding per update;
     the errors of a deep stack add up, they are not amplified). x_next: `(B, T, d_v, d)` (or `(B, T, d)`); a:
-    `(B, T, d)`; c: `(B, T, d_v)`."""
+    `(B, T, d)`; c: `(B, T, d_v)`. `in_place`: X is written over X_next (the same numbers, no new state)."""
     a, c = write
-    return torch.addcmul(x_next, *_rank1(a.to(x_next.dtype), c.to(x_next.dtype), x_next.dim() == a.dim()),
-                         value=-1.0)
+    factors = _rank1(a.to(x_next.dtype), c.to(x_next.dtype), x_next.dim() == a.dim())
+    return x_next.addcmul_(*factors, value=-1.0) if in_place else torch.addcmul(x_next, *factors, value=-1.0)
 
 
 class _DeltaUpdate(torch.autograd.Function):

@@ -111,7 +111,10 @@ class StateTape(torch.autograd.graph.saved_tensors_hooks):
     def _unpack(saved):
         if not isinstance(saved, _Saved):
             return saved
-        return saved.fn(saved.tape.state(saved.index))
+        state = saved.tape.state(saved.index)
+        made = saved.fn(state)
+        # the state itself goes out as an alias of its storage, so that `_sole_owner` sees it held while in use
+        return made.detach() if made is state else made
 
     def state(self, index):
         """X_index: held, or rebuilt from the nearest held state above it (the last one is always held). After a
@@ -124,12 +127,20 @@ class StateTape(torch.autograd.graph.saved_tensors_hooks):
             above += 1
         x = self.states[above]
         for layer in range(above - 1, index - 1, -1):
-            x = rebuild_state(x, self.writes[layer])
+            # over the state above where nothing else holds it (not the last state, which the tape keeps): backward
+            # then allocates no new state (and on CPU, with glibc's allocator, no freshly mapped pages for it)
+            in_place = above < len(self.states) - 1 or layer < above - 1
+            x = rebuild_state(x, self.writes[layer], in_place=in_place and _sole_owner(x))
         if above > index:
             self.states[index] = x
             if above < len(self.states) - 1:
                 self.states[above] = None
         return x
+
+
+def _sole_owner(x):
+    """Whether nothing but `x` (no view, alias or saved copy handed out by `_unpack`) holds x's storage."""
+    return torch._C._storage_Use_Count(x.untyped_storage()._cdata) <= 2  # x's own reference + this call's
 
 
 def _same(state):

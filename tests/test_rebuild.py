@@ -5,6 +5,7 @@ variant, implementation and batch layout (plain, left-padded, packed); forward f
 checkpointing, torch.compile and DDP fall back or compose, never with wrong gradients."""
 
 import gc
+import os
 import weakref
 
 import pytest
@@ -59,9 +60,9 @@ def rebuilds(monkeypatch):
     """Counts the states that backward rebuilds (so that a test sees the rebuild run, not a silent fallback)."""
     calls = []
 
-    def counted(x_next, write):
+    def counted(x_next, write, **kwargs):
         calls.append(x_next.shape)
-        return rebuild_state(x_next, write)
+        return rebuild_state(x_next, write, **kwargs)
 
     monkeypatch.setattr(rebuild, "rebuild_state", counted)
     return calls
@@ -140,6 +141,51 @@ def test_forward_frees_the_states_that_backward_rebuilds(overrides, layout):
     assert alive["on"] == 1, alive
 
 
+@pytest.mark.parametrize("overrides", [VARIANTS[0], VARIANTS[2]])
+def test_backward_rebuilds_each_state_over_the_one_above_except_the_last(overrides, cpu_kernel_on_or_off, monkeypatch):
+    """Backward allocates one new state (X_{L-1}, from the last state, which the tape keeps) and writes every
+    earlier one over the state above it, which nothing holds any more; a second backward through the same graph
+    (retain_graph) rebuilds them again from the kept last state and gives the same gradients."""
+    ids, kwargs = _batch("padded")
+    in_place = []
+
+    def recorded(x_next, write, **kwargs):
+        in_place.append(kwargs.get("in_place", False))
+        return rebuild_state(x_next, write, **kwargs)
+
+    monkeypatch.setattr(rebuild, "rebuild_state", recorded)
+    model = _model(overrides, "auto", "on", torch.float64)
+    loss = model(ids, labels=ids, use_cache=False, **kwargs).loss
+    first = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+    sublayers = 2 * model.config.num_hidden_layers
+    assert in_place == [False] + [True] * (sublayers - 1)
+    second = torch.autograd.grad(loss, list(model.parameters()))
+    for a, b in zip(first, second):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+@torch.no_grad()  # as in backward
+def test_a_state_still_held_elsewhere_is_not_written_over():
+    """`_sole_owner`: a rebuilt state with a view or alias alive (e.g. one a backward node still uses) is rebuilt
+    into a new tensor instead of over it."""
+    tape = rebuild.StateTape()
+    x0 = torch.randn(1, 2, 3, 4, dtype=torch.float64, generator=seeded(0))
+    h, c = torch.randn(1, 2, 4, dtype=torch.float64), torch.randn(1, 2, 3, dtype=torch.float64)
+    write = h.unsqueeze(-2) * c.unsqueeze(-1)
+    tape.start(x0.clone())
+    for _ in range(3):
+        tape.push(tape.states[-1] + write, (h, c))
+    x2 = tape.state(2)  # rebuilt from the last state: a new tensor
+    held = x2[0]  # a view of it, alive
+    x1 = tape.state(1)
+    assert x1.data_ptr() != x2.data_ptr()  # not over x2, which `held` still reads
+    torch.testing.assert_close(held, (x0 + 2 * write)[0])
+    del held, x2
+    x0_rebuilt = tape.state(0)
+    assert x0_rebuilt.data_ptr() == x1.data_ptr()  # over x1, held by nothing else
+    torch.testing.assert_close(x0_rebuilt, x0)
+
+
 def test_rebuild_state_undoes_the_update():
     """`rebuild_state` subtracts the very write the forward added: X comes back to fp64 rounding."""
     g = seeded(0)
@@ -192,6 +238,27 @@ def test_ddp_gives_the_stored_paths_gradients(tmp_path, rebuilds):
     assert rebuilds
     _assert_same(stored, (loss, {name.removeprefix("module."): g for name, g in grads.items()}), rtol=1e-10,
                  atol=1e-12)
+
+
+def test_two_ddp_ranks_give_the_full_batchs_stored_gradients(tmp_path):
+    """Two gloo ranks in processes of their own, each with half the batch and its states rebuilt in backward: DDP's
+    all-reduced gradients equal one process's stored-state gradients on the whole batch."""
+    import subprocess
+    import sys
+
+    ids, kwargs = _batch("plain")
+    stored = _loss_and_grads(_model({"ddl_compressor": "tc"}, "auto", "off", torch.float64), ids, kwargs)
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ddp_rebuild_worker.py")
+    out = tmp_path / "rank0.pt"
+    ranks = [subprocess.Popen([sys.executable, worker, str(rank), "2", str(tmp_path / "store"), str(out)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(2)]
+    for rank in ranks:
+        output, _ = rank.communicate(timeout=300)
+        assert rank.returncode == 0, output
+    result = torch.load(out)
+    assert result["rebuilt"] > 0
+    # (the loss is computed in fp32 from fp64 logits, and its 1/tokens differs by rounding between half and whole)
+    _assert_same(stored, (result["loss"], result["grads"]), rtol=1e-6, atol=1e-9)
 
 
 def test_a_second_derivative_through_rebuilt_states_raises_instead_of_being_wrong():
