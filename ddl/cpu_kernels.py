@@ -29,6 +29,7 @@ fp32 and fp64 (each in its own precision); other dtypes, autocast and tracing ta
 """
 
 import contextlib
+import functools
 import hashlib
 import os
 import sys
@@ -265,14 +266,18 @@ def cpu_residual_applies(x, h, c, u, gate_weight, gate_bias, value_weight, value
     )
 
 
+_NO_BUFFER = torch.empty(0)  # residual_forward's `buffer` when X_next gets a new tensor
+
+
 class _Residual(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, erase, u_kind,
-                writes):
+                writes, buffer):
         out, stats = cpu_kernel().residual_forward(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias,
-                                                  v_scale, k_eps, erase, True)
+                                                  v_scale, k_eps, erase, True, _NO_BUFFER if buffer is None else buffer)
         if writes is not None:
-            writes.append(_write_of_stats(h, stats, value_weight.shape[0]))
+            # made when backward needs it, from tensors saved anyway: nothing more stays allocated until then
+            writes.append(functools.partial(_write_of_stats, h, stats, value_weight.shape[0]))
         ctx.save_for_backward(x, h, c, u, gate_weight, value_weight, stats)
         ctx.v_scale, ctx.erase, ctx.u_kind = v_scale, erase, u_kind
         return out
@@ -284,7 +289,7 @@ class _Residual(torch.autograd.Function):
         gx, gh, gc, gu, gw, gb, gwv, gbv = cpu_kernel().residual_backward(
             grad.contiguous(), x, h, c, u, gate_weight, value_weight, stats, ctx.v_scale, ctx.erase, ctx.u_kind
         )
-        return gx, gh, gc, gu if ctx.u_kind == 0 else None, gw, gb, gwv, gbv, None, None, None, None, None
+        return gx, gh, gc, gu if ctx.u_kind == 0 else None, gw, gb, gwv, gbv, None, None, None, None, None, None
 
 
 def _write_of_stats(h, stats, nv):
@@ -297,10 +302,11 @@ def _write_of_stats(h, stats, nv):
 
 
 def cpu_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale=4.0, k_eps=1e-5,
-                 mode="delta", writes=None):
+                 mode="delta", writes=None, buffer=None):
     """`reference.delta_residual` (a single linear gate) through the C++ kernel, for any number of tokens, with
     autograd (check `cpu_residual_applies` first). `writes`: a list that gets the update's rank-1 write appended
-    (`fused.rebuild_state`); training only."""
+    (`fused.rebuild_state`); `buffer`: memory for X_next (`rebuild.StateTape.buffer_like`) where it fits; training
+    only."""
     u_kind = 1 if u is c else (2 if u is x and x.dim() == h.dim() else 0)  # before any copy: by identity
     x = x.contiguous()  # the stride-0 repeated embeddings of a d_v > 1 model without EC
     u = x if u_kind == 2 else u.contiguous()
@@ -308,8 +314,8 @@ def cpu_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v
             value_weight.contiguous(), value_bias.contiguous(), -1.0 if v_scale is None else float(v_scale),
             float(k_eps), mode == "delta")
     if torch.is_grad_enabled():
-        return _Residual.apply(*args, u_kind, writes)
-    return cpu_kernel().residual_forward(*args, False)[0]
+        return _Residual.apply(*args, u_kind, writes, buffer)
+    return cpu_kernel().residual_forward(*args, False, _NO_BUFFER)[0]
 
 
 def cpu_readout_applies(x, weight):

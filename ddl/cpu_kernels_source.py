@@ -162,11 +162,14 @@ void seam_backward(const T* g, const T* x, const T* h, const T* c, const T* u, c
 std::vector<at::Tensor> residual_forward(const at::Tensor& x, const at::Tensor& h, const at::Tensor& c,
                                          const at::Tensor& u, const at::Tensor& wb, const at::Tensor& bb,
                                          const at::Tensor& wv, const at::Tensor& bv, double scale, double eps,
-                                         bool erase, bool save) {
+                                         bool erase, bool save, const at::Tensor& buffer) {
   const int64_t d = h.size(-1), n = h.numel() / d, nv = wv.size(0);
   TORCH_CHECK(x.numel() == n * nv * d && c.numel() == n * d && u.numel() == n * d && wb.numel() == d &&
               bb.numel() == 1 && wv.size(1) == d && bv.numel() == nv, "ddl residual_forward: mismatched shapes");
-  auto out = at::empty_like(x);
+  // X_next goes into `buffer` when it is given (a dead state's memory, same shape, not x's): else a new tensor
+  const bool into_buffer = buffer.numel() == x.numel() && buffer.sizes() == x.sizes() && buffer.is_contiguous() &&
+                           buffer.scalar_type() == x.scalar_type() && buffer.data_ptr() != x.data_ptr();
+  auto out = into_buffer ? buffer : at::empty_like(x);
   at::Tensor stats;  // None when nothing is saved (inference)
   if (save) stats = at::empty({n * (2 + 2 * nv)}, h.options());
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "ddl_residual_forward", [&] {

@@ -42,9 +42,9 @@ def _rank1(h, coef, scalar_state):
     return (h, coef) if scalar_state else (h.unsqueeze(-2), coef.unsqueeze(-1))
 
 
-def _delta_forward(x, h, v, beta, k_eps, erase):
-    """X_next, the per-token scalars (s, t, beta, h^T X) that the backward needs, and the rank-1 write
-    (`rank1_write`), in few fused operations."""
+def _delta_forward(x, h, v, beta, k_eps, erase, buffer=None):
+    """X_next (in `buffer` if given), the per-token scalars (s, t, beta, h^T X) that the backward needs, and the
+    rank-1 write (`rank1_write`), in few fused operations."""
     acc = torch.promote_types(x.dtype, torch.float32)
     scalar_state = x.dim() == h.dim()
     h_acc = h.to(acc)  # bf16/fp16 are read out in fp32
@@ -55,7 +55,7 @@ def _delta_forward(x, h, v, beta, k_eps, erase):
     if erase:
         target = torch.addcmul(target, inv_norm, h_dot_x, value=-1.0)  # v - k^T X
     write = rank1_write(h, inv_norm, target, beta, x.dtype)
-    out = torch.addcmul(x, *_rank1(*write, scalar_state))
+    out = torch.addcmul(x, *_rank1(*write, scalar_state), out=buffer)
     return out, (inv_norm, target, beta, h_dot_x), write
 
 
@@ -100,8 +100,8 @@ class _DeltaUpdate(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, h, v, beta, k_eps, erase, writes):
-        out, saved, write = _delta_forward(x, h, v, beta, k_eps, erase)
+    def forward(ctx, x, h, v, beta, k_eps, erase, writes, buffer):
+        out, saved, write = _delta_forward(x, h, v, beta, k_eps, erase, buffer)
         if writes is not None:  # a `rebuild.StateTape` rebuilds x from out in backward instead of keeping it
             writes.append(write)
         ctx.save_for_backward(x, h, *saved)
@@ -131,12 +131,13 @@ class _DeltaUpdate(torch.autograd.Function):
         grad_v = beta * grad_coef
         grad_beta = (grad_coef * target).sum(-1, keepdim=True)
         return (grad_x.to(x.dtype), grad_h.to(h.dtype), grad_v.to(ctx.v_dtype), grad_beta.to(beta.dtype), None, None,
-                None)
+                None, None)
 
 
-def fused_delta_update(x, h, v=None, beta=None, mode="delta", k_eps=1e-5, writes=None):
+def fused_delta_update(x, h, v=None, beta=None, mode="delta", k_eps=1e-5, writes=None, buffer=None):
     """Same contract as `reference.delta_update`; less memory in training, no autograd bookkeeping in inference.
-    `writes`: a list that gets the update's rank-1 write (`rank1_write`) appended, for `rebuild_state`."""
+    `writes`: a list that gets the update's rank-1 write (`rank1_write`) appended, for `rebuild_state`; `buffer`:
+    memory for X_next, X's shape and layout, not X's (`rebuild.StateTape.buffer_like`), or None."""
     if mode == "additive":
         return x + (h if x.dim() == h.dim() else h.unsqueeze(-2))
     if mode not in DELTA_MODES:
@@ -146,7 +147,7 @@ def fused_delta_update(x, h, v=None, beta=None, mode="delta", k_eps=1e-5, writes
         if writes is not None:
             writes.append(write)
         return out
-    return _DeltaUpdate.apply(x, h, v, beta, k_eps, mode == "delta", writes)
+    return _DeltaUpdate.apply(x, h, v, beta, k_eps, mode == "delta", writes, buffer)
 
 
 def readout_forward(x, taps):

@@ -58,10 +58,11 @@ def delta_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias,
     if implementation == "reference":
         return reference_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, mode,
                                   gate_hidden, v_constant)
-    writes = None if tape is None else []
+    writes, buffer = (None, None) if tape is None else ([], tape.buffer_like(x))
     if (implementation != "torch" and gate_hidden is None and v_constant is None
             and cpu_residual_applies(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias)):
-        out = cpu_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, mode, writes)
+        out = cpu_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, mode, writes,
+                           buffer)
         return out if tape is None else tape.push(out, writes[0])
     beta = delta_gate(c, gate_weight, gate_bias, *(gate_hidden or ()))
     v = constant_value(x, v_constant) if v_constant is not None else delta_value(u, value_weight, value_bias, v_scale)
@@ -69,7 +70,7 @@ def delta_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias,
         out = _triton("triton_delta_update", x, h, v, beta, k_eps, mode == "delta")
         if out is not None:
             return out
-    out = fused_delta_update(x, h, v, beta, mode=mode, k_eps=k_eps, writes=writes)
+    out = fused_delta_update(x, h, v, beta, mode=mode, k_eps=k_eps, writes=writes, buffer=buffer)
     return out if tape is None else tape.push(out, writes[0])
 
 

@@ -47,7 +47,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from .configuration_ddl import DDLConfig, conv_state_slots
 from .kernels import delta_residual, token_conv, token_readout
 from .packing import find_documents
-from .rebuild import StateTape, active_tape, derived, rebuild_applies
+from .rebuild import StateTape, active_tape, derived, rebuild_applies, saving_states
 from .reference import constant_value, delta_gate, delta_update, delta_value
 
 
@@ -134,10 +134,11 @@ class DDLDeltaResidual(nn.Module):
         config = self.config
         u = sublayer_input if config.ddl_value_input == "state" else context
         value_weight, value_bias = getattr(self, "value_weight", None), getattr(self, "value_bias", None)
-        return delta_residual(x, h, context, u, self.beta_weight, self.beta_bias, value_weight, value_bias,
-                              v_scale=config.ddl_v_sigmoid_scale, k_eps=config.ddl_k_eps, mode=self.mode,
-                              gate_hidden=self._gate_hidden(), v_constant=config.ddl_v_constant,
-                              implementation=config.ddl_implementation, tape=active_tape())
+        with saving_states():  # ddl.rebuild: the state it saves goes on the tape, if any
+            return delta_residual(x, h, context, u, self.beta_weight, self.beta_bias, value_weight, value_bias,
+                                  v_scale=config.ddl_v_sigmoid_scale, k_eps=config.ddl_k_eps, mode=self.mode,
+                                  gate_hidden=self._gate_hidden(), v_constant=config.ddl_v_constant,
+                                  implementation=config.ddl_implementation, tape=active_tape())
 
     def _gate_hidden(self):
         return (self.beta_hidden_weight, self.beta_hidden_bias) if self.config.ddl_beta_hidden_size else None
@@ -204,6 +205,10 @@ class DDLCompressor(nn.Module):
         return self.conv_weight @ windows[pad + 1 : pad + kernel + 1].flip(0)  # (d, K) @ (K, d_v): r[j + p - m]
 
     def forward(self, state, cache=None, pad_mask=None, cache_slot=None, documents=None):
+        with saving_states():  # ddl.rebuild: the state (or masked copy) it saves goes on the tape, if any
+            return self._read(state, cache, pad_mask, cache_slot, documents)
+
+    def _read(self, state, cache, pad_mask, cache_slot, documents):
         implementation = self.config.ddl_implementation
         if self.kind != "tc":
             return token_readout(state, self.channel_weight().unsqueeze(0), implementation=implementation)  # (B, T, d)
