@@ -167,8 +167,11 @@ class StateTape:
 
 
 def _sole_owner(x):
-    """Whether nothing but `x` (no view, alias or saved copy handed out by `_unpack`) holds x's storage."""
-    return torch._C._storage_Use_Count(x.untyped_storage()._cdata) <= 2  # x's own reference + this call's
+    """Whether nothing but `x` (no view, alias or saved copy handed out by `_unpack`) holds x's storage. (A private
+    torch function; without it, never: the states are then rebuilt into new tensors, as correct, with more
+    allocation.)"""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    return use_count is not None and use_count(x.untyped_storage()._cdata) <= 2  # x's own reference + this call's
 
 
 def _same(state):
@@ -205,7 +208,10 @@ def saving_states():
     """Context for the operations that read the state (and save it for backward): under an active tape, what they
     save that is the state goes on the tape (`StateTape`); otherwise nothing."""
     tape = active_tape()
-    return contextlib.nullcontext() if tape is None else tape.hooks
+    return _NOTHING if tape is None else tape.hooks
+
+
+_NOTHING = contextlib.nullcontext()  # (reentrant; one for every call: decoding enters it 2L + 1 times per token)
 
 
 def derived(fn, x):

@@ -327,3 +327,14 @@ def test_fp32_states_under_bf16_autocast_are_rebuilt_by_auto_with_the_stored_pat
         results[choice] = (loss.detach(), {name: param.grad for name, param in model.named_parameters()})
     assert rebuilds
     _assert_same(results["off"], results["auto"], rtol=1e-5, atol=1e-6)
+
+
+def test_without_torchs_storage_use_count_the_states_are_rebuilt_into_new_tensors(monkeypatch, rebuilds):
+    """`_sole_owner` reads a private torch function; should a torch lack it, nothing is written over (and the
+    gradients are the same)."""
+    monkeypatch.delattr(torch._C, "_storage_Use_Count")
+    ids, kwargs = _batch("plain")
+    stored = _loss_and_grads(_model({}, "torch", "off", torch.float64), ids, kwargs)
+    _assert_same(stored, _loss_and_grads(_model({}, "torch", "on", torch.float64), ids, kwargs), rtol=1e-10,
+                 atol=1e-12)
+    assert rebuilds and not rebuild._sole_owner(torch.zeros(3))
