@@ -28,10 +28,10 @@ from ddl.reference import causal_token_readout, delta_update
 pytestmark = pytest.mark.skipif(cpu_kernel() is None, reason="the C++ CPU kernel could not be built here")
 
 
-def _seam(dv, mode, value_input, v_scale, dtype, batch=2, seq_len=4, seed=0, edge_rows=True):
+def _seam(dv, mode, value_input, v_scale, dtype, batch=2, seq_len=4, seed=0, edge_rows=True, **overrides):
     """A residual module with parameters off their init, and inputs with a zero h row and an |h| ~ k_eps row."""
     config = tiny_config(ddl_value_channels=dv, ddl_residual=mode, ddl_value_input=value_input,
-                         ddl_v_sigmoid_scale=v_scale)
+                         ddl_v_sigmoid_scale=v_scale, **overrides)
     residual = DDLDeltaResidual(config).to(dtype)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -86,6 +86,17 @@ def test_kernel_equals_gate_value_and_delta_update(dv, mode, value_input, v_scal
     residual, *inputs = _seam(dv, mode, value_input, v_scale, dtype, edge_rows=edge_rows)
     ours, spec = _run(residual, *inputs, use_kernel=True), _run(residual, *inputs, use_kernel=False)
     _assert_same(ours, spec, tol, relative_to_largest=edge_rows)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.float32, 2e-5)], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("mode", ["delta", "write_only"])
+@pytest.mark.parametrize("dv", [2, 4, 8, 5])
+def test_kernel_for_each_compiled_dv_and_a_ragged_width(dv, mode, dtype, tol):
+    """The kernel is compiled for d_v = 1, 2, 4, 8 (5: the run-time loop), its dot products in lanes of two vectors'
+    width: a width of 44 leaves a remainder after those lanes, in fp32 (16 lanes) and fp64 (8)."""
+    residual, *inputs = _seam(dv, mode, "context", 4.0, dtype, hidden_size=44, head_dim=22)
+    ours, spec = _run(residual, *inputs, use_kernel=True), _run(residual, *inputs, use_kernel=False)
+    _assert_same(ours, spec, tol, relative_to_largest=True)
 
 
 @pytest.mark.parametrize("dv", [1, 4], ids=["dv1", "dv4"])
