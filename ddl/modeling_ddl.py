@@ -117,7 +117,12 @@ class DDLDeltaResidual(nn.Module):
         self.mode = config.ddl_residual
         if self.mode == "additive":
             return
+        # read once, as Llama's modules read theirs (a config attribute costs ~1 us; decoding reads these 2L times
+        # per token)
+        self.value_from_state = config.ddl_value_input == "state"
+        self.v_scale, self.k_eps, self.v_constant = config.ddl_v_sigmoid_scale, config.ddl_k_eps, config.ddl_v_constant
         d, dv, hb = config.hidden_size, config.ddl_value_channels, config.ddl_beta_hidden_size
+        self.gate_is_mlp = hb is not None
         if hb is not None:
             self.beta_hidden_weight = nn.Parameter(torch.empty(hb, d))
             self.beta_hidden_bias = nn.Parameter(torch.empty(hb)) if config.ddl_beta_hidden_bias else None
@@ -127,21 +132,23 @@ class DDLDeltaResidual(nn.Module):
             self.value_weight = nn.Parameter(torch.empty(dv, d))
             self.value_bias = nn.Parameter(torch.empty(dv))
 
-    def forward(self, x, h, context, sublayer_input):
-        """x: state X; h: sublayer output (gives k); context: c = RMSNorm(x_in); sublayer_input: x_in."""
+    def forward(self, x, h, context, sublayer_input, implementation=None):
+        """x: state X; h: sublayer output (gives k); context: c = RMSNorm(x_in); sublayer_input: x_in;
+        implementation: `config.ddl_implementation` as the model read it for this forward (None: read it here)."""
         if self.mode == "additive":
             return delta_update(x, h, mode="additive")
-        config = self.config
-        u = sublayer_input if config.ddl_value_input == "state" else context
-        value_weight, value_bias = getattr(self, "value_weight", None), getattr(self, "value_bias", None)
+        u = sublayer_input if self.value_from_state else context
+        constant = self.v_constant is not None
+        value_weight, value_bias = (None, None) if constant else (self.value_weight, self.value_bias)
         with saving_states():  # ddl.rebuild: the state it saves goes on the tape, if any
             return delta_residual(x, h, context, u, self.beta_weight, self.beta_bias, value_weight, value_bias,
-                                  v_scale=config.ddl_v_sigmoid_scale, k_eps=config.ddl_k_eps, mode=self.mode,
-                                  gate_hidden=self._gate_hidden(), v_constant=config.ddl_v_constant,
-                                  implementation=config.ddl_implementation, tape=active_tape())
+                                  v_scale=self.v_scale, k_eps=self.k_eps, mode=self.mode,
+                                  gate_hidden=self._gate_hidden(), v_constant=self.v_constant,
+                                  implementation=implementation or self.config.ddl_implementation,
+                                  tape=active_tape())
 
     def _gate_hidden(self):
-        return (self.beta_hidden_weight, self.beta_hidden_bias) if self.config.ddl_beta_hidden_size else None
+        return (self.beta_hidden_weight, self.beta_hidden_bias) if self.gate_is_mlp else None
 
     def gate(self, context):
         """beta `(B, T, 1)` (fp32) for normalised sublayer inputs c, as the forward computes it (for probing)."""
@@ -150,9 +157,9 @@ class DDLDeltaResidual(nn.Module):
     def value(self, u, state=None):
         """v `(B, T, d_v)` for value inputs u, as the forward computes it (for probing; a constant target needs the
         state, whose shape it takes)."""
-        if self.config.ddl_v_constant is not None:
-            return constant_value(state, self.config.ddl_v_constant)
-        return delta_value(u, self.value_weight, self.value_bias, self.config.ddl_v_sigmoid_scale)
+        if self.v_constant is not None:
+            return constant_value(state, self.v_constant)
+        return delta_value(u, self.value_weight, self.value_bias, self.v_scale)
 
 
 class DDLCompressor(nn.Module):
@@ -184,32 +191,35 @@ class DDLCompressor(nn.Module):
 
     def channel_weight(self):
         """CC's per-feature weight over the d_v channels `(d, d_v)`: the matrix, or the conv and read vector folded,
-        w[i, j] = sum_o r_o c[i, j + p - o] (taps outside [0, K) are the zero padding). Without autograd (decoding
-        calls it 2L + 1 times per token) the fold is kept until either parameter changes (identity, storage or
-        in-place version)."""
+        w[i, j] = sum_o r_o c[i, j + p - o] (taps outside [0, K) are the zero padding), as a view of a `(d_v, d)`
+        tensor (the state's layout, which the readout takes without a copy). Without autograd (decoding calls it
+        2L + 1 times per token) the fold is kept until either parameter changes (identity, storage or in-place
+        version)."""
         if self.kind == "cc_matrix":
             return self.weight
-        params = (self.conv_weight, self.read)
-        if torch.is_grad_enabled() or torch.compiler.is_compiling() or any(p.is_inference() for p in params):
+        conv, read = self.conv_weight, self.read
+        if torch.is_grad_enabled() or torch.compiler.is_compiling() or conv.is_inference() or read.is_inference():
             return self._fold()
-        key = [(p, p.data_ptr(), p._version) for p in params]
+        key = (conv.data_ptr(), conv._version, read.data_ptr(), read._version)
         cached = self.__dict__.get("_folded")  # (not a buffer: never saved, moved or seen by state_dict)
-        if cached is None or any(a[0] is not b[0] or a[1:] != b[1:] for a, b in zip(cached[0], key)):
-            cached = self.__dict__["_folded"] = (key, self._fold())
-        return cached[1]
+        if cached is None or cached[0] is not conv or cached[1] is not read or cached[2] != key:
+            cached = self.__dict__["_folded"] = (conv, read, key, self._fold())
+        return cached[3]
 
     def _fold(self):
         kernel, dv = self.conv_weight.shape[1], self.read.shape[0]
         pad = (kernel - 1) // 2
         windows = F.pad(self.read, (kernel, kernel)).unfold(0, dv, 1)  # windows[s, j] = r[s + j - K] (0 outside)
-        return self.conv_weight @ windows[pad + 1 : pad + kernel + 1].flip(0)  # (d, K) @ (K, d_v): r[j + p - m]
+        # (d_v, K) @ (K, d): w^T[j, i] = sum_m r[j + p - m] c[i, m]
+        return (windows[pad + 1 : pad + kernel + 1].flip(0).t() @ self.conv_weight.t()).t()
 
-    def forward(self, state, cache=None, pad_mask=None, cache_slot=None, documents=None):
+    def forward(self, state, cache=None, pad_mask=None, cache_slot=None, documents=None, implementation=None):
+        """implementation: `config.ddl_implementation` as the model read it for this forward (None: read it here)."""
         with saving_states():  # ddl.rebuild: the state (or masked copy) it saves goes on the tape, if any
-            return self._read(state, cache, pad_mask, cache_slot, documents)
+            return self._read(state, cache, pad_mask, cache_slot, documents,
+                              implementation or self.config.ddl_implementation)
 
-    def _read(self, state, cache, pad_mask, cache_slot, documents):
-        implementation = self.config.ddl_implementation
+    def _read(self, state, cache, pad_mask, cache_slot, documents, implementation):
         if self.kind != "tc":
             return token_readout(state, self.channel_weight().unsqueeze(0), implementation=implementation)  # (B, T, d)
         state = derived(lambda x: _mask_padding(x, pad_mask), state)  # (rebuilt in backward with the state)
@@ -229,11 +239,11 @@ class DDLEmbedConv(nn.Module):
             torch.empty(config.ddl_embed_kernel_size, config.hidden_size, config.ddl_value_channels)
         )
 
-    def forward(self, embeds, cache=None, pad_mask=None, documents=None):
+    def forward(self, embeds, cache=None, pad_mask=None, documents=None, implementation=None):
         embeds = _mask_padding(embeds, pad_mask)
         window = cached_window(embeds, self.weight.shape[0], cache, 0, self.cache_slot, documents)
         return token_conv(embeds, self.weight, window, documents=documents,
-                          implementation=self.config.ddl_implementation)  # (B, T, d_v, d)
+                          implementation=implementation or self.config.ddl_implementation)  # (B, T, d_v, d)
 
 
 class DDLQKNormAttention(LlamaAttention):
@@ -294,12 +304,12 @@ class DDLDecoderLayer(GradientCheckpointingLayer):
                 self.attn_compress = DDLCompressor(config, layer_idx)
                 self.mlp_compress = DDLCompressor(config, layer_idx)
 
-    def sublayer_input(self, which, hidden_states, cache, pad_mask, documents=None):
+    def sublayer_input(self, which, hidden_states, cache, pad_mask, documents=None, implementation=None):
         """x_in of sublayer `which` ("attn" or "mlp"): the state compressed (the state itself when d_v = 1)."""
         if hidden_states.dim() == 3:
             return hidden_states
         compressor = getattr(self, "compress", None) or getattr(self, f"{which}_compress")
-        return compressor(hidden_states, cache, pad_mask, self.cache_slots[which], documents)
+        return compressor(hidden_states, cache, pad_mask, self.cache_slots[which], documents, implementation)
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
@@ -312,9 +322,11 @@ class DDLDecoderLayer(GradientCheckpointingLayer):
         position_embeddings=None,
         pad_mask=None,
         documents=None,
+        implementation=None,
         **kwargs,
     ):
-        x_in = self.sublayer_input("attn", hidden_states, cache, pad_mask, documents)
+        """implementation: `config.ddl_implementation`, read once per model forward (None: each module reads it)."""
+        x_in = self.sublayer_input("attn", hidden_states, cache, pad_mask, documents, implementation)
         context = self.input_layernorm(x_in)
         attn_out, _ = self.self_attn(
             hidden_states=context,
@@ -325,11 +337,11 @@ class DDLDecoderLayer(GradientCheckpointingLayer):
             position_embeddings=position_embeddings,
             **kwargs,
         )
-        hidden_states = self.attn_delta(hidden_states, attn_out, context, x_in)
+        hidden_states = self.attn_delta(hidden_states, attn_out, context, x_in, implementation)
 
-        x_in = self.sublayer_input("mlp", hidden_states, cache, pad_mask, documents)
+        x_in = self.sublayer_input("mlp", hidden_states, cache, pad_mask, documents, implementation)
         context = self.post_attention_layernorm(x_in)
-        hidden_states = self.mlp_delta(hidden_states, self.mlp(context), context, x_in)
+        hidden_states = self.mlp_delta(hidden_states, self.mlp(context), context, x_in, implementation)
         return hidden_states
 
 
@@ -470,10 +482,10 @@ class DDLModel(DDLPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    def expand(self, embeds, cache, pad_mask, documents=None):
+    def expand(self, embeds, cache, pad_mask, documents=None, implementation=None):
         """The initial state X_0: the embeddings (d_v = 1), EC of them, or them repeated over the d_v channels."""
         if self.config.ddl_embed_conv:
-            return self.embed_conv(embeds, cache, pad_mask, documents)
+            return self.embed_conv(embeds, cache, pad_mask, documents, implementation)
         if self.config.ddl_value_channels == 1:
             return embeds
         return embeds.unsqueeze(-2).expand(*embeds.shape[:2], self.config.ddl_value_channels, embeds.shape[-1])
@@ -563,7 +575,8 @@ class DDLModel(DDLPreTrainedModel):
                 documents, **kwargs):
         """X_0, the decoder layers, and the final readout of the state: `(B, T, d)`. (X_0 is made here, so that no
         caller's variable keeps it through the layers: with a `tape`, forward frees each state.)"""
-        hidden_states = self.expand(inputs_embeds, cache, pad_mask, documents)  # X_0: (B, T, d) or (B, T, d_v, d)
+        implementation = self.config.ddl_implementation  # (a runtime choice: read once per forward)
+        hidden_states = self.expand(inputs_embeds, cache, pad_mask, documents, implementation)  # X_0: (B, T, [d_v,] d)
         if tape is not None:
             tape.start(hidden_states)
         record = kwargs.get("output_hidden_states", self.config.output_hidden_states)
@@ -578,12 +591,14 @@ class DDLModel(DDLPreTrainedModel):
                 use_cache=use_cache,
                 pad_mask=pad_mask,
                 documents=documents,
+                implementation=implementation,
                 **kwargs,
             )
             if record:
                 self.state_readout(inputs_embeds if i == 0 else None, hidden_states, readout, pad_mask, documents)
         if hidden_states.dim() == 4:
-            hidden_states = self.readout(hidden_states, cache, pad_mask, self.readout_slot, documents)  # (B, T, d)
+            hidden_states = self.readout(hidden_states, cache, pad_mask, self.readout_slot, documents,
+                                         implementation)  # (B, T, d)
         return hidden_states
 
 

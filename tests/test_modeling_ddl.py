@@ -16,6 +16,7 @@ from transformers import (
 
 from conftest import TINY, seeded, tiny_config, trained_looking
 from ddl import DDLConfig, DDLForCausalLM, DDLModel, kernels
+from ddl.fused import as_taps
 from ddl.modeling_ddl import DDLCompressor, DDLDeltaResidual, DDLEmbedConv
 
 
@@ -374,6 +375,8 @@ def test_cc_fold_kept_for_inference_follows_every_change_of_the_weights():
     check()
     with torch.no_grad():
         assert compress.channel_weight() is compress.channel_weight()  # kept, not refolded
+        kept = compress.channel_weight()
+        assert as_taps(kept.unsqueeze(0)).data_ptr() == kept.data_ptr()  # in the state's layout: read without a copy
     loss = model(_ids(), labels=_ids()).loss
     loss.backward()
     torch.optim.SGD(model.parameters(), lr=0.5).step()
