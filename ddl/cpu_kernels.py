@@ -359,7 +359,7 @@ def cpu_window_readout_applies(window, weight):
 def cpu_window_readout(window, weight):
     r"""The TC readout of one new token from its window as the cache holds it, `(B, d_v*d, K)` (channel j*d + i,
     time last), in one pass: `(B, 1, d)`, y[b, i] = sum_s sum_j weight[s, i, j] * window[b, j*d + i, s]."""
-    taps = weight.permute(2, 1, 0).contiguous()  # (d_v, d, K): the window's layout (a small copy)
+    taps = weight.permute(2, 1, 0).contiguous()  # (d_v, d, K): the window's layout (no copy if kept so)
     return cpu_kernel().window_readout(window.contiguous(), taps).unsqueeze(1)
 
 

@@ -191,26 +191,38 @@ class DDLCompressor(nn.Module):
 
     def channel_weight(self):
         """CC's per-feature weight over the d_v channels `(d, d_v)`: the matrix, or the conv and read vector folded,
-        w[i, j] = sum_o r_o c[i, j + p - o] (taps outside [0, K) are the zero padding), as a view of a `(d_v, d)`
-        tensor (the state's layout, which the readout takes without a copy). Without autograd (decoding calls it
-        2L + 1 times per token) the fold is kept until either parameter changes (identity, storage or in-place
-        version)."""
+        w[i, j] = sum_o r_o c[i, j + p - o] (taps outside [0, K) are the zero padding). Kept between calls without
+        autograd (`_kept`), as a view of a `(d_v, d)` tensor: the state's layout, which the readout takes as is."""
         if self.kind == "cc_matrix":
             return self.weight
+        return self._kept(self._fold)
+
+    def taps(self):
+        """TC's taps times the read vector `(K, d, d_v)`. Kept between calls without autograd (`_kept`), as a view of
+        a `(d_v, d, K)` tensor: the layout of a decoding step's cached window, which its readout takes as is."""
+        return self._kept(lambda: self.conv_weight * self.read, (2, 1, 0))
+
+    def _kept(self, make, layout=None):
+        """make(); without autograd (decoding calls it 2L + 1 times per token) made once and kept, stored permuted by
+        `layout` (undone in the view returned), until either parameter changes (identity, storage or in-place
+        version)."""
         conv, read = self.conv_weight, self.read
         if torch.is_grad_enabled() or torch.compiler.is_compiling() or conv.is_inference() or read.is_inference():
-            return self._fold()
+            return make()
         key = (conv.data_ptr(), conv._version, read.data_ptr(), read._version)
-        cached = self.__dict__.get("_folded")  # (not a buffer: never saved, moved or seen by state_dict)
+        cached = self.__dict__.get("_kept_weight")  # (not a buffer: never saved, moved or seen by state_dict)
         if cached is None or cached[0] is not conv or cached[1] is not read or cached[2] != key:
-            cached = self.__dict__["_folded"] = (conv, read, key, self._fold())
+            weight = make()
+            if layout is not None:
+                weight = weight.permute(layout).contiguous().permute(layout)  # (each layout here is its own inverse)
+            cached = self.__dict__["_kept_weight"] = (conv, read, key, weight)
         return cached[3]
 
     def _fold(self):
         kernel, dv = self.conv_weight.shape[1], self.read.shape[0]
         pad = (kernel - 1) // 2
         windows = F.pad(self.read, (kernel, kernel)).unfold(0, dv, 1)  # windows[s, j] = r[s + j - K] (0 outside)
-        # (d_v, K) @ (K, d): w^T[j, i] = sum_m r[j + p - m] c[i, m]
+        # (d_v, K) @ (K, d), returned transposed: w[i, j] = sum_m c[i, m] r[j + p - m]
         return (windows[pad + 1 : pad + kernel + 1].flip(0).t() @ self.conv_weight.t()).t()
 
     def forward(self, state, cache=None, pad_mask=None, cache_slot=None, documents=None, implementation=None):
@@ -223,7 +235,7 @@ class DDLCompressor(nn.Module):
         if self.kind != "tc":
             return token_readout(state, self.channel_weight().unsqueeze(0), implementation=implementation)  # (B, T, d)
         state = derived(lambda x: _mask_padding(x, pad_mask), state)  # (rebuilt in backward with the state)
-        taps = self.conv_weight * self.read  # (K, d, d_v): the conv taps times the read vector
+        taps = self.taps()  # (K, d, d_v)
         window = cached_window(state, taps.shape[0], cache, self.layer_idx, cache_slot, documents)
         return token_readout(state, taps, window, documents=documents, implementation=implementation)  # (B, T, d)
 

@@ -396,6 +396,20 @@ def test_cc_fold_kept_for_inference_follows_every_change_of_the_weights():
     check()
 
 
+def test_tc_taps_kept_for_inference_follow_a_change_and_reach_the_window_readout_without_a_copy():
+    model = _model(ddl_value_channels=4, ddl_compressor="tc")
+    compress = model.model.layers[0].attn_compress if hasattr(model.model.layers[0], "attn_compress") else \
+        model.model.layers[0].compress
+    with torch.no_grad():
+        kept = compress.taps()
+        assert compress.taps() is kept
+        torch.testing.assert_close(kept, compress.conv_weight * compress.read, rtol=0, atol=0)
+        assert kept.permute(2, 1, 0).is_contiguous()  # the cached window's layout (d_v, d, K)
+        compress.conv_weight[1, 2] -= 0.5
+        torch.testing.assert_close(compress.taps(), compress.conv_weight * compress.read, rtol=0, atol=0)
+    assert compress.taps().requires_grad  # with autograd: made anew, not the kept tensor
+
+
 @pytest.mark.parametrize("initialization", ["authors", "llama"])
 def test_tc_compressor_starts_neutral(initialization):
     """TC at the authors' start reads the average of the last K tokens and channels (zeros before the sequence);
