@@ -1,6 +1,7 @@
 r"""C++ kernels for CPU: one sublayer's whole residual seam (the gate, the value and the delta update, forward and
-backward, in one pass over each token's rows), the TC readout (CC: one tap), and a TC decoding step's readout of
-its cached window. `ddl.kernels` calls them where they apply (Linux, CPU tensors in fp32 or fp64, eager mode).
+backward, in one pass over each token's rows), the TC readout (CC: one tap), EC (the embedding convolution, its
+transpose), and a TC decoding step's readout of its cached window. `ddl.kernels` calls them where they apply
+(Linux, CPU tensors in fp32 or fp64, eager mode).
 
 They are built on first use with PyTorch's C++ extension tools (`torch.utils.cpp_extension.load_inline`, cached under
 `TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`), from the source in `ddl.cpu_kernels_source`, one
@@ -40,7 +41,7 @@ from torch.autograd.function import once_differentiable
 from transformers.utils import logging
 
 from .cpu_kernels_source import SOURCE
-from .fused import readout_backward, readout_with_history
+from .fused import conv_backward, readout_backward, readout_with_history
 
 
 logger = logging.get_logger(__name__)
@@ -70,7 +71,7 @@ _ops = None  # the built module; False when the build failed or is switched off
 
 def cpu_kernel():
     """The compiled functions (`residual_forward` / `residual_backward`, `readout_forward` / `readout_backward`,
-    `window_readout`), or None: built once per machine (20-40 s on first use, then loaded from torch's extension
+    `conv_forward` / `conv_backward`, `window_readout`), or None: built once per machine (20-40 s on first use, then loaded from torch's extension
     cache), never required."""
     global _ops
     if _ops is None:
@@ -111,7 +112,7 @@ def _build():
                     "DDL_CPU_KERNEL=0 to use the PyTorch path instead."
                 )
             functions = ["residual_forward", "residual_backward", "readout_forward", "readout_backward",
-                         "window_readout"]
+                         "conv_forward", "conv_backward", "window_readout"]
             return load_inline(name, cpp_sources=SOURCE, functions=functions, extra_cflags=_flags(), verbose=False,
                                build_directory=folder)
     except Exception as error:  # no compiler, no ninja, a failed build: the PyTorch path serves
@@ -350,6 +351,38 @@ def cpu_token_readout(x, weight, history=None):
     return readout_with_history(_readout, x, weight, history)
 
 
+def cpu_conv_applies(x, weight):
+    """Whether `cpu_token_conv` serves embeddings `(B, T, d)` and a weight `(K, d, d_v)`."""
+    return weight.dtype is x.dtype and weight.is_cpu and _ready(x)
+
+
+class _Conv(torch.autograd.Function):
+    """EC of x `(B, T, d)` by taps `(K, d_v, d)` into the state `(B, T, d_v, d)`, forward and backward in one pass
+    each (the state written once; its gradient read once)."""
+
+    @staticmethod
+    def forward(ctx, x, taps):
+        ctx.save_for_backward(x, taps)
+        return cpu_kernel().conv_forward(x, taps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, taps = ctx.saved_tensors
+        if torch.is_grad_enabled() or grad.dtype is not x.dtype:  # create_graph: the C++ gradients carry no graph
+            return conv_backward(grad, x, taps)
+        return tuple(cpu_kernel().conv_backward(grad.contiguous(), x, taps))
+
+
+def _conv(x, taps):
+    x = x.contiguous()
+    return _Conv.apply(x, taps) if torch.is_grad_enabled() else cpu_kernel().conv_forward(x, taps)
+
+
+def cpu_token_conv(x, weight, history=None):
+    """`reference.causal_token_conv` (EC) through the C++ kernel (check `cpu_conv_applies`)."""
+    return readout_with_history(_conv, x, weight, history)
+
+
 def cpu_window_readout_applies(window, weight):
     """Whether `cpu_window_readout` serves a decoding step's window `(B, d_v*d, K)` and a weight `(K, d, d_v)`: no
     autograd (it has no backward), the same dtype."""
@@ -364,6 +397,6 @@ def cpu_window_readout(window, weight):
 
 
 __all__ = [
-    "cpu_kernel", "cpu_readout_applies", "cpu_residual", "cpu_residual_applies", "cpu_token_readout",
+    "cpu_conv_applies", "cpu_kernel", "cpu_readout_applies", "cpu_token_conv", "cpu_residual", "cpu_residual_applies", "cpu_token_readout",
     "cpu_window_readout", "cpu_window_readout_applies", "eager_cpu_float",
 ]

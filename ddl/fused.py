@@ -13,6 +13,7 @@ a hand-written backward (autograd would zero-fill and copy a state-sized gradien
 """
 
 import torch
+import torch.nn.functional as F
 
 from .reference import DELTA_MODES
 
@@ -188,6 +189,20 @@ def readout_backward(grad, x, taps, needs_x=True, needs_taps=True):
     return grad_x, grad_taps
 
 
+def conv_backward(grad, x, taps):
+    """The gradients of EC (`reference.causal_token_conv`, taps `(K, d_v, d)`) for the state's gradient G
+    `(B, T, d_v, d)`, in differentiable operations (for a second derivative; the C++ kernel serves the first):
+        dx[t] = sum_s sum_j taps[s, j] * G[t + (K-1) - s, j],    dtaps[s, j] = sum over tokens of x[t - (K-1) + s] G[t, j]
+    """
+    kernel, seq_len = taps.shape[0], x.shape[1]
+    grad = grad.to(x.dtype)
+    ahead = F.pad(grad, (0, 0, 0, 0, 0, kernel - 1))  # G then K-1 zero tokens
+    behind = F.pad(x, (0, 0, kernel - 1, 0))  # K-1 zero tokens then x
+    grad_x = sum((ahead[:, kernel - 1 - s : kernel - 1 - s + seq_len] * taps[s]).sum(-2) for s in range(kernel))
+    grad_taps = torch.stack([(behind[:, s : s + seq_len].unsqueeze(-2) * grad).sum((0, 1)) for s in range(kernel)])
+    return grad_x, grad_taps.to(taps.dtype)
+
+
 class _TokenReadout(torch.autograd.Function):
     """`readout_forward` with `readout_backward` as its backward."""
 
@@ -208,8 +223,9 @@ def as_taps(weight):
 
 
 def readout_with_history(readout, x, weight, history):
-    """`readout(state, taps)` over x with its cached history read as the first K-1 tokens, whose outputs are
-    dropped: the contract of `reference.causal_token_readout` for a function of the whole window."""
+    """`readout(x, taps)` (a token convolution: the readout, or EC) over x with its cached history read as the first
+    K-1 tokens, whose outputs are dropped: the contract of `reference.causal_token_readout` (and `causal_token_conv`)
+    for a function of the whole window."""
     if history is not None:
         x = torch.cat([history, x], dim=1)
     out = readout(x, as_taps(weight))
@@ -225,5 +241,5 @@ def fused_token_readout(x, weight, history=None):
     return readout_with_history(_readout, x, weight, history)
 
 
-__all__ = ["as_taps", "fused_delta_update", "fused_token_readout", "rank1_write", "readout_backward", "readout_forward",
+__all__ = ["as_taps", "conv_backward", "fused_delta_update", "fused_token_readout", "rank1_write", "readout_backward", "readout_forward",
            "readout_with_history", "rebuild_state"]

@@ -25,9 +25,11 @@ import torch
 from transformers.utils import logging
 
 from .cpu_kernels import (
+    cpu_conv_applies,
     cpu_readout_applies,
     cpu_residual,
     cpu_residual_applies,
+    cpu_token_conv,
     cpu_token_readout,
     cpu_window_readout,
     cpu_window_readout_applies,
@@ -139,9 +141,12 @@ def _token_readout(x, weight, history, implementation):
 def token_conv(x, weight, window=None, *, documents=None, implementation="auto"):
     r"""EC of the embeddings (`reference.causal_token_conv`): the state `(B, T, d_v, d)`.
 
-    x: `(B, T, d)`; weight: `(K, d, d_v)`; window, documents: as for `token_readout`. The specification already
-    writes one state-sized tensor in place and leaves its small backward to autograd, so it is also the fast path;
-    Triton on CUDA under "triton".
+    x: `(B, T, d)`; weight: `(K, d, d_v)`; window, documents: as for `token_readout`. Decision order:
+    1. The C++ conv (`cpu_token_conv`: the state written once, its gradient read once) unless "reference" or
+       "torch" (CPU, fp32/fp64, eager, the kernel built).
+    2. Triton on CUDA under "triton".
+    3. The specification, which writes one state-sized tensor in place (its backward through autograd makes two
+       state-sized products per tap).
     """
     history = window_history(window, x)
     if documents is not None:
@@ -151,6 +156,8 @@ def token_conv(x, weight, window=None, *, documents=None, implementation="auto")
 
 
 def _token_conv(x, weight, history, implementation):
+    if implementation not in ("torch", "reference") and cpu_conv_applies(x, weight):
+        return cpu_token_conv(x, weight, history)
     if implementation == "triton" and _triton_serves(x):
         out = _triton("triton_token_conv", x, weight, history)
         if out is not None:

@@ -14,15 +14,17 @@ import torch
 from conftest import assert_same_loss_and_gradients, tiny_config
 from ddl import DDLForCausalLM, cpu_kernels, kernels
 from ddl.cpu_kernels import (
+    cpu_conv_applies,
     cpu_kernel,
     cpu_readout_applies,
     cpu_residual,
     cpu_residual_applies,
+    cpu_token_conv,
     cpu_token_readout,
     cpu_window_readout_applies,
 )
 from ddl.modeling_ddl import DDLDeltaResidual
-from ddl.reference import causal_token_readout, delta_update
+from ddl.reference import causal_token_conv, causal_token_readout, delta_update
 
 
 pytestmark = pytest.mark.skipif(cpu_kernel() is None, reason="the C++ CPU kernel could not be built here")
@@ -271,6 +273,42 @@ def test_readout_second_derivative_takes_the_pytorch_backward():
     weight = torch.randn(3, 3, 2, generator=g, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(cpu_token_readout, (x, weight))
     assert torch.autograd.gradgradcheck(cpu_token_readout, (x, weight))
+
+
+@pytest.mark.parametrize("with_history", [False, True], ids=["start", "history"])
+@pytest.mark.parametrize("kernel", [1, 4])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_conv_kernel_equals_spec(kernel, threads, with_history):
+    """EC and its gradients, over enough tokens (3 x 40) to be split over threads; a sequence shorter than the taps
+    (3 tokens) has outputs that read zeros before its first token and gradients from fewer taps."""
+    g = torch.Generator().manual_seed(kernel)
+    for length in (40, 3):
+        x = torch.randn(3, length, 8, generator=g, dtype=torch.float64, requires_grad=True)  # (B, T, d)
+        weight = torch.randn(kernel, 8, 3, generator=g, dtype=torch.float64, requires_grad=True)  # (K, d, d_v)
+        history = torch.randn(3, kernel - 1, 8, generator=g, dtype=torch.float64) if with_history else None
+        cotangent = torch.randn(3, length, 3, 8, generator=g, dtype=torch.float64)
+        spec = causal_token_conv(x, weight, history)
+        spec_grads = torch.autograd.grad(spec, (x, weight), cotangent)
+        assert cpu_conv_applies(x, weight)
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            out = cpu_token_conv(x, weight, history)
+            grads = torch.autograd.grad(out, (x, weight), cotangent)
+            with torch.no_grad():
+                inferred = cpu_token_conv(x, weight, history)
+        finally:
+            torch.set_num_threads(previous)
+        for got, expected in zip((out, inferred, *grads), (spec, spec, *spec_grads)):
+            torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_conv_second_derivative_takes_the_pytorch_backward():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(3, 3, 2, generator=g, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(cpu_token_conv, (x, weight))
+    assert torch.autograd.gradgradcheck(cpu_token_conv, (x, weight))
 
 
 def test_weight_gradients_are_repeatable_on_several_threads():
