@@ -44,6 +44,24 @@ class TokenSums {
   std::vector<std::pair<int64_t, std::vector<double>>> chunks_;
 };
 
+// sums[q] = sum over tokens t < n of what body(t, partial) adds to partial[q] (q < width): tokens split over threads,
+// each chunk's partial in T flushed into double every kFlushEvery tokens, the chunks then added in token order.
+template <typename T, typename Body>
+std::vector<double> sum_over_tokens(int64_t n, int64_t width, const Body& body) {
+  TokenSums sums(width);
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    std::vector<T> partial(width, T(0));
+    std::vector<double> chunk(width, 0.0);
+    for (int64_t t = begin; t < end; ++t) {
+      body(t, partial.data());
+      if ((t - begin + 1) % TokenSums::kFlushEvery == 0) sums.flush(partial, chunk);
+    }
+    sums.flush(partial, chunk);
+    sums.add(begin, std::move(chunk));
+  });
+  return sums.total();
+}
+
 // out[j] = a . m[j] for the rows of m (stride d). With R > 0 rows known at compile time, one pass over a and m
 // with R sums, each in two vectors' width of lanes (independent chains, added at the end); R = 0: `rows` at run
 // time, one row at a time.
@@ -109,58 +127,51 @@ void seam_backward(const T* g, const T* x, const T* h, const T* c, const T* u, c
                    int64_t n, int64_t nv, int64_t d, T* gx, T* gh, T* gc, T* gu, T* gwb, T* gbb, T* gwv, T* gbv) {
   const int64_t rows = NV > 0 ? NV : nv;
   const int64_t width = d + 1 + rows * d + rows;  // the weight gradients: dw, db, dW_v, db_v
-  TokenSums sums(width);
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    std::vector<T> partial(width, T(0));
-    std::vector<double> chunk(width, 0.0);
-    T* awb = partial.data(); T* awv = awb + d + 1;
-    std::vector<T> b(rows), a_g(rows), a_x(rows), dy(rows);
-    for (int64_t t = begin; t < end; ++t) {
-      const T* gt = g + t * rows * d; const T* xt = x + t * rows * d; const T* ht = h + t * d;
-      const T* ct = c + t * d; const T* ut = u + t * d;
-      const T beta = beta_s[t], s = s_s[t];
-      row_dots<T, NV>(ht, gt, d, rows, b.data());
-      T dbeta = 0, h_dot = 0;
-      for (int64_t j = 0; j < rows; ++j) {
-        const T v = v_s[t * rows + j], hx = erase ? hx_s[t * rows + j] : T(0);
-        const T tj = v - s * hx, cj = s * b[j];
-        dbeta += cj * tj;
-        h_dot += b[j] * tj - hx * cj;
-        a_g[j] = s * beta * tj;                      // dh += G_j a_g
-        a_x[j] = erase ? s * beta * cj : T(0);       // dh -= X_j a_x,  dX_j = G_j - h a_x
-        const T dv = beta * cj;
-        dy[j] = scale > 0 ? dv * v * (T(1) - v / T(scale)) : dv;
-      }
-      const T a_h = s * s * s * beta * h_dot;       // dh -= h a_h
-      const T dz = dbeta * beta * (T(1) - beta / T(2));
-      T* ght = gh + t * d; T* gxt = gx + t * rows * d; T* gct = gc + t * d;
-#pragma omp simd
-      for (int64_t i = 0; i < d; ++i) { ght[i] = -ht[i] * a_h; gct[i] = dz * wb[i]; awb[i] += dz * ct[i]; }
-      // the value's input gradient: into dc (u = c), dX (u = the d_v = 1 state) or its own tensor
-      T* gut = u_kind == 1 ? gct : (u_kind == 2 ? gxt : gu + t * d);
-      if (u_kind == 0) for (int64_t i = 0; i < d; ++i) gut[i] = 0;
-      for (int64_t j = 0; j < rows; ++j) {
-        const T* gj = gt + j * d; const T* xj = xt + j * d; T* gxj = gxt + j * d;
-        const T agj = a_g[j], axj = a_x[j];
-#pragma omp simd
-        for (int64_t i = 0; i < d; ++i) {
-          ght[i] += gj[i] * agj - xj[i] * axj;
-          gxj[i] = gj[i] - ht[i] * axj;
-        }
-      }
-      for (int64_t j = 0; j < rows; ++j) {
-        const T* wj = wv + j * d; T* awj = awv + j * d; const T dyj = dy[j];
-#pragma omp simd
-        for (int64_t i = 0; i < d; ++i) { gut[i] += dyj * wj[i]; awj[i] += dyj * ut[i]; }
-      }
-      awb[d] += dz;
-      for (int64_t j = 0; j < rows; ++j) awv[rows * d + j] += dy[j];
-      if ((t - begin + 1) % TokenSums::kFlushEvery == 0) sums.flush(partial, chunk);
+  const auto total = sum_over_tokens<T>(n, width, [&](int64_t t, T* partial) {
+    T* awb = partial; T* awv = awb + d + 1;
+    thread_local std::vector<T> scratch;  // per-token numbers of each row (one buffer per thread, kept)
+    scratch.resize(4 * rows);
+    T* b = scratch.data(); T* a_g = b + rows; T* a_x = a_g + rows; T* dy = a_x + rows;
+    const T* gt = g + t * rows * d; const T* xt = x + t * rows * d; const T* ht = h + t * d;
+    const T* ct = c + t * d; const T* ut = u + t * d;
+    const T beta = beta_s[t], s = s_s[t];
+    row_dots<T, NV>(ht, gt, d, rows, b);
+    T dbeta = 0, h_dot = 0;
+    for (int64_t j = 0; j < rows; ++j) {
+      const T v = v_s[t * rows + j], hx = erase ? hx_s[t * rows + j] : T(0);
+      const T tj = v - s * hx, cj = s * b[j];
+      dbeta += cj * tj;
+      h_dot += b[j] * tj - hx * cj;
+      a_g[j] = s * beta * tj;                      // dh += G_j a_g
+      a_x[j] = erase ? s * beta * cj : T(0);       // dh -= X_j a_x,  dX_j = G_j - h a_x
+      const T dv = beta * cj;
+      dy[j] = scale > 0 ? dv * v * (T(1) - v / T(scale)) : dv;
     }
-    sums.flush(partial, chunk);
-    sums.add(begin, std::move(chunk));
+    const T a_h = s * s * s * beta * h_dot;       // dh -= h a_h
+    const T dz = dbeta * beta * (T(1) - beta / T(2));
+    T* ght = gh + t * d; T* gxt = gx + t * rows * d; T* gct = gc + t * d;
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) { ght[i] = -ht[i] * a_h; gct[i] = dz * wb[i]; awb[i] += dz * ct[i]; }
+    // the value's input gradient: into dc (u = c), dX (u = the d_v = 1 state) or its own tensor
+    T* gut = u_kind == 1 ? gct : (u_kind == 2 ? gxt : gu + t * d);
+    if (u_kind == 0) for (int64_t i = 0; i < d; ++i) gut[i] = 0;
+    for (int64_t j = 0; j < rows; ++j) {
+      const T* gj = gt + j * d; const T* xj = xt + j * d; T* gxj = gxt + j * d;
+      const T agj = a_g[j], axj = a_x[j];
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) {
+        ght[i] += gj[i] * agj - xj[i] * axj;
+        gxj[i] = gj[i] - ht[i] * axj;
+      }
+    }
+    for (int64_t j = 0; j < rows; ++j) {
+      const T* wj = wv + j * d; T* awj = awv + j * d; const T dyj = dy[j];
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) { gut[i] += dyj * wj[i]; awj[i] += dyj * ut[i]; }
+    }
+    awb[d] += dz;
+    for (int64_t j = 0; j < rows; ++j) awv[rows * d + j] += dy[j];
   });
-  const std::vector<double> total = sums.total();
   for (int64_t k = 0; k < width; ++k) {
     T* dst = k < d ? gwb + k : (k == d ? gbb : (k < d + 1 + rows * d ? gwv + (k - d - 1) : gbv + (k - d - 1 - rows * d)));
     *dst = T(total[k]);
@@ -250,31 +261,21 @@ void readout_forward_impl(const T* x, const T* taps, int64_t batch, int64_t len,
 template <typename T>
 void readout_backward_impl(const T* g, const T* x, const T* taps, int64_t batch, int64_t len, int64_t k, int64_t nv,
                            int64_t d, T* gx, T* gtaps) {
-  const int64_t width = k * nv * d;  // the tap gradients
-  TokenSums sums(width);
-  at::parallel_for(0, batch * len, 16, [&](int64_t begin, int64_t end) {
-    std::vector<T> partial(width, T(0));
-    std::vector<double> chunk(width, 0.0);
-    for (int64_t bt = begin; bt < end; ++bt) {
-      const int64_t t = bt % len;
-      T* gxt = gx + bt * nv * d; const T* xt = x + bt * nv * d;
-      for (int64_t i = 0; i < nv * d; ++i) gxt[i] = 0;
-      for (int64_t s = std::max<int64_t>(0, t + k - len); s < k; ++s) {  // output t + (K-1) - s reads t via tap s
-        const T* gs = g + (bt + (k - 1) - s) * d;
-        for (int64_t j = 0; j < nv; ++j) {
-          const T* w = taps + (s * nv + j) * d; T* gxj = gxt + j * d; const T* xj = xt + j * d;
-          T* pw = partial.data() + (s * nv + j) * d;
+  const auto total = sum_over_tokens<T>(batch * len, k * nv * d, [&](int64_t bt, T* partial) {  // the tap gradients
+    const int64_t t = bt % len;
+    T* gxt = gx + bt * nv * d; const T* xt = x + bt * nv * d;
+    for (int64_t i = 0; i < nv * d; ++i) gxt[i] = 0;
+    for (int64_t s = std::max<int64_t>(0, t + k - len); s < k; ++s) {  // output t + (K-1) - s reads t via tap s
+      const T* gs = g + (bt + (k - 1) - s) * d;
+      for (int64_t j = 0; j < nv; ++j) {
+        const T* w = taps + (s * nv + j) * d; T* gxj = gxt + j * d; const T* xj = xt + j * d;
+        T* pw = partial + (s * nv + j) * d;
 #pragma omp simd
-          for (int64_t i = 0; i < d; ++i) { gxj[i] += w[i] * gs[i]; pw[i] += xj[i] * gs[i]; }
-        }
+        for (int64_t i = 0; i < d; ++i) { gxj[i] += w[i] * gs[i]; pw[i] += xj[i] * gs[i]; }
       }
-      if ((bt - begin + 1) % TokenSums::kFlushEvery == 0) sums.flush(partial, chunk);
     }
-    sums.flush(partial, chunk);
-    sums.add(begin, std::move(chunk));
   });
-  const std::vector<double> total = sums.total();
-  for (int64_t q = 0; q < width; ++q) gtaps[q] = T(total[q]);
+  for (size_t q = 0; q < total.size(); ++q) gtaps[q] = T(total[q]);
 }
 
 at::Tensor readout_forward(const at::Tensor& x, const at::Tensor& taps) {
@@ -325,39 +326,29 @@ void conv_forward_impl(const T* x, const T* taps, int64_t batch, int64_t len, in
 template <typename T>
 void conv_backward_impl(const T* g, const T* x, const T* taps, int64_t batch, int64_t len, int64_t k, int64_t nv,
                         int64_t d, T* gx, T* gtaps) {
-  const int64_t width = k * nv * d;  // the tap gradients
-  TokenSums sums(width);
-  at::parallel_for(0, batch * len, 16, [&](int64_t begin, int64_t end) {
-    std::vector<T> partial(width, T(0));
-    std::vector<double> chunk(width, 0.0);
-    for (int64_t bt = begin; bt < end; ++bt) {
-      const int64_t t = bt % len;
-      T* gxt = gx + bt * d;
-      for (int64_t i = 0; i < d; ++i) gxt[i] = 0;
-      for (int64_t s = std::max<int64_t>(0, t + k - len); s < k; ++s) {  // output t + (K-1) - s reads t via tap s
-        const T* gs = g + (bt + (k - 1) - s) * nv * d;
-        for (int64_t j = 0; j < nv; ++j) {
-          const T* w = taps + (s * nv + j) * d; const T* gj = gs + j * d;
+  const auto total = sum_over_tokens<T>(batch * len, k * nv * d, [&](int64_t bt, T* partial) {  // the tap gradients
+    const int64_t t = bt % len;
+    T* gxt = gx + bt * d;
+    for (int64_t i = 0; i < d; ++i) gxt[i] = 0;
+    for (int64_t s = std::max<int64_t>(0, t + k - len); s < k; ++s) {  // output t + (K-1) - s reads t via tap s
+      const T* gs = g + (bt + (k - 1) - s) * nv * d;
+      for (int64_t j = 0; j < nv; ++j) {
+        const T* w = taps + (s * nv + j) * d; const T* gj = gs + j * d;
 #pragma omp simd
-          for (int64_t i = 0; i < d; ++i) gxt[i] += w[i] * gj[i];
-        }
+        for (int64_t i = 0; i < d; ++i) gxt[i] += w[i] * gj[i];
       }
-      const T* gt = g + bt * nv * d;  // output t's gradient, against the inputs it read
-      for (int64_t s = std::max<int64_t>(0, k - 1 - t); s < k; ++s) {
-        const T* xs = x + (bt - (k - 1) + s) * d;
-        for (int64_t j = 0; j < nv; ++j) {
-          const T* gj = gt + j * d; T* pw = partial.data() + (s * nv + j) * d;
-#pragma omp simd
-          for (int64_t i = 0; i < d; ++i) pw[i] += xs[i] * gj[i];
-        }
-      }
-      if ((bt - begin + 1) % TokenSums::kFlushEvery == 0) sums.flush(partial, chunk);
     }
-    sums.flush(partial, chunk);
-    sums.add(begin, std::move(chunk));
+    const T* gt = g + bt * nv * d;  // output t's gradient, against the inputs it read
+    for (int64_t s = std::max<int64_t>(0, k - 1 - t); s < k; ++s) {
+      const T* xs = x + (bt - (k - 1) + s) * d;
+      for (int64_t j = 0; j < nv; ++j) {
+        const T* gj = gt + j * d; T* pw = partial + (s * nv + j) * d;
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) pw[i] += xs[i] * gj[i];
+      }
+    }
   });
-  const std::vector<double> total = sums.total();
-  for (int64_t q = 0; q < width; ++q) gtaps[q] = T(total[q]);
+  for (size_t q = 0; q < total.size(); ++q) gtaps[q] = T(total[q]);
 }
 
 at::Tensor conv_forward(const at::Tensor& x, const at::Tensor& taps) {

@@ -239,76 +239,55 @@ def test_build_failure_and_switch_fall_back_to_pytorch(monkeypatch, caplog):
     assert cpu_kernel() is None
 
 
-@pytest.mark.parametrize("with_history", [False, True], ids=["start", "history"])
-@pytest.mark.parametrize("kernel", [1, 4], ids=["cc", "tc"])
-@pytest.mark.parametrize("threads", [1, 2])
-def test_readout_kernel_equals_spec(kernel, threads, with_history):
-    """The TC readout (CC: one tap) and its gradients, over enough tokens (3 x 40) to be split over threads."""
-    g = torch.Generator().manual_seed(kernel)
-    x = torch.randn(3, 40, 3, 8, generator=g, dtype=torch.float64, requires_grad=True)  # (B, T, d_v, d)
-    weight = torch.randn(kernel, 8, 3, generator=g, dtype=torch.float64, requires_grad=True)  # (K, d, d_v)
-    history = torch.randn(3, kernel - 1, 3, 8, generator=g, dtype=torch.float64) if with_history else None
-    cotangent = torch.randn(3, 40, 8, generator=g, dtype=torch.float64)
-    spec = causal_token_readout(x, weight, history)
-    spec_grads = torch.autograd.grad(spec, (x, weight), cotangent)
-    assert cpu_readout_applies(x, weight)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        out = cpu_token_readout(x, weight, history)
-        grads = torch.autograd.grad(out, (x, weight), cotangent)
-        with torch.no_grad():
-            inferred = cpu_token_readout(x, weight, history)
-    finally:
-        torch.set_num_threads(previous)
-    for got, expected in zip((out, inferred, *grads), (spec, spec, *spec_grads)):
-        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
-
-
-def test_readout_second_derivative_takes_the_pytorch_backward():
-    """The C++ gradients carry no graph: under create_graph the readout's backward runs in PyTorch, so second
-    derivatives stay right."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 5, 2, 3, generator=g, dtype=torch.float64, requires_grad=True)
-    weight = torch.randn(3, 3, 2, generator=g, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(cpu_token_readout, (x, weight))
-    assert torch.autograd.gradgradcheck(cpu_token_readout, (x, weight))
+# the token convolutions with a C++ kernel: (kernel, spec, applies, x's feature shape, d_v is x's (readout) or out's)
+_TOKEN_CONVS = {
+    "readout": (cpu_token_readout, causal_token_readout, cpu_readout_applies, (3, 8)),  # (B, T, d_v, d) -> (B, T, d)
+    "ec": (cpu_token_conv, causal_token_conv, cpu_conv_applies, (8,)),  # (B, T, d) -> (B, T, d_v, d)
+}
 
 
 @pytest.mark.parametrize("with_history", [False, True], ids=["start", "history"])
-@pytest.mark.parametrize("kernel", [1, 4])
+@pytest.mark.parametrize("kernel", [1, 4], ids=["1-tap", "4-taps"])  # the readout: CC, TC
 @pytest.mark.parametrize("threads", [1, 2])
-def test_conv_kernel_equals_spec(kernel, threads, with_history):
-    """EC and its gradients, over enough tokens (3 x 40) to be split over threads; a sequence shorter than the taps
-    (3 tokens) has outputs that read zeros before its first token and gradients from fewer taps."""
+@pytest.mark.parametrize("op", list(_TOKEN_CONVS))
+def test_token_conv_kernel_equals_spec(op, kernel, threads, with_history):
+    """The TC readout (CC: one tap) and EC, and their gradients, over enough tokens (3 x 40) to be split over threads;
+    a sequence shorter than the taps (3 tokens) has outputs that read zeros before its first token and gradients
+    from fewer taps."""
+    cpu_op, spec_op, applies, features = _TOKEN_CONVS[op]
     g = torch.Generator().manual_seed(kernel)
     for length in (40, 3):
-        x = torch.randn(3, length, 8, generator=g, dtype=torch.float64, requires_grad=True)  # (B, T, d)
+        x = torch.randn(3, length, *features, generator=g, dtype=torch.float64, requires_grad=True)
         weight = torch.randn(kernel, 8, 3, generator=g, dtype=torch.float64, requires_grad=True)  # (K, d, d_v)
-        history = torch.randn(3, kernel - 1, 8, generator=g, dtype=torch.float64) if with_history else None
-        cotangent = torch.randn(3, length, 3, 8, generator=g, dtype=torch.float64)
-        spec = causal_token_conv(x, weight, history)
+        history = torch.randn(3, kernel - 1, *features, generator=g, dtype=torch.float64) if with_history else None
+        spec = spec_op(x, weight, history)
+        cotangent = torch.randn(spec.shape, generator=g, dtype=torch.float64)
         spec_grads = torch.autograd.grad(spec, (x, weight), cotangent)
-        assert cpu_conv_applies(x, weight)
+        assert applies(x, weight)
         previous = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            out = cpu_token_conv(x, weight, history)
+            out = cpu_op(x, weight, history)
             grads = torch.autograd.grad(out, (x, weight), cotangent)
             with torch.no_grad():
-                inferred = cpu_token_conv(x, weight, history)
+                inferred = cpu_op(x, weight, history)
         finally:
             torch.set_num_threads(previous)
         for got, expected in zip((out, inferred, *grads), (spec, spec, *spec_grads)):
             torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
 
 
-def test_conv_second_derivative_takes_the_pytorch_backward():
+@pytest.mark.parametrize("op", list(_TOKEN_CONVS))
+def test_token_conv_second_derivative_takes_the_pytorch_backward(op):
+    """The C++ gradients carry no graph: under create_graph the backward runs in PyTorch, so second derivatives stay
+    right."""
+    cpu_op = _TOKEN_CONVS[op][0]
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 5, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    features = (2, 3) if op == "readout" else (3,)  # (d_v, d) or (d,): small, for the numerical second derivatives
+    x = torch.randn(2, 5, *features, generator=g, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(3, 3, 2, generator=g, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(cpu_token_conv, (x, weight))
-    assert torch.autograd.gradgradcheck(cpu_token_conv, (x, weight))
+    assert torch.autograd.gradcheck(cpu_op, (x, weight))
+    assert torch.autograd.gradgradcheck(cpu_op, (x, weight))
 
 
 def test_weight_gradients_are_repeatable_on_several_threads():
