@@ -71,8 +71,8 @@ _ops = None  # the built module; False when the build failed or is switched off
 
 def cpu_kernel():
     """The compiled functions (`residual_forward` / `residual_backward`, `readout_forward` / `readout_backward`,
-    `conv_forward` / `conv_backward`, `window_readout`), or None: built once per machine (20-40 s on first use, then loaded from torch's extension
-    cache), never required."""
+    `conv_forward` / `conv_backward`, `window_readout`), or None: built once per machine (20-40 s on first use, then
+    loaded from torch's extension cache), never required."""
     global _ops
     if _ops is None:
         _ops = _build() or False
@@ -397,6 +397,6 @@ def cpu_window_readout(window, weight):
 
 
 __all__ = [
-    "cpu_conv_applies", "cpu_kernel", "cpu_readout_applies", "cpu_token_conv", "cpu_residual", "cpu_residual_applies", "cpu_token_readout",
-    "cpu_window_readout", "cpu_window_readout_applies", "eager_cpu_float",
+    "cpu_conv_applies", "cpu_kernel", "cpu_readout_applies", "cpu_residual", "cpu_residual_applies", "cpu_token_conv",
+    "cpu_token_readout", "cpu_window_readout", "cpu_window_readout_applies", "eager_cpu_float",
 ]

@@ -173,7 +173,8 @@ void seam_backward(const T* g, const T* x, const T* h, const T* c, const T* u, c
     for (int64_t j = 0; j < rows; ++j) awv[rows * d + j] += dy[j];
   });
   for (int64_t k = 0; k < width; ++k) {
-    T* dst = k < d ? gwb + k : (k == d ? gbb : (k < d + 1 + rows * d ? gwv + (k - d - 1) : gbv + (k - d - 1 - rows * d)));
+    T* dst = k < d ? gwb + k
+                   : (k == d ? gbb : (k < d + 1 + rows * d ? gwv + (k - d - 1) : gbv + (k - d - 1 - rows * d)));
     *dst = T(total[k]);
   }
 }

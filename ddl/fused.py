@@ -192,7 +192,8 @@ def readout_backward(grad, x, taps, needs_x=True, needs_taps=True):
 def conv_backward(grad, x, taps):
     """The gradients of EC (`reference.causal_token_conv`, taps `(K, d_v, d)`) for the state's gradient G
     `(B, T, d_v, d)`, in differentiable operations (for a second derivative; the C++ kernel serves the first):
-        dx[t] = sum_s sum_j taps[s, j] * G[t + (K-1) - s, j],    dtaps[s, j] = sum over tokens of x[t - (K-1) + s] G[t, j]
+        dx[t] = sum_s sum_j taps[s, j] * G[t + (K-1) - s, j]
+        dtaps[s, j] = sum over tokens of x[t - (K-1) + s] * G[t, j]
     """
     kernel, seq_len = taps.shape[0], x.shape[1]
     grad = grad.to(x.dtype)
@@ -241,5 +242,5 @@ def fused_token_readout(x, weight, history=None):
     return readout_with_history(_readout, x, weight, history)
 
 
-__all__ = ["as_taps", "conv_backward", "fused_delta_update", "fused_token_readout", "rank1_write", "readout_backward", "readout_forward",
-           "readout_with_history", "rebuild_state"]
+__all__ = ["as_taps", "conv_backward", "fused_delta_update", "fused_token_readout", "rank1_write", "readout_backward",
+           "readout_forward", "readout_with_history", "rebuild_state"]

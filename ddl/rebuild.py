@@ -14,13 +14,12 @@ implementation: while the tape is active (one forward, `DDLModel.forward`), insi
 (`saving_states`: the delta residual and the compressors), a tensor saved for backward that *is* the current state
 (or a view of it) is saved as its index on the tape instead, and unpacked in backward by rebuilding it from the
 state after it (the hooks are on there only, so that what attention and the MLP save does not go through Python).
-The updates put their output and their write on the tape (`kernels.delta_residual(tape=...)`); when
-the next state comes, the tape lets go of the previous one, whose memory a later state then takes (`buffer_like`).
-Backward runs the sublayers in reverse, and the gradient of X_{l+1} is complete (every reader of X_{l+1} has run
-its backward) before any reader of X_l runs its own, so each state is rebuilt once, from the one above it and
-written over it (nothing else holds it by then; `_sole_owner` checks). After forward one state is alive instead of
-2L + 1 (tested); at bench size CC+EC's peak training memory goes from 1.29x Llama's to 1.07x (docs/performance.md).
-A copy made
+The updates put their output and their write on the tape (`kernels.delta_residual(tape=...)`); when the next state
+comes, the tape lets go of the previous one, whose memory a later state then takes (`buffer_like`). Backward runs
+the sublayers in reverse, and the gradient of X_{l+1} is complete (every reader of X_{l+1} has run its backward)
+before any reader of X_l runs its own, so each state is rebuilt once, from the one above it and written over it
+(nothing else holds it by then; `_sole_owner` checks). After forward one state is alive instead of 2L + 1 (tested);
+at bench size CC+EC's peak training memory goes from 1.29x Llama's to 1.07x (docs/performance.md). A copy made
 from a state is saved as usual (correct, just not rebuilt: e.g. the stride-0 X_0 of a model without EC, which the
 C++ kernel copies), unless it was made through `derived` (the TC input masked at padding, a packed batch's spread
 layout): then backward makes it again from the rebuilt state.
