@@ -12,6 +12,7 @@ embedding convolution), the attention with QK-norm, the decoder layer, the initi
 
 import contextlib
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -90,6 +91,25 @@ def _cached_window_of_documents(flat, kernel_size, cache, layer_idx, slot, had_p
         return None
     past = full[..., : full.shape[-1] - stored.shape[-1]][..., -(kernel_size - 1) :]
     return torch.cat([F.pad(past, (kernel_size - 1 - past.shape[-1], 0)), flat], dim=-1)
+
+
+# Weights derived from parameters for one decoding run (a compressor's readout weight): decoding reads each one 2L + 1
+# times per token, so it is made once per cache and lives exactly as long as that cache (one `generate` call, or as
+# long as a caller keeps it): the cache's keys and values are themselves derived from these weights, so nothing here
+# is staler than they are. Never keyed on a parameter's identity or `_version`: optimizers change weights in place
+# (fused AdamW without bumping `_version`).
+_DERIVED_PER_CACHE = weakref.WeakKeyDictionary()
+
+
+def _derived_for_cache(cache, module, make):
+    """make() (no autograd), made once for `cache` and `module` and dropped with the cache."""
+    per_module = _DERIVED_PER_CACHE.get(cache)
+    if per_module is None:
+        per_module = _DERIVED_PER_CACHE[cache] = {}
+    weight = per_module.get(module)
+    if weight is None:
+        weight = per_module[module] = make()
+    return weight
 
 
 def _mask_padding(x, pad_mask):
@@ -189,34 +209,29 @@ class DDLCompressor(nn.Module):
         self.conv_weight = nn.Parameter(torch.empty(kernel, d, dv) if self.kind == "tc" else torch.empty(d, kernel))
         self.read = nn.Parameter(torch.empty(dv))
 
-    def channel_weight(self):
-        """CC's per-feature weight over the d_v channels `(d, d_v)`: the matrix, or the conv and read vector folded,
-        w[i, j] = sum_o r_o c[i, j + p - o] (taps outside [0, K) are the zero padding). Kept between calls without
-        autograd (`_kept`), as a view of a `(d_v, d)` tensor: the state's layout, which the readout takes as is."""
+    def derived_weight(self):
+        """The readout's weight `(K, d, d_v)` made from the parameters, with autograd: CC's per-feature weight over
+        the d_v channels (K = 1: the matrix, or the conv and the read vector folded, w[i, j] = sum_o r_o
+        c[i, j + p - o], taps outside [0, K) being the zero padding), or TC's taps times the read vector."""
         if self.kind == "cc_matrix":
-            return self.weight
-        return self._kept(self._fold)
+            return self.weight.unsqueeze(0)
+        if self.kind == "tc":
+            return self.conv_weight * self.read
+        return self._fold().unsqueeze(0)
 
-    def taps(self):
-        """TC's taps times the read vector `(K, d, d_v)`. Kept between calls without autograd (`_kept`), as a view of
-        a `(d_v, d, K)` tensor: the layout of a decoding step's cached window, which its readout takes as is."""
-        return self._kept(lambda: self.conv_weight * self.read, (2, 1, 0))
+    def readout_weight(self, cache=None):
+        """`derived_weight()`; in a decoding run (a cache, no autograd) made once for that cache and kept with it
+        (`_derived_for_cache`), in the layout its kernels read without a copy."""
+        if cache is None or torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return self.derived_weight()
+        return _derived_for_cache(cache, self, self._kept_layout)
 
-    def _kept(self, make, layout=None):
-        """make(); without autograd (decoding calls it 2L + 1 times per token) made once and kept, stored permuted by
-        `layout` (undone in the view returned), until either parameter changes (identity, storage or in-place
-        version)."""
-        conv, read = self.conv_weight, self.read
-        if torch.is_grad_enabled() or torch.compiler.is_compiling() or conv.is_inference() or read.is_inference():
-            return make()
-        key = (conv.data_ptr(), conv._version, read.data_ptr(), read._version)
-        cached = self.__dict__.get("_kept_weight")  # (not a buffer: never saved, moved or seen by state_dict)
-        if cached is None or cached[0] is not conv or cached[1] is not read or cached[2] != key:
-            weight = make()
-            if layout is not None:
-                weight = weight.permute(layout).contiguous().permute(layout)  # (each layout here is its own inverse)
-            cached = self.__dict__["_kept_weight"] = (conv, read, key, weight)
-        return cached[3]
+    def _kept_layout(self):
+        """`derived_weight()` stored as the kernels read it: CC as `(1, d_v, d)` (the state's layout), TC as
+        `(d_v, d, K)` (a cached window's); the view returned is `(K, d, d_v)` either way."""
+        weight = self.derived_weight()
+        layout = (2, 1, 0) if self.kind == "tc" else (0, 2, 1)  # (each its own inverse)
+        return weight.permute(layout).contiguous().permute(layout)
 
     def _fold(self):
         kernel, dv = self.conv_weight.shape[1], self.read.shape[0]
@@ -232,10 +247,11 @@ class DDLCompressor(nn.Module):
                               implementation or self.config.ddl_implementation)
 
     def _read(self, state, cache, pad_mask, cache_slot, documents, implementation):
+        weight = self.readout_weight(cache)  # (K, d, d_v)
         if self.kind != "tc":
-            return token_readout(state, self.channel_weight().unsqueeze(0), implementation=implementation)  # (B, T, d)
+            return token_readout(state, weight, implementation=implementation)  # (B, T, d)
         state = derived(lambda x: _mask_padding(x, pad_mask), state)  # (rebuilt in backward with the state)
-        taps = self.taps()  # (K, d, d_v)
+        taps = weight
         window = cached_window(state, taps.shape[0], cache, self.layer_idx, cache_slot, documents)
         return token_readout(state, taps, window, documents=documents, implementation=implementation)  # (B, T, d)
 

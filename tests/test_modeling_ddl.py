@@ -344,7 +344,7 @@ def test_cc_conv_is_a_same_padded_depthwise_conv_along_the_value_channels_then_a
     (taps 1/4, read 1/4, K = d_v = 4) the folded weight over the channels is (2, 3, 4, 3) / 16."""
     model = DDLForCausalLM(tiny_config())
     compress = model.model.layers[0].compress
-    torch.testing.assert_close(compress.channel_weight()[0], torch.tensor([2.0, 3.0, 4.0, 3.0]) / 16)
+    torch.testing.assert_close(compress.derived_weight()[0, 0], torch.tensor([2.0, 3.0, 4.0, 3.0]) / 16)
     for kernel in (4, 3, 2, 1):
         compress = trained_looking(DDLForCausalLM(tiny_config(ddl_cc_kernel_size=kernel))).model.layers[0].compress
         state = torch.randn(2, 5, 4, TINY["hidden_size"])  # (B, T, d_v, d)
@@ -355,59 +355,18 @@ def test_cc_conv_is_a_same_padded_depthwise_conv_along_the_value_channels_then_a
         torch.testing.assert_close(compress(state), expected)
 
 
-def test_cc_fold_kept_for_inference_follows_every_change_of_the_weights():
-    """Without autograd the folded CC weight is kept between calls (decoding reads it 2L + 1 times per token); an
-    optimizer step, an in-place edit, a load_state_dict, a new Parameter or a dtype change must each refold it."""
-    model = _model()
-    compress = model.model.layers[0].compress
-
-    def check():
+def test_weights_kept_for_a_decoding_run_are_in_their_kernels_layout():
+    """The readout weight a decoding run keeps (`DDLCompressor.readout_weight`, tests/test_derived_weights.py) is the
+    derived one, stored as its kernels read it: CC's in the state's layout, TC's in a cached window's (d_v, d, K)."""
+    for compressor, layout in (("cc", (0, 2, 1)), ("tc", (2, 1, 0))):
+        model = _model(ddl_value_channels=4, ddl_compressor=compressor)
+        compress = model.model.layers[0].compress
         with torch.no_grad():
-            kept = compress.channel_weight()
-        with torch.inference_mode():
-            inference = compress.channel_weight()
-        with torch.enable_grad():
-            fresh = compress.channel_weight()
-        assert fresh.requires_grad
-        torch.testing.assert_close(kept, fresh.detach(), rtol=0, atol=0)
-        torch.testing.assert_close(inference, fresh.detach(), rtol=0, atol=0)
-
-    check()
-    with torch.no_grad():
-        assert compress.channel_weight() is compress.channel_weight()  # kept, not refolded
-        kept = compress.channel_weight()
-        assert as_taps(kept.unsqueeze(0)).data_ptr() == kept.data_ptr()  # in the state's layout: read without a copy
-    loss = model(_ids(), labels=_ids()).loss
-    loss.backward()
-    torch.optim.SGD(model.parameters(), lr=0.5).step()
-    check()
-    with torch.no_grad():
-        compress.read.mul_(-2.0)
-    check()
-    with torch.no_grad():
-        compress.conv_weight[0, 0] += 1.0
-    check()
-    state = {k: v + 0.1 for k, v in model.state_dict().items()}
-    model.load_state_dict(state)
-    check()
-    compress.read = torch.nn.Parameter(torch.randn_like(compress.read))
-    check()
-    model.double()
-    check()
-
-
-def test_tc_taps_kept_for_inference_follow_a_change_and_reach_the_window_readout_without_a_copy():
-    model = _model(ddl_value_channels=4, ddl_compressor="tc")
-    compress = model.model.layers[0].attn_compress if hasattr(model.model.layers[0], "attn_compress") else \
-        model.model.layers[0].compress
-    with torch.no_grad():
-        kept = compress.taps()
-        assert compress.taps() is kept
-        torch.testing.assert_close(kept, compress.conv_weight * compress.read, rtol=0, atol=0)
-        assert kept.permute(2, 1, 0).is_contiguous()  # the cached window's layout (d_v, d, K)
-        compress.conv_weight[1, 2] -= 0.5
-        torch.testing.assert_close(compress.taps(), compress.conv_weight * compress.read, rtol=0, atol=0)
-    assert compress.taps().requires_grad  # with autograd: made anew, not the kept tensor
+            kept = compress.readout_weight(DynamicCache(config=model.config))
+            torch.testing.assert_close(kept, compress.derived_weight(), rtol=0, atol=0)
+        assert kept.permute(layout).is_contiguous()
+        if compressor == "cc":
+            assert as_taps(kept).data_ptr() == kept.data_ptr()  # read without a copy
 
 
 @pytest.mark.parametrize("initialization", ["authors", "llama"])
