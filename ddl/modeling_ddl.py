@@ -47,7 +47,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_ddl import DDLConfig, conv_state_slots
 from .kernels import delta_residual, token_conv, token_readout
-from .packing import find_documents
+from .packing import Padding, find_documents
 from .rebuild import StateTape, active_tape, derived, rebuild_applies, saving_states
 from .reference import constant_value, delta_gate, delta_update, delta_value
 
@@ -112,11 +112,19 @@ def _derived_for_cache(cache, module, make):
     return weight
 
 
-def _mask_padding(x, pad_mask):
-    """Zero padded positions before a token-axis convolution, so pads never leak into real tokens."""
-    if pad_mask is None:
-        return x
-    return x * pad_mask.view(*pad_mask.shape, *([1] * (x.dim() - 2)))  # (B, T) -> (B, T, 1[, 1])
+def convolve_tokens(op, x, weight, cache=None, layer_idx=0, slot=None, padding=None, documents=None,
+                    implementation="auto"):
+    """`op(x, weight, window, ...)` (`kernels.token_conv`, EC, or `kernels.token_readout`, TC) over x's tokens: with
+    the window from the cache (which keeps x for the next call), padded inputs zeroed and a padded batch compacted
+    where its padding is not only before its tokens (`packing.Padding`), a packed batch's documents kept apart."""
+    kernel = weight.shape[0]
+    if padding is not None:
+        x = derived(padding.masked, x)  # (a state's masked copy is rebuilt in backward with the state)
+        if padding.compacts and kernel > 1:
+            x, window = padding.compact(x, kernel, cache, layer_idx, slot)
+            return padding.restore(op(x, weight, window, implementation=implementation), kernel)
+    window = cached_window(x, kernel, cache, layer_idx, slot, documents)
+    return op(x, weight, window, documents=documents, implementation=implementation)
 
 
 class DDLDeltaResidual(nn.Module):
@@ -240,20 +248,16 @@ class DDLCompressor(nn.Module):
         # (d_v, K) @ (K, d), returned transposed: w[i, j] = sum_m c[i, m] r[j + p - m]
         return (windows[pad + 1 : pad + kernel + 1].flip(0).t() @ self.conv_weight.t()).t()
 
-    def forward(self, state, cache=None, pad_mask=None, cache_slot=None, documents=None, implementation=None):
-        """implementation: `config.ddl_implementation` as the model read it for this forward (None: read it here)."""
+    def forward(self, state, cache=None, padding=None, cache_slot=None, documents=None, implementation=None):
+        """padding: the batch's `packing.Padding` (None: none); implementation: `config.ddl_implementation` as the
+        model read it for this forward (None: read it here)."""
+        implementation = implementation or self.config.ddl_implementation
         with saving_states():  # ddl.rebuild: the state (or masked copy) it saves goes on the tape, if any
-            return self._read(state, cache, pad_mask, cache_slot, documents,
-                              implementation or self.config.ddl_implementation)
-
-    def _read(self, state, cache, pad_mask, cache_slot, documents, implementation):
-        weight = self.readout_weight(cache)  # (K, d, d_v)
-        if self.kind != "tc":
-            return token_readout(state, weight, implementation=implementation)  # (B, T, d)
-        state = derived(lambda x: _mask_padding(x, pad_mask), state)  # (rebuilt in backward with the state)
-        taps = weight
-        window = cached_window(state, taps.shape[0], cache, self.layer_idx, cache_slot, documents)
-        return token_readout(state, taps, window, documents=documents, implementation=implementation)  # (B, T, d)
+            weight = self.readout_weight(cache)  # (K, d, d_v)
+            if self.kind != "tc":
+                return token_readout(state, weight, implementation=implementation)  # (B, T, d)
+            return convolve_tokens(token_readout, state, weight, cache, self.layer_idx, cache_slot, padding, documents,
+                                   implementation)  # (B, T, d)
 
 
 class DDLEmbedConv(nn.Module):
@@ -267,11 +271,9 @@ class DDLEmbedConv(nn.Module):
             torch.empty(config.ddl_embed_kernel_size, config.hidden_size, config.ddl_value_channels)
         )
 
-    def forward(self, embeds, cache=None, pad_mask=None, documents=None, implementation=None):
-        embeds = _mask_padding(embeds, pad_mask)
-        window = cached_window(embeds, self.weight.shape[0], cache, 0, self.cache_slot, documents)
-        return token_conv(embeds, self.weight, window, documents=documents,
-                          implementation=implementation or self.config.ddl_implementation)  # (B, T, d_v, d)
+    def forward(self, embeds, cache=None, padding=None, documents=None, implementation=None):
+        return convolve_tokens(token_conv, embeds, self.weight, cache, 0, self.cache_slot, padding, documents,
+                               implementation or self.config.ddl_implementation)  # (B, T, d_v, d)
 
 
 class DDLQKNormAttention(LlamaAttention):
@@ -332,12 +334,12 @@ class DDLDecoderLayer(GradientCheckpointingLayer):
                 self.attn_compress = DDLCompressor(config, layer_idx)
                 self.mlp_compress = DDLCompressor(config, layer_idx)
 
-    def sublayer_input(self, which, hidden_states, cache, pad_mask, documents=None, implementation=None):
+    def sublayer_input(self, which, hidden_states, cache, padding, documents=None, implementation=None):
         """x_in of sublayer `which` ("attn" or "mlp"): the state compressed (the state itself when d_v = 1)."""
         if hidden_states.dim() == 3:
             return hidden_states
         compressor = getattr(self, "compress", None) or getattr(self, f"{which}_compress")
-        return compressor(hidden_states, cache, pad_mask, self.cache_slots[which], documents, implementation)
+        return compressor(hidden_states, cache, padding, self.cache_slots[which], documents, implementation)
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
@@ -348,13 +350,13 @@ class DDLDecoderLayer(GradientCheckpointingLayer):
         cache: Cache | None = None,
         use_cache: bool | None = False,
         position_embeddings=None,
-        pad_mask=None,
+        padding=None,
         documents=None,
         implementation=None,
         **kwargs,
     ):
         """implementation: `config.ddl_implementation`, read once per model forward (None: each module reads it)."""
-        x_in = self.sublayer_input("attn", hidden_states, cache, pad_mask, documents, implementation)
+        x_in = self.sublayer_input("attn", hidden_states, cache, padding, documents, implementation)
         context = self.input_layernorm(x_in)
         attn_out, _ = self.self_attn(
             hidden_states=context,
@@ -367,7 +369,7 @@ class DDLDecoderLayer(GradientCheckpointingLayer):
         )
         hidden_states = self.attn_delta(hidden_states, attn_out, context, x_in, implementation)
 
-        x_in = self.sublayer_input("mlp", hidden_states, cache, pad_mask, documents, implementation)
+        x_in = self.sublayer_input("mlp", hidden_states, cache, padding, documents, implementation)
         context = self.post_attention_layernorm(x_in)
         hidden_states = self.mlp_delta(hidden_states, self.mlp(context), context, x_in, implementation)
         return hidden_states
@@ -380,8 +382,8 @@ class DDLStateReadout(nn.Module):
     Called only when hidden states are requested; the intermediate readouts take no cache (a TC readout of a cached
     decoding step then sees only the new tokens: ask for hidden states of full forwards)."""
 
-    def forward(self, embeds, state, readout=None, pad_mask=None, documents=None):
-        return state if state.dim() == 3 else readout(state, None, pad_mask, None, documents)
+    def forward(self, embeds, state, readout=None, padding=None, documents=None):
+        return state if state.dim() == 3 else readout(state, None, padding, None, documents)
 
 
 @dataclass
@@ -510,10 +512,10 @@ class DDLModel(DDLPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    def expand(self, embeds, cache, pad_mask, documents=None, implementation=None):
+    def expand(self, embeds, cache, padding, documents=None, implementation=None):
         """The initial state X_0: the embeddings (d_v = 1), EC of them, or them repeated over the d_v channels."""
         if self.config.ddl_embed_conv:
-            return self.embed_conv(embeds, cache, pad_mask, documents, implementation)
+            return self.embed_conv(embeds, cache, padding, documents, implementation)
         if self.config.ddl_value_channels == 1:
             return embeds
         return embeds.unsqueeze(-2).expand(*embeds.shape[:2], self.config.ddl_value_channels, embeds.shape[-1])
@@ -588,23 +590,22 @@ class DDLModel(DDLPreTrainedModel):
                 position_ids=position_ids,
                 and_mask_function=packed_attention,
             )
-        if pad_mask is not None:
-            pad_mask = pad_mask.to(inputs_embeds.dtype)  # once here, not in every token convolution
+        padding = Padding.of(pad_mask, inputs_embeds.dtype, cache)
 
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
         rebuild = rebuild_applies(self.config, inputs_embeds.dtype, self.gradient_checkpointing and self.training)
         with StateTape() if rebuild else contextlib.nullcontext() as tape:  # ddl.rebuild: states rebuilt in backward
             hidden_states = self._blocks(inputs_embeds, tape, causal_mask, position_embeddings, position_ids, cache,
-                                         use_cache, pad_mask, documents, **kwargs)
+                                         use_cache, padding, documents, **kwargs)
         hidden_states = self.norm(hidden_states)
         return DDLModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
 
-    def _blocks(self, inputs_embeds, tape, causal_mask, position_embeddings, position_ids, cache, use_cache, pad_mask,
+    def _blocks(self, inputs_embeds, tape, causal_mask, position_embeddings, position_ids, cache, use_cache, padding,
                 documents, **kwargs):
         """X_0, the decoder layers, and the final readout of the state: `(B, T, d)`. (X_0 is made here, so that no
         caller's variable keeps it through the layers: with a `tape`, forward frees each state.)"""
         implementation = self.config.ddl_implementation  # (a runtime choice: read once per forward)
-        hidden_states = self.expand(inputs_embeds, cache, pad_mask, documents, implementation)  # X_0: (B, T, [d_v,] d)
+        hidden_states = self.expand(inputs_embeds, cache, padding, documents, implementation)  # X_0: (B, T, [d_v,] d)
         if tape is not None:
             tape.start(hidden_states)
         record = kwargs.get("output_hidden_states", self.config.output_hidden_states)
@@ -617,15 +618,15 @@ class DDLModel(DDLPreTrainedModel):
                 position_ids=position_ids,
                 cache=cache,
                 use_cache=use_cache,
-                pad_mask=pad_mask,
+                padding=padding,
                 documents=documents,
                 implementation=implementation,
                 **kwargs,
             )
             if record:
-                self.state_readout(inputs_embeds if i == 0 else None, hidden_states, readout, pad_mask, documents)
+                self.state_readout(inputs_embeds if i == 0 else None, hidden_states, readout, padding, documents)
         if hidden_states.dim() == 4:
-            hidden_states = self.readout(hidden_states, cache, pad_mask, self.readout_slot, documents,
+            hidden_states = self.readout(hidden_states, cache, padding, self.readout_slot, documents,
                                          implementation)  # (B, T, d)
         return hidden_states
 

@@ -1,4 +1,6 @@
-r"""Packed batches: several documents in one row, kept apart by DDL's token convolutions (EC, TC).
+r"""Packed and padded batches: where DDL's token convolutions (EC, TC) restart (documents) and what they skip (padding).
+
+**Packed batches**: several documents in one row, kept apart by the token convolutions.
 
 transformers trains "padding-free" by packing documents into a row with no attention mask: position ids that restart
 at each document (`DataCollatorWithFlattening`, TRL's `packing=True`), or flash attention's `cu_seq_lens_q/k`.
@@ -14,9 +16,18 @@ the row's own history (zeros, or the cache's). One index operation each way, dif
 kernel. Unpacked batches never get here (`find_documents` returns None) and run as before. Where transformers' causal
 mask would not keep the documents apart (it looks for packing only without a cache and without a mask), the model
 adds `Documents.attention_mask_function` to it.
+
+**Padded batches** (`Padding`): attention skips padded positions by the mask; a token convolution reads each real
+token's K-1 predecessors, which must be the row's real tokens however the padding lies. Padding before a row's tokens
+(`generate`'s left padding) needs nothing but zeroing the padded inputs: they are the zeros a sequence starts from.
+Padding anywhere else (after the tokens, or holes between them) is compacted: each row's real tokens are moved
+together after its history (the cache's last inputs, or the zeros before a sequence) and its padding before that,
+the convolution runs there as on any row, and each token's output is read back from its place; the cache then keeps
+the row's last real inputs, so decoding continues them.
 """
 
 import torch
+import torch.nn.functional as F
 from transformers.masking_utils import find_packed_sequence_indices, packed_sequence_mask_function
 from transformers.utils.import_utils import is_tracing
 
@@ -103,4 +114,82 @@ def find_documents(batch, seq_len, position_ids=None, cu_seq_lens_q=None, cache=
     return Documents(index)
 
 
-__all__ = ["Documents", "find_documents"]
+class Padding:
+    """The padding of a batch over this forward's tokens, for the token convolutions: `mask` `(B, T)` (1 = a real
+    token) in the model dtype, and whether the rows must be compacted (`compacts`; see the module docstring). Built by
+    `Padding.of`, once per forward."""
+
+    def __init__(self, mask, compacts):
+        self.mask = mask
+        self.compacts = compacts
+        self._orders = {}
+
+    @classmethod
+    def of(cls, pad_mask, dtype, cache=None):
+        """The padding of `pad_mask` `(B, T)` (None: no padding), for a forward with `cache` (or None), which may
+        continue earlier tokens. Its rows are compacted unless every row's padding lies before its tokens, where zeros are
+        what the convolution reads anyway; without a cache padding after the tokens needs nothing either (no later
+        token reads them), and a row that continues its cache's tokens must have none at all. (One synchronisation
+        with the device; while tracing, always compacted: the data cannot be looked at.)"""
+        if pad_mask is None:
+            return None
+        real = pad_mask.bool()
+        if is_tracing(real):
+            return cls(pad_mask.to(dtype), True)
+        runs = (real & ~F.pad(real, (1, 0))[:, :-1]).sum(-1)  # runs of real tokens in each row
+        if cache is None:
+            fine = runs <= 1
+        elif cache.get_seq_length() == 0:
+            fine = (runs == 0) | ((runs == 1) & real[:, -1])
+        else:
+            fine = real.all(-1)
+        return cls(pad_mask.to(dtype), not bool(fine.all()))
+
+    def masked(self, x):
+        """x `(B, T, ...)` with its padded positions zeroed."""
+        return x * self.mask.view(*self.mask.shape, *([1] * (x.dim() - 2)))
+
+    def _order(self, kernel):
+        """For a window of K-1 history inputs then the T tokens: the compacted order (the padding, then the history
+        and the real tokens, each in order) as indices into the window `(B, K-1+T)`, and where each token landed
+        among the last T places `(B, T)` (clamped to 0 for padding, whose output is zeroed)."""
+        if kernel not in self._orders:
+            real = self.mask > 0
+            batch, seq_len = real.shape
+            window = torch.cat([real.new_ones(batch, kernel - 1), real], 1)  # the history counts as real
+            order = torch.sort(window.to(torch.int8), dim=1, stable=True).indices  # (B, K-1+T)
+            place = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1], device=order.device)
+                                                     .expand_as(order))
+            self._orders[kernel] = order, (place[:, kernel - 1 :] - (kernel - 1)).clamp(min=0)
+        return self._orders[kernel]
+
+    def compact(self, x, kernel, cache=None, layer_idx=0, slot=0):
+        """x `(B, T, ...)` (padding zeroed) with each row compacted, and its causal window as `token_readout` and
+        `token_conv` take one (`(B, C, K-1+T)`, time last; None at the start of a sequence). With a cache, the
+        history comes from its conv-state `slot` of layer `layer_idx`, and the cache keeps the compacted row's last
+        K-1 inputs (what decoding continues)."""
+        batch, seq_len = x.shape[:2]
+        flat = x.reshape(batch, seq_len, -1).transpose(1, 2)  # (B, C, T)
+        had_past = cache is not None and cache.has_previous_state(layer_idx, slot)
+        if had_past:
+            history = cache.layers[layer_idx].conv_states[slot][..., -(kernel - 1) :]
+        else:
+            history = flat.new_zeros(batch, flat.shape[1], kernel - 1)
+        order, _ = self._order(kernel)
+        window = torch.cat([history.to(flat.dtype), flat], -1)
+        window = window.gather(-1, order.unsqueeze(1).expand_as(window))  # (B, C, K-1+T)
+        if cache is not None:  # (at least K-1 inputs: what the cache keeps is the compacted window's last K-1)
+            cache.update_conv_state(window[..., -max(seq_len, kernel - 1) :], layer_idx, state_idx=slot,
+                                    conv_kernel_size=kernel - 1)
+        compacted = window[..., kernel - 1 :].transpose(1, 2).reshape(x.shape)
+        return compacted, window if had_past else None
+
+    def restore(self, y, kernel):
+        """The outputs `(B, T, ...)` of a compacted row (`compact`) read back into each token's place (zero at
+        padding)."""
+        _, place = self._order(kernel)
+        index = place.view(*place.shape, *([1] * (y.dim() - 2))).expand_as(y)
+        return self.masked(y.gather(1, index))
+
+
+__all__ = ["Documents", "Padding", "find_documents"]
