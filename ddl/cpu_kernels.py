@@ -79,8 +79,21 @@ def cpu_kernel():
     return _ops or None
 
 
+_SWITCH_ON, _SWITCH_OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _switched_on():
+    """`DDL_CPU_KERNEL`: on (unset, or one of `_SWITCH_ON`) or off (`_SWITCH_OFF`); anything else is a mistake
+    (`disable` must not mean "on"), a ValueError that names the values."""
+    value = os.environ.get("DDL_CPU_KERNEL", "").strip().lower()
+    if value and value not in _SWITCH_ON + _SWITCH_OFF:
+        raise ValueError(f"DDL_CPU_KERNEL={value!r}: set it to 0 (PyTorch only, no C++ build) or 1 (build and use "
+                         "DDL's C++ CPU kernels, the default), or unset it.")
+    return value not in _SWITCH_OFF
+
+
 def _build():
-    if os.environ.get("DDL_CPU_KERNEL", "1").lower() in ("0", "false", "no", "off"):
+    if not _switched_on():
         return None
     if not sys.platform.startswith("linux"):  # measured on Linux only (macOS' compiler has no OpenMP by default)
         logger.info_once("DDL: the C++ CPU kernel is built on Linux only; using the PyTorch path.")

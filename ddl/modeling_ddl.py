@@ -563,6 +563,12 @@ class DDLModel(DDLPreTrainedModel):
     ) -> DDLModelOutputWithPast:
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        given = input_ids if input_ids is not None else inputs_embeds
+        if given.dim() != (2 if input_ids is not None else 3):
+            name, shape = ("input_ids", "(batch, sequence)") if input_ids is not None else ("inputs_embeds",
+                                                                                          "(batch, sequence, hidden)")
+            raise ValueError(f"DDL: {name} must be {shape}, got shape {tuple(given.shape)}; a single sequence needs a "
+                             f"batch dimension: {name}.unsqueeze(0).")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         if use_cache and cache is None:

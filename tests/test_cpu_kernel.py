@@ -239,6 +239,19 @@ def test_build_failure_and_switch_fall_back_to_pytorch(monkeypatch, caplog):
     assert cpu_kernel() is None
 
 
+@pytest.mark.parametrize("value", ["disable", "disabled", "none", "2"])
+def test_a_mistyped_switch_is_an_error_not_on(value, monkeypatch):
+    """`DDL_CPU_KERNEL=disable` once meant "on" (only 0/false/no/off switched it off): a value that is neither is
+    one clear error, raised before any build. (Failed: it built.)"""
+    import torch.utils.cpp_extension as cpp_extension
+
+    monkeypatch.setattr(cpu_kernels, "_ops", None)
+    monkeypatch.setenv("DDL_CPU_KERNEL", value)
+    monkeypatch.setattr(cpp_extension, "load_inline", lambda *a, **k: pytest.fail(f"DDL_CPU_KERNEL={value} built"))
+    with pytest.raises(ValueError, match="DDL_CPU_KERNEL"):
+        cpu_kernel()
+
+
 # the token convolutions with a C++ kernel: (kernel, spec, applies, x's feature shape, d_v is x's (readout) or out's)
 _TOKEN_CONVS = {
     "readout": (cpu_token_readout, causal_token_readout, cpu_readout_applies, (3, 8)),  # (B, T, d_v, d) -> (B, T, d)

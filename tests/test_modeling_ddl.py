@@ -624,3 +624,13 @@ def test_token_convolutions_match_conv1d():
     # with history: the last K-1 tokens of a longer sequence see the same result as the whole sequence
     torch.testing.assert_close(causal_token_readout(state[:, 4:], weight, history=state[:, 1:4]), tc[:, 4:])
     torch.testing.assert_close(causal_token_conv(x[:, 4:], weight, history=x[:, 1:4]), causal_token_conv(x, weight)[:, 4:])
+
+
+@pytest.mark.parametrize("shape", [(7,), (1, 2, 7)])
+def test_input_ids_without_a_batch_dimension_is_one_clear_error(shape):
+    """(A 1-D `input_ids` failed deep inside with a traceback about shapes.)"""
+    model = _model()
+    with pytest.raises(ValueError, match=r"input_ids must be \(batch, sequence\).*unsqueeze\(0\)"):
+        model(torch.ones(shape, dtype=torch.long))
+    with pytest.raises(ValueError, match="inputs_embeds must be"):
+        model(inputs_embeds=torch.ones(7, TINY["hidden_size"]))
