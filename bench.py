@@ -49,7 +49,14 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from ddl import DDLConfig, DDLForCausalLM
 from ddl.configuration_ddl import DDL_IMPLEMENTATIONS
 from ddl.cpu_kernels import cpu_kernel
-from ddl_tools.outputs import FolderLock, UsageError, die_with_parent, folder_contents, make_output_folder, write_json
+from ddl_tools.outputs import (
+    UsageError,
+    check_writable_file,
+    claim_folder,
+    die_with_parent,
+    folder_contents,
+    write_json,
+)
 from ddl_tools.training import PAPER_RECIPE, PRESETS
 
 
@@ -420,17 +427,36 @@ def parse_args(argv=None):
             parser.error(f"--{name} {value}: must be at least 1.")
     if args.warmup_steps < 0:
         parser.error(f"--warmup_steps {args.warmup_steps}: must be 0 or more.")
-    if args.memory_timeline and not args._worker:
-        if "memory" in args.skip:
-            parser.error("--memory_timeline measures memory: drop 'memory' from --skip.")
+    if args.json and not args._worker:  # checked now: the results would be lost after the whole run
         try:
-            make_output_folder(args.memory_timeline, "--memory_timeline")
+            check_writable_file(args.json, "--json")
         except UsageError as err:
             parser.error(str(err))
-        if folder_contents(args.memory_timeline):
-            parser.error(f"--memory_timeline {args.memory_timeline!r} is not empty; choose a new folder (e.g. one "
-                         "per commit, to compare before and after), so that no earlier timeline is overwritten.")
+    if args.memory_timeline and not args._worker and "memory" in args.skip:
+        parser.error("--memory_timeline measures memory: drop 'memory' from --skip.")
     return args
+
+
+def usage_error(message):
+    """A mistake found after the flags were parsed: one line and exit status 2, as argparse's own errors."""
+    print(f"{os.path.basename(__file__)}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def claim_timeline_folder(folder):
+    """--memory_timeline made this run's before anything runs (`claim_folder`: created if missing, locked until the
+    run ends, so that a second bench into it stops now instead of overwriting its files at the end), and refused if
+    it holds anything: a new folder per comparison, so that no earlier timeline is overwritten. Returns (the lock,
+    whether the folder was created)."""
+    try:
+        lock, created = claim_folder(folder, "--memory_timeline")
+    except UsageError as err:
+        usage_error(err)
+    if folder_contents(folder):
+        lock.release(remove=True)
+        usage_error(f"--memory_timeline {folder!r} is not empty; choose a new folder (e.g. one per commit, to compare "
+                    "before and after), so that no earlier timeline is overwritten.")
+    return lock, created
 
 
 def bench_size(args):
@@ -496,6 +522,19 @@ def main(argv=None):
     args = parse_args(argv)
     if args._worker:
         return worker(args)
+    if not args.memory_timeline:
+        return run(args)
+    lock, created = claim_timeline_folder(args.memory_timeline)
+    try:
+        run(args)
+    finally:
+        lock.release(remove=True)
+        if created and not os.listdir(args.memory_timeline):  # a run that failed leaves no empty folder behind
+            os.rmdir(args.memory_timeline)
+
+
+def run(args):
+    """The measurements, the table, and the files asked for (--memory_timeline: its folder claimed by `main`)."""
     device, dtype, size = torch.device(args.device), getattr(torch, args.dtype), bench_size(args)
     records = {v: Record(v, parameter_count(v, size)) for v in args.variants}
 
@@ -551,26 +590,20 @@ def main(argv=None):
     if timelines:
         write_timelines(args, size, timelines)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items() if not k.startswith("_")}, "size": size.__dict__,
-                       "torch": torch.__version__, "cpu_kernel": kernel,
-                       "train": "in_process" if args.train_in_process else "per_process", "rows": rows}, f, indent=2)
+        write_json(args.json, {"args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+                               "size": size.__dict__, "torch": torch.__version__, "cpu_kernel": kernel,
+                               "train": "in_process" if args.train_in_process else "per_process", "rows": rows})
 
 
 def write_timelines(args, size, timelines):
-    """The memory timelines into --memory_timeline: one JSON per model, the figure, and their peaks printed."""
-    folder, lock = args.memory_timeline, FolderLock(args.memory_timeline)
-    if not lock.acquire("--memory_timeline"):
-        raise SystemExit(f"error: {folder} is being written by another process ({lock.holder()}); choose another "
-                         "--memory_timeline.")
-    try:
-        for model, timeline in timelines.items():
-            about = {"model": model, "size": args.size, "dims": size.__dict__, "device": args.device,
-                     "dtype": args.dtype, "implementation": args.implementation, "torch": torch.__version__}
-            write_json(os.path.join(folder, f"{model}.json"), {**about, **timeline})
-        figure = plot_timelines(timelines, os.path.join(folder, "memory_timeline.png"))
-    finally:
-        lock.release(remove=True)
+    """The memory timelines into --memory_timeline (claimed by `main`): one JSON per model, the figure, and their
+    peaks printed."""
+    folder = args.memory_timeline
+    for model, timeline in timelines.items():
+        about = {"model": model, "size": args.size, "dims": size.__dict__, "device": args.device,
+                 "dtype": args.dtype, "implementation": args.implementation, "torch": torch.__version__}
+        write_json(os.path.join(folder, f"{model}.json"), {**about, **timeline})
+    figure = plot_timelines(timelines, os.path.join(folder, "memory_timeline.png"))
     print()
     print(timeline_markdown(timelines))
     print(f"\nmemory timelines: {folder}/<model>.json" + (f", {figure}" if figure else " (no matplotlib: no figure)"))

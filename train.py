@@ -51,7 +51,6 @@ per-preset run sizes (ddl/training.py: PAPER_RECIPE, PRESET_RUN_DEFAULTS); any f
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -78,6 +77,7 @@ from ddl.cpu_kernels import cpu_kernel
 from ddl_tools.hub import check_hub_strategy
 from ddl_tools.launch import check_launch
 from ddl_tools.lora import add_lora, check_lora, describe_lora, save_adapter_and_merge
+from ddl_tools.outputs import write_json
 from ddl_tools.training import (
     PAPER_RECIPE,
     PRESET_RUN_DEFAULTS,
@@ -85,10 +85,15 @@ from ddl_tools.training import (
     DDLRunRecord,
     DDLTrainer,
     UsageError,
+    check_ddl_environment,
+    check_resumed_data,
     check_resumed_model,
     check_text_column,
+    check_training_arguments,
+    check_weights,
     claim_output_dir,
     config_error_message,
+    data_record,
     ddl_config_from_llama,
     describe_variant,
     ensure_validation_split,
@@ -96,18 +101,23 @@ from ddl_tools.training import (
     interruption_note,
     load_ddl_checkpoint,
     load_from_llama,
+    load_pretrained,
     load_raw_datasets,
     model_card,
     parse_config_overrides,
+    parsed_arguments,
     plot_loss_curve,
     prepare_tokenizer_for_generation,
     preset_config,
     release_output_dirs,
     resumed_block_size,
     resumed_state,
+    saving_into,
+    skip_rows_without_text,
     steps_left,
     text_batches,
     tokenize_and_pack,
+    tokenizer_digest,
     tokens_seen,
     train_bpe_tokenizer,
     unigram_loss,
@@ -182,7 +192,10 @@ class ModelArguments:
 class DataArguments:
     dataset_name: str | None = field(default=None, metadata={"help": "A 🤗 dataset (default: embedded Shakespeare)."})
     dataset_config_name: str | None = field(default=None, metadata={"help": "Its configuration."})
-    train_file: str | None = field(default=None, metadata={"help": "Training text: .txt, .json, .jsonl or .csv."})
+    train_file: str | None = field(
+        default=None, metadata={"help": "Training text: .txt, .json, .jsonl or .csv (rows whose text is null, e.g. an "
+                                        "empty CSV cell, are skipped with a warning)."}
+    )
     validation_file: str | None = field(default=None, metadata={"help": "Validation text (same format)."})
     text_column: str = field(default="text", metadata={"help": "Column holding the text (json/csv/datasets)."})
     block_size: int | None = field(default=None, metadata={"help": "Tokens per training block (packed)."})
@@ -248,7 +261,7 @@ def parse_args(argv: list[str]):
         **PAPER_RECIPE,
         **PRESET_RUN_DEFAULTS[preset],
     )
-    return parser.parse_args_into_dataclasses(args=argv)
+    return parsed_arguments(parser, argv)
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
@@ -261,6 +274,17 @@ def check_run_length(training_args: TrainingArguments) -> None:
                          "train for --num_train_epochs epochs.")
 
 
+def check_arguments(data_args, training_args) -> None:
+    """Before anything is written: the run's length, Trainer's numbers, DDL's environment variables, and a block
+    size (`--block_size 0` used to mean "unset", i.e. 256)."""
+    check_run_length(training_args)
+    check_training_arguments(training_args)
+    check_ddl_environment()
+    if data_args.block_size is not None and data_args.block_size < 2:
+        raise UsageError(f"--block_size must be at least 2 (one input and one target token), got "
+                         f"{data_args.block_size}.")
+
+
 def resolve_resume(training_args: TrainingArguments, run_args: RunArguments) -> str | None:
     """Which checkpoint to resume from (None = start fresh), with the output folder made this run's: never written
     over without --overwrite_output_dir, one run at a time (ddl_tools.training.claim_output_dir)."""
@@ -269,10 +293,12 @@ def resolve_resume(training_args: TrainingArguments, run_args: RunArguments) -> 
 
 
 def check_resume(resume, model_args, data_args, argv) -> None:
-    """A resumed run continues its checkpoint: the same model (a flag asking for another is refused) and the same
-    blocks (its recorded block size; another --block_size is refused)."""
+    """A resumed run continues its checkpoint: the same model (a flag asking for another is refused; weights that do
+    not fit its config are one line) and the same blocks (its recorded block size; another --block_size is
+    refused). Its data and tokenizer are checked once loaded (`check_resumed_data`)."""
     flags = {k: v for k, v in model_args.ddl_flags().items() if v is not None}
     check_resumed_model(resume, model_args.preset, parse_config_overrides(model_args.config_overrides), flags)
+    check_weights(resume, DDLForCausalLM, DDLConfig.from_pretrained(resume), "--resume_from_checkpoint")
     given = any(a == "--block_size" or a.startswith("--block_size=") for a in argv)
     data_args.block_size = resumed_block_size(resume, resumed_state(resume), data_args.block_size, given)
 
@@ -336,6 +362,8 @@ def check_model_source(model_args):
     if model_args.init_from_llama and config.model_type != "llama":
         raise UsageError(f"--init_from_llama {source!r} is a {config.model_type!r} checkpoint; it needs a Llama "
                          "(model_type 'llama').")
+    if model_args.model_name_or_path:
+        check_weights(source, DDLForCausalLM, config, flag)
 
 
 def build_model(model_args, tokenizer, resume):
@@ -359,7 +387,7 @@ def build_model(model_args, tokenizer, resume):
     elif resume:
         # The checkpoint's architecture and weights (Trainer loads them again with the optimizer and scheduler; a
         # run resumed at its last step trains nothing and keeps these).
-        model = DDLForCausalLM.from_pretrained(resume)
+        model = load_pretrained(DDLForCausalLM, resume, "--resume_from_checkpoint")
     else:
         config = preset_config(model_args.preset or "tiny", len(tokenizer), overrides, **flags, **ids)
         model = DDLForCausalLM(config)
@@ -403,7 +431,9 @@ class Blocks:
 
 
 def choose_block_size(data_args, config) -> int:
-    block_size = data_args.block_size or min(PRESET_RUN_DEFAULTS["tiny"]["block_size"], config.max_position_embeddings)
+    block_size = data_args.block_size
+    if block_size is None:
+        block_size = min(PRESET_RUN_DEFAULTS["tiny"]["block_size"], config.max_position_embeddings)
     if block_size > config.max_position_embeddings:
         raise UsageError(f"--block_size {block_size} exceeds the model's context (max_position_embeddings = "
                          f"{config.max_position_embeddings}). Lower --block_size, or for a fresh model raise it with "
@@ -414,9 +444,12 @@ def choose_block_size(data_args, config) -> int:
 
 
 def load_text(data_args, training_args):
-    """Step 1: the raw text with a validation split, and how it is organised."""
+    """Step 1: the raw text with a validation split, and how it is organised. Rows without text (null) are skipped
+    with a warning; a text column that holds no text (numbers) is refused."""
     raw, data_info = load_raw_datasets(data_args.dataset_name, data_args.dataset_config_name, data_args.train_file,
                                        data_args.validation_file, data_args.streaming)
+    check_text_column(raw, data_args.text_column)
+    raw = skip_rows_without_text(raw, data_args.text_column)  # before the split: the warning names the file's rows
     raw = ensure_validation_split(raw, data_args.validation_split_percentage, training_args.seed,
                                   data_info["documents"], data_args.streaming_validation_examples)
     check_text_column(raw, data_args.text_column)
@@ -535,7 +568,7 @@ def main(argv: list[str]) -> None:
     model_args, data_args, run_args, training_args = parse_args(argv)
     if training_args.should_log:
         logging.set_verbosity_warning()
-    check_run_length(training_args)
+    check_arguments(data_args, training_args)
     check_launch(training_args)  # before anything is written: FSDP on CPU, processes that are not one job
     check_hub_strategy(training_args)
     resume = resolve_resume(training_args, run_args)
@@ -547,6 +580,9 @@ def main(argv: list[str]) -> None:
 
     raw, data_info = load_text(data_args, training_args)  # 1. the text
     tokenizer, tokenizer_source = get_tokenizer(model_args, data_args, training_args, raw, resume)
+    record = run_record(data_args, data_info, tokenizer)
+    if resume:
+        check_resumed_data(resume, resumed_state(resume), *record, model_args.tokenizer_name or "the checkpoint's")
     model = build_model(model_args, tokenizer, resume)  # 2. the model
     finalize_for_saving(model, tokenizer)  # already for the checkpoints, and the revisions pushed from them
     if model_args.lora:
@@ -561,31 +597,32 @@ def main(argv: list[str]) -> None:
 
     trainer = DDLTrainer(model=model, args=training_args, train_dataset=blocks.train if training_args.do_train
                          else None, eval_dataset=blocks.eval, processing_class=tokenizer,
-                         data_collator=default_data_collator, callbacks=[DDLRunRecord(blocks.block_size)])
+                         data_collator=default_data_collator, callbacks=[DDLRunRecord(blocks.block_size, *record)])
     trainer.card_inputs = card_inputs(model_args, training_args, config, blocks, data_info, tokenizer_source)
     build_kernels(config, training_args)
-    metrics = train_and_evaluate(trainer, training_args, resume)  # 4. train and evaluate
+    metrics = train_and_evaluate(trainer, training_args, resume)  # 4. train and evaluate (stops if it diverges)
 
     if model_args.lora:
         model = save_adapter_and_merge(trainer)  # the adapter; the merged model is what is saved below
     finalize_for_saving(model, tokenizer)  # 5. a complete checkpoint folder
-    trainer.save_model()
-    trainer.save_state()
-    if not trainer.is_world_process_zero():
-        return
     out = training_args.output_dir
-    metrics = run_metrics(trainer, metrics, model_args, training_args, blocks)
-    with open(os.path.join(out, "all_results.json"), "w") as f:
-        json.dump(metrics, f, indent=2)
-    curve = plot_loss_curve(trainer.state.log_history, os.path.join(out, "loss_curve.png"),
-                            title=f"{describe_variant(config)} on {data_info['name'].split(' (')[0]}",
-                            unigram=blocks.unigram)
+    with saving_into(out, "the final model"):  # a full disk: one line, and the folder stays resumable
+        trainer.save_model()
+        trainer.save_state()
+        if not trainer.is_world_process_zero():
+            return
+        metrics = run_metrics(trainer, metrics, model_args, training_args, blocks)
+        write_json(os.path.join(out, "all_results.json"), metrics)
+        curve = plot_loss_curve(trainer.state.log_history, os.path.join(out, "loss_curve.png"),
+                                title=f"{describe_variant(config)} on {data_info['name'].split(' (')[0]}",
+                                unigram=blocks.unigram)
     prompt, sample = generate_sample(out, data_args, data_info, training_args.seed)  # 6. a sample
     trainer.ddl_model_card = model_card(
         **trainer.card_inputs, num_parameters=model.num_parameters(), steps=trainer.state.global_step,
         metrics=metrics, loss_curve=curve, sample=sample, prompt=prompt)
-    trainer.create_model_card()
-    finish_output_dir(out)  # everything is saved: the folder is a finished run
+    with saving_into(out, "the model card"):
+        trainer.create_model_card()
+        finish_output_dir(out)  # everything is saved: the folder is a finished run
     if training_args.push_to_hub:
         trainer.push_to_hub(commit_message="End of training")
     val = metrics.get("eval_loss")
@@ -593,6 +630,14 @@ def main(argv: list[str]) -> None:
           f"{metrics['final_train_loss']}; validation loss {val if val is None else f'{val:.4f}'} (perplexity "
           f"{metrics.get('eval_perplexity', float('nan')):.2f})")
     print(f"\n--- sample from {out} via pipeline('text-generation') ---\n{sample}")
+
+
+def run_record(data_args, data_info, tokenizer) -> tuple[dict, str]:
+    """What this run trains on, for its checkpoints (`DDLRunRecord`) and a resume's check: the data (its source, the
+    content of its local files) and the tokenizer's digest."""
+    files = {split: path for split, path in (("train", data_args.train_file),
+                                             ("validation", data_args.validation_file)) if path}
+    return data_record(data_info["name"], files, data_args.text_column), tokenizer_digest(tokenizer)
 
 
 def cli(argv: list[str]) -> int:

@@ -29,7 +29,6 @@ from transformers import (
     AutoTokenizer,
     DataCollatorWithPadding,
     HfArgumentParser,
-    Trainer,
     TrainingArguments,
     set_seed,
 )
@@ -41,11 +40,20 @@ from ddl_tools.outputs import write_json
 from ddl_tools.tasks import GENRE_LABELS, genre_splits
 from ddl_tools.training import (
     PRESETS,
+    DDLTrainer,
     UsageError,
+    check_ddl_environment,
+    check_training_arguments,
+    check_weights,
+    claim_results_dir,
     config_error_message,
+    load_pretrained,
     parse_config_overrides,
+    parsed_arguments,
     preset_config,
     prepare_tokenizer_for_generation,
+    release_output_dirs,
+    saving_into,
     train_bpe_tokenizer,
 )
 
@@ -83,18 +91,12 @@ def parse_args(argv):
         weight_decay=0.1, warmup_steps=0.05, lr_scheduler_type="cosine", per_device_train_batch_size=16,
         per_device_eval_batch_size=32, eval_strategy="no", save_strategy="no", logging_steps=20, report_to="none",
     )
-    return parser.parse_args_into_dataclasses(args=argv)
-
-
-def check_output_dir(args, training_args):
-    out = training_args.output_dir
-    if os.path.isdir(out) and os.listdir(out) and not args.overwrite_output_dir:
-        raise UsageError(f"Output folder {out!r} exists and is not empty; refusing to overwrite it. Pass "
-                         "--overwrite_output_dir or choose another --output_dir.")
+    return parsed_arguments(parser, argv)
 
 
 def check_checkpoint(args):
-    """Fail fast, before any data work, on a checkpoint that is not DDL or flags that cannot apply to it."""
+    """Fail fast, before any data work, on a checkpoint that is not DDL, weights that are damaged or do not fit its
+    config, or flags that cannot apply to it."""
     source = args.model_name_or_path
     if source is None:
         return
@@ -107,6 +109,7 @@ def check_checkpoint(args):
     if config.model_type != DDLConfig.model_type:
         raise UsageError(f"--model_name_or_path {source!r} is a {config.model_type!r} checkpoint, not DDL "
                          "(model_type 'ddl'); train one with train.py.")
+    check_weights(source, DDLForSequenceClassification, config, "--model_name_or_path")
 
 
 def load_task(args, seed):
@@ -146,7 +149,8 @@ def build_model(args, tokenizer):
         config = preset_config(args.preset, len(tokenizer), parse_config_overrides(args.config_overrides),
                                **labels, **ids)
         return DDLForSequenceClassification(config)
-    model = AutoModelForSequenceClassification.from_pretrained(args.model_name_or_path, **labels)
+    model = load_pretrained(AutoModelForSequenceClassification, args.model_name_or_path, "--model_name_or_path",
+                            **labels)
     if len(tokenizer) > model.config.vocab_size:
         raise UsageError(f"The tokenizer has {len(tokenizer)} tokens but the model's vocabulary is "
                          f"{model.config.vocab_size}; the checkpoint's own tokenizer must come with it.")
@@ -167,10 +171,13 @@ def main(argv):
     args, training_args = parse_args(argv)
     if training_args.should_log:
         logging.set_verbosity_warning()
-    check_output_dir(args, training_args)
+    check_training_arguments(training_args)
+    check_ddl_environment()
     check_checkpoint(args)
     if args.model_name_or_path is None:  # a fresh model's config, checked before any data work
         preset_config(args.preset, args.vocab_size, parse_config_overrides(args.config_overrides))
+    # the output folder made this run's (one run at a time; never written over without --overwrite_output_dir)
+    claim_results_dir(training_args.output_dir, args.overwrite_output_dir, training_args.process_index == 0)
     set_seed(training_args.seed)
     data = load_task(args, training_args.seed)
     tokenizer = get_tokenizer(args, data["train"])
@@ -183,19 +190,26 @@ def main(argv):
 
     encoded = {name: split.map(tokenize, batched=True, remove_columns=["text", "work"])
                for name, split in data.items()}
-    trainer = Trainer(model=model, args=training_args, train_dataset=encoded["train"],
-                      eval_dataset=encoded["validation"], processing_class=tokenizer,
-                      data_collator=DataCollatorWithPadding(tokenizer),
-                      compute_metrics=compute_metrics_with(accuracy, f1))
+    # DDLTrainer: the training arguments saved as JSON, not as Trainer's pickle (training_args.bin); a diverging
+    # run stops with one line; a save that fails is one line
+    trainer = DDLTrainer(model=model, args=training_args, train_dataset=encoded["train"],
+                         eval_dataset=encoded["validation"], processing_class=tokenizer,
+                         data_collator=DataCollatorWithPadding(tokenizer),
+                         compute_metrics=compute_metrics_with(accuracy, f1))
+    out = training_args.output_dir
+    trainer.save_failure_note = "then rerun the same command with --overwrite_output_dir."
     train_result = trainer.train()
     metrics = {**train_result.metrics, **trainer.evaluate()}
     counts = Counter(data["validation"]["label"])
     metrics["eval_majority_accuracy"] = max(counts.values()) / len(data["validation"])
-    trainer.save_model()  # weights, config (labels, auto_map), the model's .py files, tokenizer
-    if not trainer.is_world_process_zero():
-        return
-    out = training_args.output_dir
-    write_json(os.path.join(out, "all_results.json"), metrics)
+    with saving_into(out, "the classifier", trainer.save_failure_note):
+        trainer.save_model()  # weights, config (labels, auto_map), the model's .py files, tokenizer
+        if not trainer.is_world_process_zero():
+            return
+        write_json(os.path.join(out, "all_results.json"), metrics)
+    release_output_dirs()
+    if training_args.push_to_hub:
+        trainer.push_to_hub(commit_message="End of training")
     works = sorted(set(data["validation"]["work"]))
     print(f"\ngenre of {len(data['validation'])} passages from {len(works)} held-out plays ({', '.join(works)}): "
           f"accuracy {metrics['eval_accuracy']:.3f}, macro-F1 {metrics['eval_f1_macro']:.3f} (always guessing the "
@@ -204,15 +218,20 @@ def main(argv):
 
 
 def cli(argv) -> int:
-    """Run `main`; a user mistake becomes one `train_classifier.py: error: ...` line on stderr and exit status 2."""
+    """Run `main`; a user mistake becomes one `train_classifier.py: error: ...` line on stderr and exit status 2. The
+    output folder is let go of however the run ends (one this run created and left empty is removed)."""
+    failed = True
     try:
         main(argv)
+        failed = False
     except UsageError as err:
         print(f"train_classifier.py: error: {err}", file=sys.stderr)
         return 2
     except StrictDataclassError as err:  # an invalid DDLConfig field (from --config_overrides or a config.json)
         print(f"train_classifier.py: error: {config_error_message(err)}", file=sys.stderr)
         return 2
+    finally:
+        release_output_dirs(failed)
     return 0
 
 

@@ -5,7 +5,9 @@ mistakes raise `UsageError` (a `ValueError`) with a message that says what was e
 script turns it into a one-line error and a non-zero exit.
 """
 
+import contextlib
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -13,10 +15,13 @@ import re
 import shutil
 import sys
 import time
+import zipfile
 from collections.abc import Iterable, Iterator
 
 import numpy as np
+import torch
 from huggingface_hub.errors import StrictDataclassError
+from safetensors import SafetensorError
 from transformers import AutoConfig, PreTrainedTokenizerFast, Trainer, TrainerCallback, TrainerState
 from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_callback import ExportableState
@@ -25,7 +30,7 @@ from transformers.utils import PushInProgress
 from transformers.utils import logging
 
 from ddl import DDLConfig, DDLForCausalLM
-from .outputs import FolderLock, UsageError, folder_contents, make_output_folder, save_figure, write_json
+from .outputs import FolderLock, UsageError, claim_folder, folder_contents, save_figure, write_json, write_text
 
 
 logger = logging.get_logger(__name__)
@@ -131,6 +136,47 @@ def make_config(**kwargs) -> DDLConfig:
         raise UsageError(config_error_message(err)) from err
 
 
+def check_training_arguments(args) -> None:
+    """Values `TrainingArguments` accepts and Trainer then misuses, refused before anything is written: a batch of 0
+    or no accumulation (a late DataLoader error, a division by zero), a negative or non-finite learning rate, weight
+    decay, epsilon or clipping norm (AdamW's traceback after the tokenizer is written; a negative norm silently
+    turns clipping off), betas outside [0, 1), and no epochs to train (`--max_steps -1` with
+    `--num_train_epochs 0`)."""
+    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name} {getattr(args, name)}: must be at least 1.")
+    for name in ("learning_rate", "weight_decay", "adam_epsilon", "max_grad_norm"):
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value >= 0):
+            what = " (0: no clipping)" if name == "max_grad_norm" else ""
+            raise UsageError(f"--{name} {value}: must be a number >= 0{what}.")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(args, name) < 1:
+            raise UsageError(f"--{name} {getattr(args, name)}: must be in [0, 1).")
+    if args.max_steps <= 0 and not args.num_train_epochs > 0:
+        raise UsageError(f"--num_train_epochs {args.num_train_epochs}: must be above 0 (or give --max_steps).")
+
+
+def parsed_arguments(parser, argv):
+    """`parser.parse_args_into_dataclasses(argv)` with the `ValueError`s of the dataclasses' own checks (e.g.
+    `TrainingArguments`: a negative --warmup_steps) as one-line `UsageError`s."""
+    try:
+        return parser.parse_args_into_dataclasses(args=argv)
+    except ValueError as err:
+        raise UsageError(" ".join(str(err).split())) from err
+
+
+def check_ddl_environment() -> None:
+    """DDL's runtime choices from the environment (`DDL_IMPLEMENTATION`, `DDL_REBUILD_STATES`), read at the start: an
+    invalid value would otherwise be a `ValueError` at the model's first use, after the tokenizer is written."""
+    config = DDLConfig()
+    for name in ("ddl_implementation", "ddl_rebuild_states"):
+        try:
+            getattr(config, name)
+        except ValueError as err:
+            raise UsageError(str(err)) from err
+
+
 def preset_config(preset: str, vocab_size: int, overrides: dict | None = None, **ddl_kwargs) -> DDLConfig:
     """A fresh `DDLConfig` from a preset, then `--config_overrides`, then the direct `--ddl_*` flags (None = unset)."""
     if preset not in PRESETS:
@@ -155,7 +201,8 @@ def ddl_config_from_llama(llama_config, overrides: dict | None = None, **ddl_kwa
 
 
 def load_ddl_checkpoint(path: str, **kwargs) -> DDLForCausalLM:
-    """Continue from a DDL checkpoint (a folder or a Hub id); a non-DDL checkpoint gets a pointer to the fix."""
+    """Continue from a DDL checkpoint (a folder or a Hub id); a non-DDL checkpoint gets a pointer to the fix, and
+    weights that are damaged or do not fit the config one line (`check_weights`)."""
     try:
         config = AutoConfig.from_pretrained(path)  # `import ddl` registered the DDL config: no remote code needed
     except (OSError, ValueError) as err:
@@ -165,7 +212,116 @@ def load_ddl_checkpoint(path: str, **kwargs) -> DDLForCausalLM:
         raise UsageError(
             f"--model_name_or_path {path!r} is a {config.model_type!r} checkpoint, not DDL (model_type 'ddl').{hint}"
         )
-    return DDLForCausalLM.from_pretrained(path, **kwargs)
+    check_weights(path, DDLForCausalLM, config, "--model_name_or_path")
+    return load_pretrained(DDLForCausalLM, path, "--model_name_or_path", **kwargs)
+
+
+def load_pretrained(model_class, path: str, flag: str, **kwargs):
+    """`model_class.from_pretrained(path, **kwargs)`, a file that cannot be read (a damaged download, a file system
+    error) as one line naming the checkpoint."""
+    try:
+        return model_class.from_pretrained(path, **kwargs)
+    except (OSError, SafetensorError) as err:
+        raise UsageError(f"{flag} {path!r}: cannot load its weights ({_one_line(err)}).") from err
+
+
+def _one_line(err: BaseException) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return (lines[0] if lines else type(err).__name__)[:300]
+
+
+def safetensors_shapes(path: str) -> dict[str, list[int]]:
+    """The tensors a safetensors file holds (name -> shape), read from its header alone, after checking that the file
+    is as long as its header says. A file cut short (a kill, a full disk) is a `ValueError` that says how."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError("is empty" if size == 0 else "is cut short (no safetensors header)")
+        length = int.from_bytes(head, "little")
+        if length > size - 8:
+            raise ValueError("is cut short (its header runs past the end of the file)")
+        try:
+            header = json.loads(f.read(length))
+            tensors = {name: entry for name, entry in header.items() if name != "__metadata__"}
+            end = max((entry["data_offsets"][1] for entry in tensors.values()), default=0)
+            shapes = {name: list(entry["shape"]) for name, entry in tensors.items()}
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as err:
+            raise ValueError("has a safetensors header that does not parse") from err
+    if 8 + length + end > size:
+        raise ValueError("is cut short (its tensors run past the end of the file)")
+    return shapes
+
+
+def file_damage(path: str) -> str | None:
+    """Why a file of a checkpoint cannot be loaded, judged cheaply from its header or its end (None: it looks whole):
+    an empty file, a safetensors file whose header does not parse or whose tensors run past its end, a `torch.save`
+    file (a zip) without its closing directory (the optimizer's state is not loaded to tell), a JSON file that does
+    not parse. What a full disk or a power loss during a save leaves."""
+    name = os.path.basename(path)
+    if not name.endswith((".safetensors", ".pt", ".pth", ".bin", ".json")):
+        return None  # (other files: code, templates, text; loading them fails in words of its own)
+    try:
+        if os.path.getsize(path) == 0:
+            return "is empty"
+        if name.endswith(".safetensors"):
+            safetensors_shapes(path)
+        elif name.endswith((".pt", ".pth", ".bin")):
+            if not zipfile.is_zipfile(path):
+                return "is cut short (not a complete torch file)"
+        elif name.endswith(".json"):
+            with open(path, encoding="utf-8") as f:
+                json.load(f)
+    except ValueError as err:  # (json's errors, a file that is not UTF-8, `safetensors_shapes`)
+        return str(err) if name.endswith(".safetensors") else "does not parse (cut short?)"
+    except OSError as err:
+        return f"cannot be read ({err.strerror})"
+    return None
+
+
+def _weight_files(folder: str) -> list[str]:
+    """The safetensors files of a saved model folder: `model.safetensors`, or the shards its index names."""
+    if os.path.isfile(os.path.join(folder, "model.safetensors")):
+        return ["model.safetensors"]
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if not os.path.isfile(index):
+        return []
+    try:
+        with open(index, encoding="utf-8") as f:
+            return sorted(set(json.load(f)["weight_map"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return ["model.safetensors.index.json"]  # reported as damaged below
+
+
+def check_weights(folder: str, model_class, config, flag: str) -> None:
+    """A local model folder's weights are whole and fit the model its config describes: a file cut short, or weights
+    of other shapes (a config.json not the weights' own), is one line naming the folder, instead of safetensors'
+    traceback or Transformers' mismatch report. Read from the files' headers and a model built on the meta device:
+    nothing is loaded. A Hub id is left to `from_pretrained`."""
+    if not os.path.isdir(folder):
+        return
+    shapes = {}
+    for name in _weight_files(folder):
+        path = os.path.join(folder, name)
+        problem = "is missing" if not os.path.isfile(path) else file_damage(path)
+        if problem is None and name.endswith(".safetensors"):
+            shapes.update(safetensors_shapes(path))
+        elif problem is not None:
+            raise UsageError(f"{flag} {folder!r}: its {name} {problem}, so the checkpoint is damaged (a save cut "
+                             "short?); use another checkpoint, or save this one again.")
+    if not shapes:
+        return
+    with torch.device("meta"):
+        expected = {key: list(value.shape) for key, value in model_class(config).state_dict().items()}
+    wrong = []
+    for key, shape in shapes.items():
+        target = key if key in expected else f"model.{key}"  # (a base model's weights: no prefix)
+        if target in expected and expected[target] != shape:
+            wrong.append(f"{key} is {shape}, the config needs {expected[target]}")
+    if wrong:
+        raise UsageError(f"{flag} {folder!r}: its weights do not fit its config.json ({len(wrong)} tensors, e.g. "
+                         f"{wrong[0]}); the config is not the weights' own: restore the checkpoint's config.json, or "
+                         "use another checkpoint.")
 
 
 def load_from_llama(path: str, ddl_config: DDLConfig, **kwargs) -> DDLForCausalLM:
@@ -314,6 +470,8 @@ def text_batches(dataset, text_column: str, batch_size: int = 1000, max_rows: in
     batch, rows = [], 0
     for row in dataset:
         text = row[text_column]
+        if text is not None and not isinstance(text, str):
+            raise _not_text(text_column, text)
         if text:
             batch.append(text)
         rows += 1
@@ -370,12 +528,50 @@ def _column_names(dataset) -> list[str]:
 
 
 def check_text_column(raw, text_column: str) -> None:
-    """Every split has the column `--text_column` names (a CSV or JSON file may call it otherwise)."""
+    """Every split has the column `--text_column` names (a CSV or JSON file may call it otherwise), and it holds text
+    (a CSV column of numbers is read as numbers, which are not text to tokenise). A streamed dataset's types are
+    checked as its rows are tokenised."""
+    from datasets import Dataset
+
     for split, dataset in raw.items():
         columns = _column_names(dataset)
         if text_column not in columns:
             raise UsageError(f"--text_column {text_column!r} is not a column of the {split} data (columns: "
                              f"{columns}); name the text column with --text_column.")
+        feature = (getattr(dataset, "features", None) or {}).get(text_column)
+        dtype = getattr(feature, "dtype", None)
+        if feature is not None and dtype not in ("string", "large_string"):
+            first = f" (row 1: {dataset[0][text_column]!r})" if isinstance(dataset, Dataset) and len(dataset) else ""
+            raise UsageError(f"--text_column {text_column!r} of the {split} data holds {dtype or feature}, not "
+                             f"text{first}; name the text column with --text_column.")
+
+
+def _not_text(text_column: str, value) -> UsageError:
+    return UsageError(f"--text_column {text_column!r} holds a {type(value).__name__} ({value!r}), not text; name the "
+                      "text column with --text_column.")
+
+
+def skip_rows_without_text(raw, text_column: str):
+    """The rows of `raw` whose `text_column` is null (an empty CSV cell, `"text": null` in JSON lines) left out:
+    they hold no text, and tokenising them fails. How many, and the first (its row number in the file, before any
+    split), is a warning. A streamed dataset is filtered as it is read, without one."""
+    import pyarrow.compute as pc
+    from datasets import Dataset
+
+    kept = {}
+    for split, dataset in raw.items():
+        if not isinstance(dataset, Dataset):  # streamed
+            kept[split] = dataset.filter(lambda row: row[text_column] is not None)
+            continue
+        column = dataset.data.column(text_column)  # (as loaded: no indices mapping yet)
+        if column.null_count:
+            first = pc.index(pc.is_null(column), True).as_py()
+            logger.warning("%d of the %d rows of the %s data have no text (null in column %r; the first is row %d): "
+                           "they are skipped.", column.null_count, len(dataset), split, text_column, first + 1)
+            dataset = dataset.filter(lambda texts: [text is not None for text in texts], input_columns=text_column,
+                                     batched=True)
+        kept[split] = dataset
+    return type(raw)(kept)
 
 
 def tokenize_and_pack(
@@ -400,7 +596,11 @@ def tokenize_and_pack(
     eos = [tokenizer.eos_token_id] if add_eos and tokenizer.eos_token_id is not None else []
 
     def tokenize(batch):
-        ids = tokenizer(batch[text_column], add_special_tokens=False)["input_ids"]
+        texts = batch[text_column]
+        for text in texts:
+            if not isinstance(text, str):  # (a streamed dataset's types are unknown until read)
+                raise _not_text(text_column, text)
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
         return {"input_ids": [row + eos for row in ids]}
 
     def pack(batch):
@@ -622,9 +822,29 @@ def checkpoint_step(path: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def checkpoint_damage(path: str) -> str | None:
+    """Why the checkpoint folder `path` cannot be resumed from, in words that follow "checkpoint-N is" (None: it
+    can). Trainer writes `trainer_state.json` last: without it the save was interrupted. With it, every file must
+    look whole (`file_damage`): a full disk or a power loss during a save leaves a 0-byte or truncated state,
+    weights or optimizer file, and resuming from it would be a traceback."""
+    state = os.path.join(path, _TRAINER_STATE)
+    if not os.path.isfile(state):
+        return f"incomplete (no {_TRAINER_STATE}: its save was interrupted)"
+    names = [_TRAINER_STATE] + sorted(name for name in os.listdir(path) if name != _TRAINER_STATE)
+    for name in names:
+        if os.path.isfile(os.path.join(path, name)):
+            problem = file_damage(os.path.join(path, name))
+            if problem is not None:
+                return f"damaged (its {name} {problem}: a save cut short by a full disk or a crash)"
+    with open(state, encoding="utf-8") as f:
+        if not isinstance(json.load(f), dict):
+            return f"damaged (its {_TRAINER_STATE} is not a Trainer state)"
+    return None
+
+
 def is_complete_checkpoint(path: str) -> bool:
-    """Trainer writes `trainer_state.json` last into a checkpoint folder: without it the save was interrupted."""
-    return os.path.isfile(os.path.join(path, _TRAINER_STATE))
+    """Whether a checkpoint folder can be resumed from (`checkpoint_damage`)."""
+    return checkpoint_damage(path) is None
 
 
 def checkpoints(folder: str) -> list[str]:
@@ -644,29 +864,32 @@ def _is_inside(path: str, folder: str) -> bool:
 
 
 def _checkpoint_to_resume(out: str, resume: str | None) -> str | None:
-    """`--resume_from_checkpoint` resolved: true/latest/last = the newest complete checkpoint in `out` (an incomplete
-    newer one, a save interrupted by a kill, is skipped and named), false/none = None, else a complete checkpoint."""
+    """`--resume_from_checkpoint` resolved: true/latest/last = the newest complete checkpoint in `out` (a newer one
+    that is incomplete or damaged, a save interrupted by a kill or cut short by a full disk, is skipped and named),
+    false/none = None, else a complete checkpoint."""
     if resume is None or resume.lower() in ("false", "none", ""):
         return None
     if resume.lower() in ("true", "latest", "last"):
         latest = last_complete_checkpoint(out)
-        skipped = [os.path.basename(p) for p in checkpoints(out) if not is_complete_checkpoint(p)
-                   and (latest is None or checkpoint_step(p) > checkpoint_step(latest))]
+        skipped = [f"{os.path.basename(p)} is {checkpoint_damage(p)}" for p in checkpoints(out)
+                   if latest is None or checkpoint_step(p) > checkpoint_step(latest)]
         if latest is None:
-            found = f" ({', '.join(skipped)}: incomplete, a save was interrupted)" if skipped else ""
+            found = f" ({'; '.join(skipped)})" if skipped else ""
             raise UsageError(f"--resume_from_checkpoint {resume}: no complete checkpoint-* folder in {out!r} to "
                              f"resume from{found}.")
         if skipped:
-            logger.warning("Resuming from %s, the newest complete checkpoint: %s is incomplete (its save was "
-                           "interrupted; no %s).", os.path.basename(latest), ", ".join(skipped), _TRAINER_STATE)
+            logger.warning("Resuming from %s, the newest complete checkpoint: %s.", os.path.basename(latest),
+                           "; ".join(skipped))
         return latest
-    if not is_complete_checkpoint(resume):
+    problem = checkpoint_damage(resume) if os.path.isdir(resume) else None
+    if problem is not None or not os.path.isdir(resume):
         parent = os.path.dirname(os.path.normpath(resume))
         latest = last_complete_checkpoint(parent) if os.path.isdir(parent) else None
         hint = f" The newest complete checkpoint there is {latest!r}: pass that." if latest else ""
-        state = "is incomplete (its save was interrupted)" if checkpoint_step(resume) and os.path.isdir(resume) \
-            else "is not a Trainer checkpoint folder"
-        raise UsageError(f"--resume_from_checkpoint {resume!r} {state}: no {_TRAINER_STATE}.{hint}")
+        if not (checkpoint_step(resume) and os.path.isdir(resume)) and not os.path.isfile(
+                os.path.join(resume, _TRAINER_STATE)):
+            problem = f"not a Trainer checkpoint folder (no {_TRAINER_STATE})"
+        raise UsageError(f"--resume_from_checkpoint {resume!r} is {problem}.{hint}")
     return resume
 
 
@@ -679,13 +902,8 @@ def claim_output_dir(out: str, resume: str | None, overwrite: bool, do_train: bo
     holds only what an unfinished run left (the mark, no complete checkpoint: e.g. the tokenizer of a run that
     failed), or `overwrite` is given; in that case its old checkpoints are deleted (a later `--resume_from_checkpoint
     true` must not pick them up)."""
-    created = False
     if main_process:
-        created = make_output_folder(out, "--output_dir")
-        lock = FolderLock(out)
-        if not lock.acquire("--output_dir"):
-            raise UsageError(f"--output_dir {out!r} is being written by another run ({lock.holder()}); wait for it to "
-                             "end, or choose another --output_dir.")
+        lock, created = claim_folder(out, "--output_dir", own_files=[UNFINISHED_RUN])
         _held_claims.append((out, lock, created))
     checkpoint = _checkpoint_to_resume(out, resume)
     if checkpoint is not None and not do_train:
@@ -725,13 +943,43 @@ def finish_output_dir(out: str) -> None:
     release_output_dirs()
 
 
-def interruption_note() -> str:
-    """What a user can do after interrupting this process's run (Ctrl-C)."""
-    latest = last_complete_checkpoint(_held_claims[-1][0]) if _held_claims else None
+def interruption_note(folder: str | None = None) -> str:
+    """What a user can do after this process's run into `folder` (default: the folder it holds) was interrupted
+    (Ctrl-C, a save that failed)."""
+    folder = folder or (_held_claims[-1][0] if _held_claims else None)
+    latest = last_complete_checkpoint(folder) if folder and os.path.isdir(folder) else None
     if latest:
         return (f"its checkpoints are kept (latest: {latest}): continue with the same command plus "
                 "--resume_from_checkpoint true.")
     return "no checkpoint was saved yet; the same command starts over in its output folder."
+
+
+def claim_results_dir(out: str, overwrite: bool, main_process: bool = True) -> None:
+    """Make `out` the folder of a run that writes its results once, at the end, and is not resumed
+    (train_classifier.py), by the rule of `ddl_tools.outputs`: the main process creates it and takes its lock (and
+    clears the unfinished writes a killed run left); a folder holding anything else is refused unless `overwrite`.
+    Let go of by `release_output_dirs` (a folder this run created is removed if the run fails before writing)."""
+    if main_process:
+        lock, created = claim_folder(out, "--output_dir")
+        _held_claims.append((out, lock, created))
+    if folder_contents(out) and not overwrite:
+        raise UsageError(f"Output folder {out!r} exists and is not empty; refusing to overwrite it. Pass "
+                         "--overwrite_output_dir or choose another --output_dir.")
+
+
+SAVE_ERRORS = (OSError, RuntimeError, SafetensorError)  # torch.save reports a full disk as a RuntimeError
+
+
+@contextlib.contextmanager
+def saving_into(folder: str, what: str, then: str | None = None):
+    """Saving `what` into `folder`: a failure (a full disk, a lost permission, a file system gone) becomes one line
+    that names the folder and what to do (`then`; default: how to continue the run, `interruption_note`) instead of
+    a traceback. The run's unfinished-run mark stays, so the folder is resumed or rerun, never taken for finished."""
+    try:
+        yield
+    except SAVE_ERRORS as err:
+        raise UsageError(f"saving {what} into {folder!r} failed ({_one_line(err)}). Free space there (or make it "
+                         f"writable); {then or interruption_note(folder)}") from err
 
 
 def release_output_dirs(failed: bool = False) -> None:
@@ -751,14 +999,17 @@ def release_output_dirs(failed: bool = False) -> None:
 
 
 class DDLRunRecord(TrainerCallback, ExportableState):
-    """What a resumed run must keep and `TrainerState` does not record: the block size the data was packed into.
-    Saved in every checkpoint's `trainer_state.json` (transformers' stateful callbacks)."""
+    """What a resumed run must keep and `TrainerState` does not record: the block size the data was packed into, the
+    data (`data_record`: its source and the content of its local files) and the tokenizer (`tokenizer_digest`).
+    Saved in every checkpoint's `trainer_state.json` (transformers' stateful callbacks); a resume that would train on
+    other data or tokens is refused (`check_resumed_data`)."""
 
-    def __init__(self, block_size: int | None = None):
-        self.block_size = block_size
+    def __init__(self, block_size: int | None = None, data: dict | None = None, tokenizer: str | None = None):
+        self.block_size, self.data, self.tokenizer = block_size, data, tokenizer
 
     def state(self) -> dict:
-        return {"args": {"block_size": self.block_size}, "attributes": {}}
+        return {"args": {"block_size": self.block_size, "data": self.data, "tokenizer": self.tokenizer},
+                "attributes": {}}
 
     def on_train_begin(self, args, state, control, **kwargs):
         # a checkpoint written before this record existed has no entry, and Trainer's save expects one
@@ -769,11 +1020,88 @@ def resumed_state(checkpoint: str | None) -> TrainerState | None:
     return None if checkpoint is None else TrainerState.load_from_json(os.path.join(checkpoint, _TRAINER_STATE))
 
 
-def recorded_block_size(state: TrainerState) -> int | None:
+def _recorded(state: TrainerState) -> dict:
     record = state.stateful_callbacks.get(DDLRunRecord.__name__) or {}
     if isinstance(record, list):
         record = record[0] if record else {}
-    return record.get("args", {}).get("block_size")
+    return record.get("args", {})
+
+
+def recorded_block_size(state: TrainerState) -> int | None:
+    return _recorded(state).get("block_size")
+
+
+def file_digest(path: str) -> str:
+    """The SHA-256 of a file's content."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def data_record(name: str, files: dict[str, str], text_column: str) -> dict:
+    """What a run trains on, as its checkpoints record it: the source's name (`load_raw_datasets`'), each local file
+    by its name and the SHA-256 of its content (`files`: split -> path; a file of the same name may hold other text by
+    the time the run resumes), and the column read."""
+    return {"name": name, "text_column": text_column,
+            "files": {split: {"file": os.path.basename(path), "sha256": file_digest(path)}
+                      for split, path in files.items()}}
+
+
+def tokenizer_digest(tokenizer) -> str:
+    """A SHA-256 of what a tokenizer maps text to: its model (vocabulary and merges) and its added tokens, so two
+    tokenizers of one size with other merges differ, and the same tokenizer saved and loaded again does not."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        spec = json.loads(backend.to_str())
+        what = {"model": spec.get("model"),
+                "added_tokens": [[t["id"], t["content"]] for t in spec.get("added_tokens") or []]}
+    else:  # a tokenizer without the tokenizers library's backend: its vocabulary
+        what = {"vocab": sorted(tokenizer.get_vocab().items())}
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode("utf-8")).hexdigest()
+
+
+def _data_differences(then: dict, now: dict) -> list[str]:
+    if then.get("files") and now.get("files"):  # local files: by content (a file moved or renamed is the same)
+        differ = []
+        for split in sorted(set(then["files"]) | set(now["files"])):
+            old, new = then["files"].get(split), now["files"].get(split)
+            if old is None or new is None:
+                differ.append(f"--{split}_file: the run read {old['file'] if old else 'none'!r}, this one "
+                              f"{new['file'] if new else 'none'!r}")
+            elif old["sha256"] != new["sha256"]:
+                differ.append(f"{new['file']!r} has changed since the run read it" if old["file"] == new["file"] else
+                              f"--{split}_file {new['file']!r} is not the file the run read ({old['file']!r})")
+    elif then.get("name") != now.get("name"):
+        differ = [f"the data is {now.get('name')!r}, the run's was {then.get('name')!r}"]
+    else:
+        differ = []
+    if then.get("text_column") != now.get("text_column"):
+        differ.append(f"--text_column {now.get('text_column')!r} (the run read {then.get('text_column')!r})")
+    return differ
+
+
+def check_resumed_data(checkpoint: str, state: TrainerState, data: dict, tokenizer: str,
+                       tokenizer_source: str) -> None:
+    """A resumed run continues on its checkpoint's data and tokens: other data (another --train_file or dataset, a
+    file whose content changed, another --text_column) or another tokenizer (another vocabulary or merges, even of
+    the same size) is refused; training would continue silently on text the first part never saw, and the folder
+    would ship a tokenizer the first part never used. A checkpoint saved before the record existed resumes with a
+    warning (nothing to compare with)."""
+    recorded = _recorded(state)
+    if recorded.get("data") is None or recorded.get("tokenizer") is None:
+        logger.warning("%s does not record its data and tokenizer (saved before train.py recorded them): resuming "
+                       "without checking that they are this run's.", checkpoint)
+        return
+    differ = _data_differences(recorded["data"], data)
+    if recorded["tokenizer"] != tokenizer:
+        differ.append(f"the tokenizer ({tokenizer_source}) is not the one it was trained with (another vocabulary or "
+                      "merges)")
+    if differ:
+        raise UsageError(f"--resume_from_checkpoint {checkpoint!r} continues a run on its own data and tokenizer, but "
+                         f"{'; '.join(differ)}. Resume with that run's data and tokenizer (drop --tokenizer_name to "
+                         "use the checkpoint's), or start a new run in another --output_dir.")
 
 
 def check_resumed_model(checkpoint: str, preset: str | None, overrides: dict, flags: dict) -> None:
@@ -827,25 +1155,39 @@ def tokens_seen(state, args, block_size: int) -> int:
                                            * args.gradient_accumulation_steps * args.world_size)
 
 
+class TrainingDiverged(UsageError):
+    """The loss or the gradient norm stopped being finite: the run stops at that step, saving nothing of it."""
+
+
 class DDLTrainer(Trainer):
-    """`Trainer` that writes our model card instead of the generic one, and pushes to the Hub revisions that load.
+    """`Trainer` that writes our model card instead of the generic one, pushes to the Hub revisions that load, and
+    stops a run that diverges.
 
     `ddl_model_card` is the final card (set after training). `card_inputs` (`model_card`'s description of the run:
     everything but `num_parameters`, `steps`, `metrics` and the results) lets every in-progress push carry a card.
     Pushes go through `ddl_tools.hub`: each revision holds the weights, config, the model's .py files, tokenizer and
     card, and no checkpoint, log or pickle. The output folder itself gets the training arguments as JSON instead of
     Trainer's pickled `training_args.bin` (the `checkpoint-*` folders, which resume a run, keep theirs).
+
+    Divergence: Trainer's `logging_nan_inf_filter` replaces a NaN loss by the mean of the losses logged since the
+    last log (0 right after one), so a run whose weights have become NaN logs `loss 0`, saves NaN checkpoints and a
+    NaN final model, and reports success. Here every optimizer step's gradient norm (the same on every process) and
+    raw losses are checked before anything of that step is logged, evaluated or saved; a non-finite one raises
+    `TrainingDiverged`, leaving the last good checkpoint the newest. Steps that fp16's loss scaler skips (an overflow
+    it handles by itself) are not checked. A checkpoint save that fails (a full disk) is one line (`saving_into`;
+    `save_failure_note` says what to do, default: how to continue the run).
     """
 
     ddl_model_card: str | None = None
     card_inputs: dict | None = None
+    save_failure_note: str | None = None
+    _losses_finite = None  # whether this optimizer step's raw losses were all finite (a tensor: no synchronisation)
 
     def create_model_card(self, *args, **kwargs):
         if self.ddl_model_card is None:
             return super().create_model_card(*args, **kwargs)
         if self.is_world_process_zero():
-            with open(os.path.join(self.args.output_dir, "README.md"), "w", encoding="utf-8") as f:
-                f.write(self.ddl_model_card)
+            write_text(os.path.join(self.args.output_dir, "README.md"), self.ddl_model_card)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         # Never a push of its own (Trainer pushes a "Model save" commit here): the final push follows the card.
@@ -855,8 +1197,45 @@ class DDLTrainer(Trainer):
             pickled = os.path.join(folder, TRAINING_ARGS_NAME)
             if os.path.exists(pickled):
                 os.remove(pickled)
-            with open(os.path.join(folder, "training_args.json"), "w", encoding="utf-8") as f:
-                f.write(self.args.to_json_string())
+            write_text(os.path.join(folder, "training_args.json"), self.args.to_json_string())
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        finite = torch.isfinite(loss).all()
+        self._losses_finite = finite if self._losses_finite is None else self._losses_finite & finite
+        return loss
+
+    def _maybe_log_save_evaluate(self, tr_loss, grad_norm, *args, **kwargs):
+        self._stop_if_diverged(grad_norm)
+        super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
+
+    def _stop_if_diverged(self, grad_norm) -> None:
+        losses_finite, self._losses_finite = self._losses_finite, None
+        if self.accelerator.optimizer_step_was_skipped:
+            return
+        norm = grad_norm.item() if isinstance(grad_norm, torch.Tensor) else grad_norm
+        if norm is not None and not math.isfinite(norm):
+            what = f"gradient norm is {norm}"
+        elif losses_finite is not None and not bool(losses_finite):
+            what = "loss is not finite"
+        else:
+            return
+        latest = last_complete_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
+        kept = (f"the last checkpoint before it, {os.path.basename(latest)}, is kept" if latest
+                else "no checkpoint was saved before it")
+        resume = (f" (--resume_from_checkpoint true would continue from {os.path.basename(latest)} with its own "
+                  "learning-rate schedule)" if latest else "")
+        # the schedule's peak: a resumed run's is its checkpoint's, whatever --learning_rate says
+        peak = self.optimizer.param_groups[0].get("initial_lr", self.args.learning_rate)
+        raise TrainingDiverged(
+            f"training diverged at step {self.state.global_step}: the {what}; the run stopped there and saved nothing "
+            f"of that step ({kept}). Lower --learning_rate (the run's peak is {peak:g}) or lengthen --warmup_steps, "
+            f"and start over with --overwrite_output_dir or in another --output_dir{resume}.")
+
+    def _save_checkpoint(self, model, trial):
+        with saving_into(self.args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}",
+                         self.save_failure_note):
+            super()._save_checkpoint(model, trial)
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
         """Trainer's push at each save (`hub_strategy` every_save), as a revision that loads (see `ddl_tools.hub`)."""
@@ -872,8 +1251,7 @@ class DDLTrainer(Trainer):
                            "own; the merged model is pushed at the end.", self.state.global_step)
             return
         if self.card_inputs is not None:
-            with open(os.path.join(self.args.output_dir, "README.md"), "w", encoding="utf-8") as f:
-                f.write(self.progress_card())
+            write_text(os.path.join(self.args.output_dir, "README.md"), self.progress_card())
         at = (f"step {self.state.global_step}" if self.args.save_strategy == SaveStrategy.STEPS
               else f"epoch {int(self.state.epoch)}")
         job = push_folder(self.args.output_dir, self.hub_model_id, f"Training in progress, {at}",
@@ -917,28 +1295,41 @@ __all__ = [
     "PAPER_RECIPE",
     "PRESETS",
     "PRESET_RUN_DEFAULTS",
+    "SAVE_ERRORS",
+    "TrainingDiverged",
     "UNFINISHED_RUN",
     "UsageError",
+    "check_ddl_environment",
+    "check_resumed_data",
     "check_resumed_model",
     "check_text_column",
+    "check_training_arguments",
+    "check_weights",
+    "checkpoint_damage",
     "checkpoint_step",
     "checkpoints",
     "claim_output_dir",
+    "claim_results_dir",
     "config_error_message",
+    "data_record",
     "ddl_config_from_llama",
     "describe_variant",
     "ensure_validation_split",
+    "file_damage",
+    "file_digest",
     "finish_output_dir",
     "interruption_note",
     "is_complete_checkpoint",
-    "last_complete_checkpoint",
     "is_ddl_branch_parameter",
+    "last_complete_checkpoint",
     "load_ddl_checkpoint",
     "load_from_llama",
+    "load_pretrained",
     "load_raw_datasets",
     "make_config",
     "model_card",
     "parse_config_overrides",
+    "parsed_arguments",
     "plot_loss_curve",
     "prepare_tokenizer_for_generation",
     "preset_config",
@@ -946,9 +1337,13 @@ __all__ = [
     "release_output_dirs",
     "resumed_block_size",
     "resumed_state",
+    "safetensors_shapes",
+    "saving_into",
+    "skip_rows_without_text",
     "steps_left",
     "text_batches",
     "tokenize_and_pack",
+    "tokenizer_digest",
     "tokens_seen",
     "train_bpe_tokenizer",
     "unigram_loss",

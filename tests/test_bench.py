@@ -2,6 +2,7 @@
 is timed one model per fresh process, in alternations."""
 
 import json
+import os
 from collections import Counter
 
 import pytest
@@ -188,3 +189,43 @@ def test_order_balances_positions_and_predecessors(n):
     assert set(positions.values()) == {cycle // n} and len(positions) == n * n
     pairs = Counter(pair for order in orders for pair in zip(order, order[1:]))
     assert len(pairs) == n * (n - 1) and len(set(pairs.values())) == 1
+
+
+@pytest.mark.parametrize("where", ["missing-folder", "a-folder", "unwritable"])
+def test_json_that_cannot_be_written_is_refused_before_the_run(where, tmp_path, capsys, monkeypatch):
+    """`--json` into a folder that does not exist (or at a folder, or where nothing can be written) failed after the
+    whole run, its results lost; it is one line before anything runs."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the bench ran")
+
+    monkeypatch.setattr(bench, "run_workers", refuse)
+    monkeypatch.setattr(bench, "Runner", refuse)
+    path = {"missing-folder": tmp_path / "nope" / "bench.json", "a-folder": tmp_path,
+            "unwritable": "/proc/ddl-bench.json"}[where]
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--variants", "llama", "ddl-cc", "--repeats", "1", "--json", str(path)])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: --json" in err and {"missing-folder": "does not exist", "a-folder": "is a folder",
+                                       "unwritable": "cannot write in"}[where] in err, err
+    assert not (tmp_path / "nope").exists()
+
+
+def test_a_second_bench_into_a_timeline_folder_being_written_is_refused(tmp_path, capsys, monkeypatch):
+    """The --memory_timeline folder was locked only while the timelines were written, at the end: a second bench
+    into the same (empty) folder ran in full and overwrote the first one's files. It is claimed before anything
+    runs, and a second bench stops with one line naming the writer."""
+    from ddl_tools.outputs import FolderLock
+
+    monkeypatch.setattr(bench, "run_workers", lambda *a, **k: pytest.fail("the bench ran"))
+    folder = tmp_path / "timeline"
+    folder.mkdir()
+    lock = FolderLock(str(folder))  # another open file: flock treats it as another writer, as another process
+    assert lock.acquire()
+    try:
+        with pytest.raises(SystemExit) as stop:
+            bench.main(["--variants", "llama", "ddl-cc", "--memory_timeline", str(folder)])
+        assert stop.value.code == 2
+        assert f"is being written by another run (pid {os.getpid()})" in capsys.readouterr().err
+    finally:
+        lock.release()

@@ -2,7 +2,9 @@
 
 Covers: a loadable checkpoint that a fresh process without `ddl` on its path generates from (trust_remote_code);
 resume after an interruption reaches the uninterrupted loss; `--init_from_llama` with the additive residual is that
-Llama exactly; 2-process DDP under torchrun (gloo on CPU); bad inputs give one clear line and a non-zero exit.
+Llama exactly; 2-process DDP under torchrun (gloo on CPU); bad inputs give one clear line and a non-zero exit; the
+output folder's safety: one run at a time, a resume that continues its checkpoint (model, blocks, data, tokenizer)
+and skips a damaged one, a full disk or a diverging run stopped in one line with the folder left resumable.
 """
 
 import json
@@ -296,7 +298,48 @@ BAD_INPUTS = {
     "output-is-a-file": (["--output_dir", "{afile}"], "is a file, not a folder"),
     "unwritable-output": (["--output_dir", "/sys/ddl-test-unwritable/run"], "cannot create it"),
     "csv-without-text-column": (["--train_file", "{csv}"], "--text_column 'text' is not a column"),
+    # these were tracebacks after the tokenizer was written (DataLoader, ZeroDivisionError, AdamW, TrainingArguments,
+    # tokenizers' TypeError on a number, safetensors, a size-mismatch report), or silent (a negative weight decay
+    # trained; --block_size 0 meant 256). (--block_size 32: the base command's text is too short for 256.)
+    "no-batch": (["--block_size", "32", "--per_device_train_batch_size", "0"],
+                 "--per_device_train_batch_size 0: must be at least 1"),
+    "no-accumulation": (["--block_size", "32", "--gradient_accumulation_steps", "0"],
+                        "--gradient_accumulation_steps 0: must be at least"),
+    "negative-learning-rate": (["--block_size", "32", "--learning_rate", "-1"],
+                               "--learning_rate -1.0: must be a number >= 0"),
+    "negative-weight-decay": (["--block_size", "32", "--weight_decay", "-0.1"],
+                              "--weight_decay -0.1: must be a number >= 0"),
+    "negative-warmup": (["--warmup_steps", "-1"], "warmup_steps >= 0"),
+    "block-size-0": (["--block_size", "0"], "--block_size must be at least 2"),
+    "numeric-text-column": (["--train_file", "{numbers}"], "--text_column 'text' of the train data holds int64"),
+    "truncated-checkpoint": (["--model_name_or_path", "{truncated}"], "model.safetensors is cut short"),
+    "misshapen-checkpoint": (["--model_name_or_path", "{misshapen}"], "its weights do not fit its config.json"),
+    "misshapen-resume": (["--output_dir", "{misshapen_run}", "--resume_from_checkpoint", "true"],
+                         "its weights do not fit its config.json"),
 }
+
+
+def damaged_checkpoints(tmp_path, text_file) -> dict:
+    """A DDL checkpoint whose model.safetensors is cut short (a save stopped by a full disk), one whose config.json
+    is not its weights' own (hidden size 64, weights of 32), and a run folder whose checkpoint is the latter."""
+    from ddl import DDLForCausalLM
+    from ddl_tools.training import preset_config
+
+    tokenizer = train_bpe_tokenizer([text_file.read_text().splitlines()[:200]], vocab_size=300)
+    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, head_dim=16)
+    model = DDLForCausalLM(preset_config("tiny", len(tokenizer), sizes))
+    truncated, misshapen = tmp_path / "truncated", tmp_path / "misshapen"
+    for folder in (truncated, misshapen):
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    weights = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    config = json.loads((misshapen / "config.json").read_text())
+    (misshapen / "config.json").write_text(json.dumps({**config, "hidden_size": 64}))
+    run = tmp_path / "misshapen_run"
+    shutil.copytree(misshapen, run / "checkpoint-1")
+    (run / "checkpoint-1" / "trainer_state.json").write_text(json.dumps({"global_step": 1}))
+    return dict(truncated=truncated, misshapen=misshapen, misshapen_run=run)
 
 
 @pytest.fixture
@@ -308,8 +351,10 @@ def bad_input_args(tmp_path, text_file, llama_dir):
     small.write_text(text_file.read_text()[:3000])
     (tmp_path / "afile").write_text("precious")
     (tmp_path / "data.csv").write_text("body\n" + "\n".join(text_file.read_text().splitlines()[:300]) + "\n")
+    (tmp_path / "numbers.csv").write_text("text\n" + "\n".join(str(i) for i in range(300)) + "\n")
+    checkpoints = damaged_checkpoints(tmp_path, text_file)
     fill = dict(tmp=tmp_path, empty=tmp_path / "empty.txt", llama=llama_dir, nonempty=tmp_path / "nonempty",
-                afile=tmp_path / "afile", csv=tmp_path / "data.csv")
+                afile=tmp_path / "afile", csv=tmp_path / "data.csv", numbers=tmp_path / "numbers.csv", **checkpoints)
 
     def make(case):
         args, message = BAD_INPUTS[case]
@@ -449,11 +494,25 @@ def test_a_second_run_into_a_folder_being_written_is_refused(tmp_path, text_file
         lock.release()
 
 
+def resolve_in(out, resume=None):
+    """`train.py --output_dir OUT [--resume_from_checkpoint RESUME]`'s claim of its folder and choice of checkpoint,
+    in process, the folder let go of afterwards."""
+    import train
+    from ddl_tools import training
+
+    argv = ["--output_dir", str(out), "--use_cpu", "--report_to", "none"]
+    _, _, run_args, training_args = train.parse_args(argv + (["--resume_from_checkpoint", resume] if resume else []))
+    try:
+        return train.resolve_resume(training_args, run_args)
+    finally:
+        training.release_output_dirs()
+
+
+
 def test_resume_skips_and_names_an_incomplete_checkpoint(tmp_path, caplog):
     """A kill during a checkpoint save leaves a folder without trainer_state.json: `true` resumes from the newest
     complete checkpoint and says so; naming the incomplete one points to it. (Both used to fail with 'not a Trainer
     checkpoint folder'.)"""
-    import train
     from ddl_tools import training
 
     out = tmp_path / "run"
@@ -462,20 +521,12 @@ def test_resume_skips_and_names_an_incomplete_checkpoint(tmp_path, caplog):
     (out / "checkpoint-4").mkdir()
     (out / "checkpoint-4" / "model.safetensors").write_bytes(b"half")
 
-    def resolve(resume):
-        _, _, run_args, training_args = train.parse_args(["--output_dir", str(out), "--resume_from_checkpoint",
-                                                          resume, "--use_cpu", "--report_to", "none"])
-        try:
-            return train.resolve_resume(training_args, run_args)
-        finally:
-            getattr(training, "release_output_dirs", lambda: None)()  # (the folder's lock)
-
     with caplog.at_level("WARNING"):
-        assert resolve("true") == str(out / "checkpoint-2")
+        assert resolve_in(out, "true") == str(out / "checkpoint-2")
     assert "checkpoint-4 is incomplete" in caplog.text
     newest = r"checkpoint-4' is incomplete .* newest complete checkpoint there is .*checkpoint-2"
     with pytest.raises(training.UsageError, match=newest):
-        resolve(str(out / "checkpoint-4"))
+        resolve_in(out, str(out / "checkpoint-4"))
 
 
 def test_card_says_loading_compiles_a_kernel_and_how_to_switch_it_off(monkeypatch):
@@ -508,3 +559,198 @@ def test_ctrl_c_says_what_to_do(trained, tmp_path, text_file, capsys, monkeypatc
     folder = copy_run(trained, tmp_path / "run")
     status, err = run_cli(tiny(folder, text_file, "--max_steps", "6", "--resume_from_checkpoint", "true"), capsys)
     assert status == 130 and "plus --resume_from_checkpoint true" in err and "checkpoint-3" in err
+
+
+# ------------------------------------------------- never a wrong number, never a lost file, never code run unasked
+
+
+def damage(path, how):
+    data = path.read_bytes()
+    path.write_bytes(b"" if how == "empty" else data[: len(data) // 2])
+
+
+@pytest.mark.parametrize("name", ["trainer_state.json", "model.safetensors", "optimizer.pt"])
+@pytest.mark.parametrize("how", ["empty", "truncated"])
+def test_resume_skips_and_names_a_damaged_checkpoint(name, how, trained, tmp_path, caplog):
+    """A full disk or a power loss while saving checkpoint-6 leaves a 0-byte or truncated file beside a state that
+    exists: only the state's existence was checked, so every `--resume_from_checkpoint true` took checkpoint-6 and
+    failed with a JSONDecodeError (or safetensors / torch) traceback, although checkpoint-3 was intact."""
+    from ddl_tools import training
+
+    out = tmp_path / "run"
+    for step in (3, 6):
+        shutil.copytree(trained[0] / "checkpoint-3", out / f"checkpoint-{step}")
+    damage(out / "checkpoint-6" / name, how)
+    with caplog.at_level("WARNING"):
+        assert resolve_in(out, "true") == str(out / "checkpoint-3")
+    assert f"checkpoint-6 is damaged (its {name} " in caplog.text
+    with pytest.raises(training.UsageError, match=r"checkpoint-6' is damaged .* newest complete checkpoint there is "
+                                                  r".*checkpoint-3"):
+        resolve_in(out, str(out / "checkpoint-6"))
+
+
+def test_a_full_disk_at_a_checkpoint_is_one_line_and_the_resume_skips_it(tmp_path, text_file, capsys, caplog,
+                                                                           monkeypatch):
+    """The disk fills up while checkpoint-4's trainer_state.json is written (a 0-byte file is left, as a real full
+    disk leaves it): one line that names the folder and says how to continue, not a traceback; the folder stays
+    resumable, and the resume continues from checkpoint-2, naming the damaged checkpoint-4."""
+    import errno
+
+    from transformers import TrainerState
+
+    save = TrainerState.save_to_json
+
+    def full_disk(self, path):
+        if f"checkpoint-4{os.sep}" in path:
+            open(path, "w").close()
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        return save(self, path)
+
+    out = tmp_path / "run"
+    args = tiny(out, text_file, "--max_steps", "4", "--save_steps", "2", "--eval_steps", "100")
+    monkeypatch.setattr(TrainerState, "save_to_json", full_disk)
+    status, err = run_cli(args, capsys)
+    assert status == 2 and "Traceback" not in err, err[-3000:]
+    line = next(line for line in err.splitlines() if "error:" in line)
+    assert f"saving checkpoint-4 into {str(out)!r} failed ([Errno 28] No space left on device" in line
+    assert "plus --resume_from_checkpoint true" in line and "checkpoint-2" in line
+    assert (out / "checkpoint-4" / "trainer_state.json").stat().st_size == 0
+    assert (out / ".ddl_unfinished_run.json").is_file() and not (out / "all_results.json").exists()
+    monkeypatch.setattr(TrainerState, "save_to_json", save)
+    with caplog.at_level("WARNING"):
+        status, err = run_cli([*args, "--resume_from_checkpoint", "true"], capsys)
+    assert status == 0, err[-3000:]
+    assert "Resuming from checkpoint-2" in caplog.text and "checkpoint-4 is damaged (its trainer_state.json is empty" \
+        in caplog.text
+    assert json.loads((out / "all_results.json").read_text())["resumed_at_step"] == 2
+
+
+def test_a_diverging_run_stops_at_that_step_and_keeps_the_last_good_checkpoint(tmp_path, text_file, capsys):
+    """--learning_rate 1e6: the gradient norm turns NaN within a few steps. Trainer's NaN filter logged `loss 0`, the
+    NaN model was saved as final with all_results.json saying `final_train_loss: 0.0`, and the run only failed at
+    the sample (a traceback). Now it stops at that step with one line, saves nothing of it, and keeps the folder
+    resumable with its last good checkpoint."""
+    import re
+
+    from safetensors.torch import load_file
+
+    from ddl_tools.training import last_complete_checkpoint
+
+    out = tmp_path / "run"
+    status, err = run_cli(tiny(out, text_file, "--max_steps", "12", "--save_steps", "2", "--eval_steps", "100",
+                               "--learning_rate", "1e6"), capsys)
+    assert status == 2 and "Traceback" not in err, err[-3000:]
+    found = re.search(r"train.py: error: training diverged at step (\d+): the (gradient norm is (nan|inf)|loss is not "
+                      r"finite)", err)
+    assert found, err[-2000:]
+    step = int(found[1])
+    assert "Lower --learning_rate (the run's peak is 1e+06)" in err
+    for name in ("all_results.json", "README.md", "model.safetensors", "loss_curve.png"):
+        assert not (out / name).exists(), name  # no final model, no results or card claiming success
+    assert (out / ".ddl_unfinished_run.json").is_file()  # resumable, or rerun with --overwrite_output_dir
+    latest = last_complete_checkpoint(str(out))
+    assert latest is not None and f"{os.path.basename(latest)}, is kept" in err
+    saved = sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
+    assert saved and max(saved) < step
+    weights = load_file(os.path.join(latest, "model.safetensors"))
+    assert all(torch.isfinite(t).all() for t in weights.values())
+
+
+def test_resume_refuses_a_data_file_replaced_on_disk(trained, tmp_path, text_file, capsys):
+    """The run's data file is replaced between the run and its resume (same name, other text): the resume used to
+    continue on the new text with exit 0 and no word. Restored, the same resume goes through."""
+    folder = copy_run(trained, tmp_path / "run")
+    data = tmp_path / text_file.name  # the file the run read, moved: its content is what counts
+    data.write_text(text_file.read_text().replace("king", "queen"))
+    args = ["--train_file", data, "--output_dir", folder, *TINY_RUN, "--max_steps", "4", "--resume_from_checkpoint",
+            "true"]
+    status, err = run_cli(args, capsys)
+    assert status == 2 and f"{text_file.name!r} has changed since the run read it" in err, err[-2000:]
+    assert "start a new run in another --output_dir" in err
+    assert json.loads((folder / "trainer_state.json").read_text())["global_step"] == 3  # untouched
+    data.write_text(text_file.read_text())
+    status, err = run_cli(args, capsys)
+    assert status == 0, err[-3000:]
+    assert json.loads((folder / "trainer_state.json").read_text())["global_step"] == 4
+
+
+@pytest.mark.parametrize("change", ["another-train-file", "another-tokenizer"])
+def test_resume_refuses_other_data_or_another_tokenizer(change, trained, tmp_path, text_file, capsys):
+    """Resuming with another --train_file, or another --tokenizer_name of the same vocabulary size (other merges),
+    used to continue with exit 0 and no word; the folder then shipped a tokenizer the first part never used."""
+    folder = copy_run(trained, tmp_path / "run")
+    args = ["--output_dir", folder, *TINY_RUN, "--max_steps", "4", "--resume_from_checkpoint", "true"]
+    if change == "another-train-file":
+        other = tmp_path / "other.txt"
+        other.write_text("\n".join(reversed(text_file.read_text().splitlines())) + "\n")
+        args += ["--train_file", other]
+        message = "--train_file 'other.txt' is not the file the run read ('corpus.txt')"
+    else:
+        words = " ".join(reversed(WORDS))
+        tokenizer = train_bpe_tokenizer([[f"{words} {w}." for w in WORDS] * 20], vocab_size=300)
+        assert len(tokenizer) == json.loads((folder / "config.json").read_text())["vocab_size"]
+        tokenizer.save_pretrained(tmp_path / "tokenizer")
+        args += ["--train_file", text_file, "--tokenizer_name", tmp_path / "tokenizer"]
+        message = "the tokenizer (" + str(tmp_path / "tokenizer") + ") is not the one it was trained with"
+    status, err = run_cli(args, capsys)
+    assert status == 2 and message in err and "Traceback" not in err, err[-2000:]
+    assert json.loads((folder / "trainer_state.json").read_text())["global_step"] == 3  # untouched
+
+
+def test_a_checkpoint_without_the_data_record_resumes_with_a_warning(trained, tmp_path, text_file, capsys, caplog):
+    """A checkpoint saved before train.py recorded its data and tokenizer has nothing to compare with: it resumes,
+    and says that it could not check them."""
+    folder = copy_run(trained, tmp_path / "run")
+    state_file = folder / "checkpoint-3" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    state["stateful_callbacks"]["DDLRunRecord"]["args"] = {"block_size": 32}  # what earlier versions saved
+    state_file.write_text(json.dumps(state))
+    with caplog.at_level("WARNING"):
+        status, err = run_cli(["--train_file", text_file, "--output_dir", folder, *TINY_RUN, "--max_steps", "4",
+                               "--resume_from_checkpoint", "true"], capsys)
+    assert status == 0, err[-3000:]
+    assert "does not record its data and tokenizer" in caplog.text
+    assert json.loads((folder / "trainer_state.json").read_text())["global_step"] == 4
+
+
+@pytest.mark.parametrize("leftovers", [[".ddl_unfinished_run.json.tmp"],
+                                       [".ddl_unfinished_run.json", ".ddl_unfinished_run.json.ddl-tmp"]],
+                         ids=["old-temporary-name", "mark-and-temporary-file"])
+def test_a_write_cut_short_does_not_block_the_folder(leftovers, tmp_path):
+    """A kill or a full disk while the unfinished-run mark is written leaves its temporary file: alone in the folder it
+    was taken for a user's file ("exists and is not empty"); beside the mark it was kept forever. The next claim of
+    the folder deletes it and starts over there."""
+    out = tmp_path / "run"
+    out.mkdir()
+    for name in leftovers:  # the mark whole (an earlier run's), the temporary files cut short
+        whole = name == ".ddl_unfinished_run.json"
+        (out / name).write_text('{"command": ["train.py"], "started": "then"}' if whole else '{"command": ["tr')
+    assert resolve_in(out) is None  # no checkpoint to resume: a fresh start, not a refusal
+    assert sorted(p.name for p in out.iterdir()) == [".ddl_unfinished_run.json"]
+    assert json.loads((out / ".ddl_unfinished_run.json").read_text())["command"]  # this run's mark, whole
+
+
+@pytest.mark.parametrize("variable", ["DDL_IMPLEMENTATION", "DDL_REBUILD_STATES"])
+def test_an_invalid_ddl_environment_variable_is_refused_before_anything_is_written(variable, tmp_path, text_file,
+                                                                                  capsys, monkeypatch):
+    """It used to be a ValueError traceback at the model's first use, after the tokenizer was written."""
+    monkeypatch.setenv(variable, "fastest")
+    status, err = run_cli(tiny(tmp_path / "out", text_file, "--max_steps", "1"), capsys)
+    assert status == 2 and f"{variable}='fastest' must be one of" in err and "Traceback" not in err, err[-2000:]
+    assert not (tmp_path / "out").exists()
+
+
+def test_rows_without_text_are_skipped_with_a_warning(tmp_path, text_file, capsys, caplog):
+    """A JSON-lines file with `"text": null` rows (a broken export) crashed tokenisation with a TypeError traceback.
+    They hold no text: they are skipped, and a warning says how many and where the first is."""
+    rows = [{"text": line} for line in text_file.read_text().splitlines()[:600]]
+    rows[6]["text"] = rows[40]["text"] = None
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "run"
+    with caplog.at_level("WARNING"):
+        status, err = run_cli(tiny(out, data, "--max_steps", "1", "--eval_steps", "1", "--save_steps", "1"), capsys)
+    assert status == 0, err[-3000:]
+    assert "2 of the 600 rows of the train data have no text (null in column 'text'; the first is row 7)" \
+        in caplog.text
+    assert (out / "model.safetensors").is_file()

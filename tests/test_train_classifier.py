@@ -3,6 +3,7 @@ modules (metrics/), a fine-tuning run end to end at tiny size, and one-line erro
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -132,6 +133,9 @@ def test_fresh_classifier_end_to_end(tmp_path):
     for key in ("eval_accuracy", "eval_f1_macro", "eval_majority_accuracy"):
         assert 0 <= results[key] <= 1, (key, results)
     assert "held-out plays" in proc.stdout and f"accuracy {results['eval_accuracy']:.3f}" in proc.stdout
+    # no pickle (Trainer's training_args.bin runs code when loaded): the arguments as JSON; the lock let go of
+    assert not (out / "training_args.bin").exists() and (out / "training_args.json").is_file()
+    assert not (out / ".ddl.lock").exists()
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["DDLForSequenceClassification"]
     assert config["id2label"] == {"0": "comedy", "1": "history", "2": "tragedy"}
@@ -189,6 +193,12 @@ BAD_INPUTS = {
     "passages-too-short": (["--max_chars", "10"], "max_chars must be at least 50"),
     "no-samples": (["--max_train_samples", "0"], "must be a positive integer"),
     "unknown-preset": (["--preset", "huge"], "invalid choice"),
+    # these were tracebacks (DataLoader, AdamW, TrainingArguments, safetensors, a size-mismatch report)
+    "no-batch": (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size 0: must be at least 1"),
+    "negative-learning-rate": (["--learning_rate", "-1"], "--learning_rate -1.0: must be a number >= 0"),
+    "negative-warmup": (["--warmup_steps", "-1"], "warmup_steps >= 0"),
+    "truncated-checkpoint": (["--model_name_or_path", "{truncated}"], "model.safetensors is cut short"),
+    "misshapen-checkpoint": (["--model_name_or_path", "{misshapen}"], "its weights do not fit its config.json"),
 }
 
 
@@ -204,7 +214,15 @@ def bad_input_args(tmp_path, tokenizer):
     tokenizer.save_pretrained(tmp_path / "lm")
     (tmp_path / "nonempty").mkdir()
     (tmp_path / "nonempty" / "keep.txt").write_text("precious")
-    fill = dict(tmp=tmp_path, llama=tmp_path / "llama", lm=tmp_path / "lm", nonempty=tmp_path / "nonempty")
+    # a checkpoint cut short by a full disk, and one whose config.json is not its weights' own (hidden 64, not 32)
+    truncated, misshapen = shutil.copytree(tmp_path / "lm", tmp_path / "truncated"), tmp_path / "misshapen"
+    weights = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    shutil.copytree(tmp_path / "lm", misshapen)
+    config = json.loads((misshapen / "config.json").read_text())
+    (misshapen / "config.json").write_text(json.dumps({**config, "hidden_size": 64}))
+    fill = dict(tmp=tmp_path, llama=tmp_path / "llama", lm=tmp_path / "lm", nonempty=tmp_path / "nonempty",
+                truncated=truncated, misshapen=misshapen)
 
     def make(case):
         args, message = BAD_INPUTS[case]
@@ -229,3 +247,61 @@ def test_bad_input_is_one_line(case, bad_input_args, capsys):
     lines = [line for line in err.splitlines() if "error:" in line]
     assert len(lines) == 1 and message in lines[0], err[-3000:]
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("variable", ["DDL_IMPLEMENTATION", "DDL_REBUILD_STATES"])
+def test_an_invalid_ddl_environment_variable_is_one_line(variable, tmp_path, capsys, monkeypatch):
+    """It used to be a ValueError traceback once the model ran."""
+    import train_classifier
+
+    monkeypatch.setenv(variable, "fastest")
+    status, err = run_cli(train_classifier.cli, ["--output_dir", str(tmp_path / "out"), "--config_overrides",
+                                                 TINY_MODEL, *TINY_RUN], capsys)
+    assert status == 2 and f"{variable}='fastest' must be one of" in err and "Traceback" not in err, err[-2000:]
+    assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------------ the output folder
+
+
+def test_a_second_run_into_a_folder_being_written_is_refused(tmp_path, capsys):
+    """Two runs into one folder both exited 0 and printed "saved", and one result survived: the script took no lock.
+    While a run holds the folder's lock, another run into it stops with one line naming the writer, with
+    --overwrite_output_dir too, and leaves the folder as it was."""
+    import train_classifier
+    from ddl_tools.outputs import FolderLock
+
+    out = tmp_path / "clf"
+    out.mkdir()
+    lock = FolderLock(str(out))  # another open file: flock treats it as another writer, as another process
+    assert lock.acquire()
+    try:
+        for extra in (["--overwrite_output_dir"], []):  # (with it, the second run used to write there too)
+            status, err = run_cli(train_classifier.cli, ["--output_dir", str(out), "--config_overrides", TINY_MODEL,
+                                                         *TINY_RUN, *extra], capsys)
+            assert status == 2 and f"is being written by another run (pid {os.getpid()})" in err, err[-2000:]
+            assert os.listdir(out) == [".ddl.lock"]
+    finally:
+        lock.release()
+
+
+def test_a_full_disk_at_the_save_is_one_line(tmp_path, capsys, monkeypatch):
+    """The disk fills up while the classifier is saved: one line naming the folder and what to do, not a traceback;
+    the run's results are not written as if it had succeeded."""
+    import errno
+
+    import train_classifier
+    from ddl import DDLForSequenceClassification
+
+    def full_disk(self, folder, *args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(folder, "model.safetensors"))
+
+    monkeypatch.setattr(DDLForSequenceClassification, "save_pretrained", full_disk)
+    out = tmp_path / "clf"
+    status, err = run_cli(train_classifier.cli, ["--output_dir", str(out), "--config_overrides", TINY_MODEL,
+                                                 "--vocab_size", "300", *TINY_RUN], capsys)
+    assert status == 2 and "Traceback" not in err, err[-3000:]
+    line = next(line for line in err.splitlines() if "error:" in line)
+    assert f"saving the classifier into {str(out)!r} failed ([Errno 28] No space left on device" in line
+    assert "--overwrite_output_dir" in line
+    assert not (out / "all_results.json").exists() and not (out / ".ddl.lock").exists()
