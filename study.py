@@ -35,8 +35,9 @@ Resumable: each (variant, seed) run writes outputs/study/runs/<variant>-s<seed>/
 same command skips finished runs and redoes interrupted ones, so the study can span several sittings (Ctrl-C, even
 kill -9, is safe: a training child ends with study.py, and a rerun never deletes a folder a live process still
 writes). A study folder remembers its settings and refuses to mix runs made with other ones; one study.py runs in it
-at a time. Paths are relative to the folder study.py is started from (its training runs start there too), and
---report_dir is refused if it holds a report study.py did not write.
+at a time, and writes its --report_dir while no other process does (both folders are claimed as every script claims
+its own: `ddl_tools.outputs.claim_folder`). Paths are relative to the folder study.py is started from (its training
+runs start there too), and --report_dir is refused if it holds a report study.py did not write.
 
 The paper's setups on GPUs: the study runs as plain python, and `--launcher` wraps each training run; train.py
 flags after `--` pass through unchanged (they become part of the study's settings):
@@ -467,9 +468,6 @@ def resolve_scale(settings: StudySettings, args) -> dict | None:
         return plan
     if args.report_only:
         raise ValueError(f"{args.study_dir!r} holds no study to report on.")
-    if os.path.isdir(args.study_dir) and os.listdir(args.study_dir):  # refused by check_study_config: before timing
-        raise ValueError(f"{args.study_dir!r} exists and is not a study folder (no {study.STUDY_FILE}); choose another "
-                         "--study_dir.")
     if args.calibration:
         calibration = read_calibration(args.calibration, settings)
         spent = 0.0
@@ -595,6 +593,35 @@ def report(settings: StudySettings, args, grid, failed: dict, plan: dict | None 
     return 1 if failed else 0
 
 
+def claim_folders(args) -> list[tuple]:
+    """The folders this study.py writes, made its own by the rule every script follows (`ddl_tools.outputs`): the
+    study folder (`ddl_tools.study.claim_study_dir`; not for --report_only, which only reads it) and the report
+    folder (`claim_folder`), before anything is timed or written. Returns (folder, lock, created) for each, for
+    `release_folders`; a folder another process writes is one line naming it, and nothing is claimed."""
+    from ddl_tools import study
+    from ddl_tools.outputs import claim_folder
+
+    claims = []
+    try:
+        if not args.report_only:
+            claims.append((args.study_dir, *study.claim_study_dir(args.study_dir, own_files=[CALIBRATION_FILE])))
+        if os.path.realpath(args.report_dir) != os.path.realpath(args.study_dir) or args.report_only:
+            claims.append((args.report_dir, *claim_folder(args.report_dir, "--report_dir")))
+    except BaseException:
+        release_folders(claims)
+        raise
+    return claims
+
+
+def release_folders(claims: list[tuple]) -> None:
+    """Let go of the folders `claim_folders` claimed, last first; one this run created and wrote nothing into (a
+    study refused or failed before writing) is removed."""
+    from ddl_tools.outputs import release_folder
+
+    for folder, lock, created in reversed(claims):
+        release_folder(folder, lock, created)
+
+
 def main(argv: list[str]) -> int:
     settings, args = parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -602,33 +629,23 @@ def main(argv: list[str]) -> int:
 
     logging.set_verbosity_warning()
     logging.disable_progress_bar()
+    claims = []
     try:
-        from ddl_tools import study
+        try:
+            from ddl_tools import study
 
-        study.build_grid(settings.variants, settings.seeds)  # bad names: refused before any calibration
-        study.check_report_dir(args.report_dir)
-        plan = resolve_scale(settings, args)
-        grid = check_settings(settings, args)
-        if plan is not None and not os.path.isfile(os.path.join(args.study_dir, CALIBRATION_FILE)):
-            from ddl_tools.outputs import write_json
+            study.build_grid(settings.variants, settings.seeds)  # bad names: refused before any calibration
+            study.check_report_dir(args.report_dir)
+            claims = claim_folders(args)  # one study.py at a time: before the calibration
+            plan = resolve_scale(settings, args)
+            grid = check_settings(settings, args)
+            if plan is not None and not os.path.isfile(os.path.join(args.study_dir, CALIBRATION_FILE)):
+                from ddl_tools.outputs import write_json
 
-            write_json(os.path.join(args.study_dir, CALIBRATION_FILE), plan)
-    except ValueError as err:
-        print(f"study.py: error: {err}", file=sys.stderr)
-        return 2
-    from ddl_tools.outputs import FolderLock
-
-    lock = FolderLock(args.study_dir)
-    try:
-        busy = not args.report_only and not lock.acquire("--study_dir")
-    except ValueError as err:  # the folder is not writable
-        print(f"study.py: error: {err}", file=sys.stderr)
-        return 2
-    if busy:
-        print(f"study.py: error: another study.py runs in {args.study_dir} ({lock.holder()}); wait for it to end, or "
-              "choose another --study_dir.", file=sys.stderr)
-        return 2
-    try:
+                write_json(os.path.join(args.study_dir, CALIBRATION_FILE), plan)
+        except ValueError as err:
+            print(f"study.py: error: {err}", file=sys.stderr)
+            return 2
         print(f"study: {len(settings.variants)} variants x {len(settings.seeds)} seeds = {len(grid)} runs; "
               f"{settings.preset} preset, {settings.max_steps} steps x {settings.tokens_per_step:,} tokens = "
               f"{settings.max_steps * settings.tokens_per_step:,} tokens per run; runs in {args.study_dir}")
@@ -638,7 +655,7 @@ def main(argv: list[str]) -> int:
         failed = {} if args.report_only else train_grid(settings, args, grid)["failed"]
         return report(settings, args, grid, failed, plan)
     finally:
-        lock.release(remove=True)
+        release_folders(claims)
 
 
 if __name__ == "__main__":

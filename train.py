@@ -33,7 +33,9 @@ the adapter (in <output_dir>/adapter):
 
     python train.py --model_name_or_path outputs/ddl-tiny-shakespeare --train_file my.txt --lora
 
-Resume an interrupted run (an existing output folder is never overwritten without --overwrite_output_dir):
+Resume an interrupted run (an existing output folder is never overwritten without --overwrite_output_dir; the run
+keeps its checkpoint's model, data, learning rate, optimizer, batch and seed, and --max_steps can be raised to train
+further):
 
     python train.py --output_dir outputs/ddl-tiny-shakespeare --resume_from_checkpoint true
 
@@ -86,6 +88,7 @@ from ddl_tools.training import (
     DDLTrainer,
     UsageError,
     check_ddl_environment,
+    check_llama_weights,
     check_resumed_data,
     check_resumed_model,
     check_text_column,
@@ -112,6 +115,7 @@ from ddl_tools.training import (
     release_output_dirs,
     resumed_block_size,
     resumed_state,
+    resumed_training_arguments,
     saving_into,
     skip_rows_without_text,
     steps_left,
@@ -120,6 +124,7 @@ from ddl_tools.training import (
     tokenizer_digest,
     tokens_seen,
     train_bpe_tokenizer,
+    training_record,
     unigram_loss,
 )
 
@@ -224,6 +229,11 @@ class RunArguments:
 
 
 def parse_args(argv: list[str]):
+    """The command line as our dataclasses and TrainingArguments (`argument_parser`)."""
+    return parsed_arguments(argument_parser(argv), argv)
+
+
+def argument_parser(argv: list[str]) -> HfArgumentParser:
     """HfArgumentParser over our dataclasses and TrainingArguments, with the paper's recipe and the preset's run
     sizes as defaults (set before parsing, so every explicit flag wins)."""
     pre = argparse.ArgumentParser(add_help=False)
@@ -261,7 +271,18 @@ def parse_args(argv: list[str]):
         **PAPER_RECIPE,
         **PRESET_RUN_DEFAULTS[preset],
     )
-    return parsed_arguments(parser, argv)
+    return parser
+
+
+def given_flags(argv: list[str]) -> set[str]:
+    """The arguments `argv` gives, in any spelling the parser accepts (--block-size, an abbreviation such as
+    --learning_r, --name=value), as opposed to those left at their defaults: a resumed run keeps its checkpoint's
+    value of every argument not given (`check_resume`)."""
+    parser = argument_parser(argv)
+    unset = object()  # (not a string: argparse would convert it with the argument's type)
+    parser.set_defaults(**{action.dest: unset for action in parser._actions})
+    namespace, _ = parser.parse_known_args(argv)
+    return {name for name, value in vars(namespace).items() if value is not unset}
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
@@ -292,15 +313,18 @@ def resolve_resume(training_args: TrainingArguments, run_args: RunArguments) -> 
                             run_args.overwrite_output_dir, training_args.do_train, training_args.process_index == 0)
 
 
-def check_resume(resume, model_args, data_args, argv) -> None:
+def check_resume(resume, model_args, data_args, training_args, argv) -> None:
     """A resumed run continues its checkpoint: the same model (a flag asking for another is refused; weights that do
-    not fit its config are one line) and the same blocks (its recorded block size; another --block_size is
-    refused). Its data and tokenizer are checked once loaded (`check_resumed_data`)."""
+    not fit its config are one line), the same blocks (its recorded block size; another --block_size is refused) and
+    the same training (its recorded learning rate, optimizer, batch and seed, which Trainer restores or counts its
+    position in: another value given is refused; `resumed_training_arguments`). What is not given is the
+    checkpoint's. Its data and tokenizer are checked once loaded (`check_resumed_data`)."""
     flags = {k: v for k, v in model_args.ddl_flags().items() if v is not None}
     check_resumed_model(resume, model_args.preset, parse_config_overrides(model_args.config_overrides), flags)
     check_weights(resume, DDLForCausalLM, DDLConfig.from_pretrained(resume), "--resume_from_checkpoint")
-    given = any(a == "--block_size" or a.startswith("--block_size=") for a in argv)
-    data_args.block_size = resumed_block_size(resume, resumed_state(resume), data_args.block_size, given)
+    given, state = given_flags(argv), resumed_state(resume)
+    data_args.block_size = resumed_block_size(resume, state, data_args.block_size, "block_size" in given)
+    resumed_training_arguments(resume, state, training_args, given)
 
 
 def load_tokenizer(path: str, trust_remote_code: bool):
@@ -343,8 +367,8 @@ def check_model_source(model_args):
     if model_args.model_name_or_path and model_args.init_from_llama:
         raise UsageError("Give --model_name_or_path (a DDL checkpoint) or --init_from_llama (a Llama), not both.")
     source = model_args.model_name_or_path or model_args.init_from_llama
+    flags = {k: v for k, v in model_args.ddl_flags().items() if v is not None}
     if source is None:  # validate the fresh model's config now (the vocabulary is fixed later by the tokenizer)
-        flags = {k: v for k, v in model_args.ddl_flags().items() if v is not None}
         preset_config(model_args.preset or "tiny", model_args.vocab_size,
                       parse_config_overrides(model_args.config_overrides), **flags)
         return
@@ -364,6 +388,8 @@ def check_model_source(model_args):
                          "(model_type 'llama').")
     if model_args.model_name_or_path:
         check_weights(source, DDLForCausalLM, config, flag)
+    else:  # (before the tokenizer and the data: from_pretrained's size-mismatch traceback came after them)
+        check_llama_weights(source, config, parse_config_overrides(model_args.config_overrides), flags)
 
 
 def build_model(model_args, tokenizer, resume):
@@ -573,7 +599,7 @@ def main(argv: list[str]) -> None:
     check_hub_strategy(training_args)
     resume = resolve_resume(training_args, run_args)
     if resume:
-        check_resume(resume, model_args, data_args, argv)
+        check_resume(resume, model_args, data_args, training_args, argv)
     check_model_source(model_args)
     set_seed(training_args.seed)
     start = time.time()
@@ -595,9 +621,10 @@ def main(argv: list[str]) -> None:
     if tokenizer.model_max_length > config.max_position_embeddings:
         tokenizer.model_max_length = config.max_position_embeddings  # saved with the checkpoint (after packing)
 
+    run_record_callback = DDLRunRecord(blocks.block_size, *record, training_record(training_args))
     trainer = DDLTrainer(model=model, args=training_args, train_dataset=blocks.train if training_args.do_train
                          else None, eval_dataset=blocks.eval, processing_class=tokenizer,
-                         data_collator=default_data_collator, callbacks=[DDLRunRecord(blocks.block_size, *record)])
+                         data_collator=default_data_collator, callbacks=[run_record_callback])
     trainer.card_inputs = card_inputs(model_args, training_args, config, blocks, data_info, tokenizer_source)
     build_kernels(config, training_args)
     metrics = train_and_evaluate(trainer, training_args, resume)  # 4. train and evaluate (stops if it diverges)

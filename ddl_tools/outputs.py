@@ -164,6 +164,16 @@ def claim_folder(path, flag, own_files=()):
     return lock, created
 
 
+def release_folder(path, lock, created) -> None:
+    """Let go of a folder `claim_folder` claimed (`lock`): its lock file is removed, and so is the folder itself if
+    that claim `created` it and nothing was written into it, so that a run refused or failed before writing leaves
+    no trace."""
+    lock.release(remove=True)
+    if created and os.path.isdir(path) and not os.path.islink(path) and not os.listdir(path):
+        with contextlib.suppress(OSError):
+            os.rmdir(path)
+
+
 class FolderLock:
     """An exclusive lock on a folder held by one process: `fcntl.flock` on `<folder>/.ddl.lock`, which also records
     the holder's pid (for the message a second writer gets). The operating system releases it when the holder's
@@ -313,6 +323,7 @@ __all__ = [
     "is_leftover",
     "make_output_folder",
     "publish",
+    "release_folder",
     "save_figure",
     "temporary_name",
     "write_json",

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 
 from transformers.utils import logging
 
-from .outputs import FolderLock, make_output_folder, save_figure, write_json, write_text
+from .outputs import FolderLock, UsageError, claim_folder, folder_contents, save_figure, write_json, write_text
 
 
 logger = logging.get_logger(__name__)
@@ -122,9 +122,25 @@ def run_status(path: str) -> str:
     return "crashed" if os.path.isdir(path) else "missing"
 
 
+def claim_study_dir(study_dir: str, own_files: Sequence[str] = ()) -> tuple[FolderLock, bool]:
+    """Make `study_dir` this study.py's, by the rule every script follows (`ddl_tools.outputs.claim_folder`): create
+    it if needed (a file there, or no permission: one line), take its lock (a folder another study.py writes: one line
+    naming it) and delete the unfinished writes a killed run left (`.study.json.ddl-tmp`; `own_files`: the study's
+    other files). A folder that holds anything else and no `study.json` is not a study's and is refused, left as it
+    was. Returns (the lock, whether the folder was created): `ddl_tools.outputs.release_folder` lets go of it."""
+    lock, created = claim_folder(study_dir, "--study_dir", own_files=(STUDY_FILE, *own_files))
+    contents = folder_contents(study_dir)
+    if contents and STUDY_FILE not in contents:
+        lock.release(remove=True)
+        raise UsageError(f"{study_dir!r} exists and is not a study folder (no {STUDY_FILE}); choose another "
+                         "--study_dir.")
+    return lock, created
+
+
 def check_study_config(study_dir: str, config: dict) -> None:
-    """Record the study's configuration in `study.json`, or check that an existing study has the same one (runs
-    made with other settings are not comparable and must not be mixed)."""
+    """Record the study's configuration in `study.json` of the claimed folder `study_dir` (`claim_study_dir`), or
+    check that the study there has the same one (runs made with other settings are not comparable and must not be
+    mixed)."""
     path = os.path.join(study_dir, STUDY_FILE)
     if os.path.isfile(path):
         with open(path, encoding="utf-8") as f:
@@ -136,10 +152,6 @@ def check_study_config(study_dir: str, config: dict) -> None:
                 f"Rerun with the same settings to resume it, or choose another --study_dir."
             )
         return
-    if os.path.isdir(study_dir) and os.listdir(study_dir):
-        raise ValueError(f"{study_dir!r} exists and is not a study folder (no {STUDY_FILE}); choose another "
-                         "--study_dir.")
-    make_output_folder(study_dir, "--study_dir")  # a file there, or no permission: one line (a ValueError)
     write_json(path, config)
 
 
@@ -821,6 +833,7 @@ __all__ = [
     "build_grid",
     "check_report_dir",
     "check_study_config",
+    "claim_study_dir",
     "comparisons",
     "conclusion",
     "difference",

@@ -7,6 +7,7 @@ script turns it into a one-line error and a non-zero exit.
 
 import contextlib
 import dataclasses
+import enum
 import hashlib
 import json
 import math
@@ -30,7 +31,8 @@ from transformers.utils import PushInProgress
 from transformers.utils import logging
 
 from ddl import DDLConfig, DDLForCausalLM
-from .outputs import FolderLock, UsageError, claim_folder, folder_contents, save_figure, write_json, write_text
+from .outputs import (FolderLock, UsageError, claim_folder, folder_contents, release_folder, save_figure, write_json,
+                      write_text)
 
 
 logger = logging.get_logger(__name__)
@@ -293,11 +295,14 @@ def _weight_files(folder: str) -> list[str]:
         return ["model.safetensors.index.json"]  # reported as damaged below
 
 
-def check_weights(folder: str, model_class, config, flag: str) -> None:
-    """A local model folder's weights are whole and fit the model its config describes: a file cut short, or weights
+def check_weights(folder: str, model_class, config, flag: str, fit: str = "its config.json",
+                  fix: str = "the config is not the weights' own: restore the checkpoint's config.json, or use another "
+                             "checkpoint") -> None:
+    """A local model folder's weights are whole and fit the model `config` describes: a file cut short, or weights
     of other shapes (a config.json not the weights' own), is one line naming the folder, instead of safetensors'
     traceback or Transformers' mismatch report. Read from the files' headers and a model built on the meta device:
-    nothing is loaded. A Hub id is left to `from_pretrained`."""
+    nothing is loaded. A Hub id is left to `from_pretrained`. `fit` names what `config` was made from and `fix` says
+    what to do, in the message of weights that do not fit it."""
     if not os.path.isdir(folder):
         return
     shapes = {}
@@ -319,9 +324,8 @@ def check_weights(folder: str, model_class, config, flag: str) -> None:
         if target in expected and expected[target] != shape:
             wrong.append(f"{key} is {shape}, the config needs {expected[target]}")
     if wrong:
-        raise UsageError(f"{flag} {folder!r}: its weights do not fit its config.json ({len(wrong)} tensors, e.g. "
-                         f"{wrong[0]}); the config is not the weights' own: restore the checkpoint's config.json, or "
-                         "use another checkpoint.")
+        raise UsageError(f"{flag} {folder!r}: its weights do not fit {fit} ({len(wrong)} tensors, e.g. {wrong[0]}); "
+                         f"{fix}.")
 
 
 def load_from_llama(path: str, ddl_config: DDLConfig, **kwargs) -> DDLForCausalLM:
@@ -342,6 +346,18 @@ def load_from_llama(path: str, ddl_config: DDLConfig, **kwargs) -> DDLForCausalL
     logger.info("Loaded %s from Llama %s; freshly initialised: %d DDL tensors", type(model).__name__, path,
                 len(info["missing_keys"]))
     return model
+
+
+def check_llama_weights(path: str, llama_config, overrides: dict, ddl_flags: dict) -> None:
+    """The weights of the Llama folder `path` are whole and fit the DDL model built from it (`check_weights`: DDL keeps
+    Llama's parameter names and shapes), checked before anything is loaded: a config.json of another size, or
+    --config_overrides that change the sizes, is one line naming the folder instead of `from_pretrained`'s
+    size-mismatch traceback."""
+    check_weights(path, DDLForCausalLM, ddl_config_from_llama(llama_config, None, **ddl_flags), "--init_from_llama")
+    if overrides:
+        check_weights(path, DDLForCausalLM, ddl_config_from_llama(llama_config, overrides, **ddl_flags),
+                      "--init_from_llama", fit="the model its config.json and --config_overrides describe",
+                      fix="a DDL model built from a Llama keeps the Llama's sizes: drop the overrides that change them")
 
 
 # The parameters DDL shares with a Llama of the same shape, by the names of their modules (DDL keeps Llama's names):
@@ -990,9 +1006,7 @@ def release_output_dirs(failed: bool = False) -> None:
         leftover = failed and created and set(folder_contents(out)) <= {UNFINISHED_RUN}  # (refused before the mark)
         if leftover and os.path.exists(os.path.join(out, UNFINISHED_RUN)):
             os.remove(os.path.join(out, UNFINISHED_RUN))
-        lock.release(remove=True)
-        if leftover and not os.listdir(out):
-            os.rmdir(out)
+        release_folder(out, lock, leftover)
 
 
 # ------------------------------------------------------------------------------------------------- resuming
@@ -1000,15 +1014,20 @@ def release_output_dirs(failed: bool = False) -> None:
 
 class DDLRunRecord(TrainerCallback, ExportableState):
     """What a resumed run must keep and `TrainerState` does not record: the block size the data was packed into, the
-    data (`data_record`: its source and the content of its local files) and the tokenizer (`tokenizer_digest`).
-    Saved in every checkpoint's `trainer_state.json` (transformers' stateful callbacks); a resume that would train on
-    other data or tokens is refused (`check_resumed_data`)."""
+    data (`data_record`: its source and the content of its local files), the tokenizer (`tokenizer_digest`) and the
+    training arguments of the optimisation and the data order (`training_record`). Saved in every checkpoint's
+    `trainer_state.json` (transformers' stateful callbacks), as JSON: the checkpoint's `training_args.bin` is a
+    pickle, which only unpickling (running what it says) would read. A resume that would train on other data or
+    tokens, or with arguments Trainer would not honour, is refused (`check_resumed_data`,
+    `resumed_training_arguments`)."""
 
-    def __init__(self, block_size: int | None = None, data: dict | None = None, tokenizer: str | None = None):
-        self.block_size, self.data, self.tokenizer = block_size, data, tokenizer
+    def __init__(self, block_size: int | None = None, data: dict | None = None, tokenizer: str | None = None,
+                 training: dict | None = None):
+        self.block_size, self.data, self.tokenizer, self.training = block_size, data, tokenizer, training
 
     def state(self) -> dict:
-        return {"args": {"block_size": self.block_size, "data": self.data, "tokenizer": self.tokenizer},
+        return {"args": {"block_size": self.block_size, "data": self.data, "tokenizer": self.tokenizer,
+                         "training": self.training},
                 "attributes": {}}
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -1141,6 +1160,85 @@ def resumed_block_size(checkpoint: str, state: TrainerState, block_size: int | N
     if block_size != recorded:
         logger.warning("Resuming %s with its blocks of %d tokens.", checkpoint, recorded)
     return recorded
+
+
+# The training arguments a run's checkpoints record (`training_record`) and its resume keeps
+# (`resumed_training_arguments`), each with the reason another value given is refused. Trainer restores the optimizer
+# from the checkpoint whatever the command line says, with its settings and the schedule's peak (the scheduler's base
+# rates): another learning rate, weight decay or Adam setting would be silently ignored, and another --optim would meet
+# a state not its own (a KeyError, or moments misread). And Trainer finds the run's data position by skipping the
+# steps done, in batches of the size given now and in the order the seed given now draws: another batch, accumulation
+# or seed would resume at other blocks than the run's next ones.
+KEPT_ON_RESUME = {
+    "learning_rate": "Trainer restores the schedule's peak from the checkpoint: the flag would be ignored",
+    **dict.fromkeys(("weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon"),
+                    "Trainer restores the optimizer's settings from the checkpoint: the flag would be ignored"),
+    "optim": "the checkpoint holds that optimizer's state, which another optimizer cannot continue",
+    **dict.fromkeys(("per_device_train_batch_size", "gradient_accumulation_steps"),
+                    "Trainer counts the steps done in batches of this size, so the run would not resume at its next "
+                    "block"),
+    **dict.fromkeys(("seed", "data_seed"), "the seed draws the order of the blocks, so the run would not resume at "
+                                            "its next block"),
+}
+# What Trainer builds from the command line on resume: the learning-rate schedule's shape, from the second resumed step
+# on (the first takes the rate the checkpoint's scheduler computed), at the checkpoint's peak, as for a raised
+# --max_steps; and the clipping of every step. Given, they are what the resumed run trains with.
+FOLLOWED_ON_RESUME = ("lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "max_grad_norm")
+_OPTIMIZER_STATE = {"adamw_torch_fused": "adamw_torch"}  # the same optimizer (and state), fused or not
+
+
+def _json_value(value):
+    return value.value if isinstance(value, enum.Enum) else value
+
+
+def training_record(args) -> dict:
+    """A run's values of the training arguments its resume keeps or follows (`KEPT_ON_RESUME`,
+    `FOLLOWED_ON_RESUME`), as JSON values, for `DDLRunRecord`."""
+    return {name: _json_value(getattr(args, name)) for name in (*KEPT_ON_RESUME, *FOLLOWED_ON_RESUME)}
+
+
+def _same_argument(name: str, value, recorded) -> bool:
+    if name == "optim":
+        return _OPTIMIZER_STATE.get(value, value) == _OPTIMIZER_STATE.get(recorded, recorded)
+    return value == recorded
+
+
+def _shown(value) -> str:
+    return "none" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def resumed_training_arguments(checkpoint: str, state: TrainerState, args, given: set[str]) -> None:
+    """A resumed run trains on with its checkpoint's training arguments (`DDLRunRecord`'s record of them). Each one the
+    command line does not give is set in `args` to the checkpoint's value: the schedule then continues as it was, and
+    the run's record, card and training_args.json say what Trainer does (a default would have been reported, or
+    followed, instead). A given one of `KEPT_ON_RESUME` whose value is not the checkpoint's is refused in one line that
+    says why; a given one of `FOLLOWED_ON_RESUME` (and --max_steps, --num_train_epochs) is what the run trains with.
+    A checkpoint saved before the record existed resumes with a warning (nothing to compare with)."""
+    recorded = _recorded(state).get("training")
+    if recorded is None:
+        logger.warning("%s does not record its training arguments (saved before train.py recorded them): resuming "
+                       "without checking that the learning rate, optimizer, batch and seed given here are its own "
+                       "(Trainer continues with the checkpoint's optimizer and learning rate).", checkpoint)
+        return
+    differ, adopted = [], []
+    for name, value in recorded.items():
+        if name not in KEPT_ON_RESUME and name not in FOLLOWED_ON_RESUME:
+            continue  # (recorded by a later version)
+        current = getattr(args, name)
+        if name in given:
+            if name in KEPT_ON_RESUME and not _same_argument(name, _json_value(current), value):
+                differ.append(f"--{name} {_shown(_json_value(current))} is not the checkpoint's {_shown(value)} "
+                              f"({KEPT_ON_RESUME[name]})")
+        elif _json_value(current) != value:
+            setattr(args, name, type(current)(value) if isinstance(current, enum.Enum) else value)
+            adopted.append(f"--{name} {_shown(value)}")
+    if differ:
+        them = "this flag" if len(differ) == 1 else "these flags"
+        raise UsageError(f"--resume_from_checkpoint {checkpoint!r} continues its run as it was trained, but "
+                         f"{'; '.join(differ)}. Drop {them} to resume, or start a new run in another --output_dir to "
+                         f"train with {'it' if len(differ) == 1 else 'them'}.")
+    if adopted:
+        logger.warning("Resuming %s with its run's %s (not given here).", checkpoint, ", ".join(adopted))
 
 
 def steps_left(state: TrainerState, max_steps: int) -> int:
@@ -1292,6 +1390,8 @@ class DDLTrainer(Trainer):
 __all__ = [
     "DDLRunRecord",
     "DDLTrainer",
+    "FOLLOWED_ON_RESUME",
+    "KEPT_ON_RESUME",
     "PAPER_RECIPE",
     "PRESETS",
     "PRESET_RUN_DEFAULTS",
@@ -1300,6 +1400,7 @@ __all__ = [
     "UNFINISHED_RUN",
     "UsageError",
     "check_ddl_environment",
+    "check_llama_weights",
     "check_resumed_data",
     "check_resumed_model",
     "check_text_column",
@@ -1337,6 +1438,7 @@ __all__ = [
     "release_output_dirs",
     "resumed_block_size",
     "resumed_state",
+    "resumed_training_arguments",
     "safetensors_shapes",
     "saving_into",
     "skip_rows_without_text",
@@ -1346,5 +1448,6 @@ __all__ = [
     "tokenizer_digest",
     "tokens_seen",
     "train_bpe_tokenizer",
+    "training_record",
     "unigram_loss",
 ]

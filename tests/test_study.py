@@ -172,15 +172,19 @@ def test_crashed_run_is_redone(tmp_path):
 
 def test_a_study_folder_refuses_other_settings(tmp_path):
     folder = str(tmp_path / "s")
+    lock, created = study.claim_study_dir(folder)
+    assert created
     study.check_study_config(folder, {"max_tokens": 100, "preset": "tiny"})
     study.check_study_config(folder, {"max_tokens": 100, "preset": "tiny"})  # same settings: resume
     with pytest.raises(ValueError, match="differs in: max_tokens"):
         study.check_study_config(folder, {"max_tokens": 200, "preset": "tiny"})
+    lock.release(remove=True)
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("mine")
     with pytest.raises(ValueError, match="not a study folder"):
-        study.check_study_config(str(other), {"max_tokens": 100})
+        study.claim_study_dir(str(other))
+    assert os.listdir(other) == ["notes.txt"]  # left as it was
 
 
 # ------------------------------------------------------------------------------------------------ statistics
@@ -429,29 +433,42 @@ def test_report_dir_with_someone_elses_report_is_refused_first(tmp_path, capsys)
         assert study.REPORT_MARK in f.read()
 
 
-def test_a_second_study_in_the_same_folder_is_refused(tmp_path, capsys):
+def test_a_study_folder_being_written_is_refused_and_a_write_cut_short_does_not_block_it(tmp_path, capsys):
+    """While a study.py writes its folder (holds its lock), another one into it stops with one line that names the
+    writer, and writes nothing (it used to record its study.json there first). A study.json whose write a kill cut
+    short (.study.json.ddl-tmp, alone in the folder) made the folder 'not a study folder'; the next study.py deletes
+    it and starts the study there."""
     from ddl_tools.outputs import FolderLock
 
     script = study_script()
-    folder = tmp_path / "s"
-    args = ["--variants", "additive-dv1", "--seeds", "0", "--study_dir", str(folder), "--launcher", "false",
-            "--tokenizer_name", str(tmp_path / "tok"), "--max_tokens", "4096"]
-    assert script.check_settings(*script.parse_args(args)) is not None  # creates the study folder
-    running = FolderLock(str(folder))
+    folder, report = tmp_path / "s", tmp_path / "report"
+    folder.mkdir()
+    args = ["--variants", "additive-dv1", "--seeds", "0", "--study_dir", str(folder), "--report_dir", str(report),
+            "--launcher", "false", "--tokenizer_name", str(tmp_path / "tok"), "--max_tokens", "4096"]
+    running = FolderLock(str(folder))  # another open file: to flock, another writer
     assert running.acquire()
     try:
         assert script.main(args) == 2
     finally:
-        running.release()
-    assert "another study.py runs in" in capsys.readouterr().err
-    assert not (folder / "runs").exists()
+        running.release()  # (its lock file stays, as a killed study.py leaves it)
+    assert capsys.readouterr().err.splitlines() == [
+        f"study.py: error: --study_dir {str(folder)!r} is being written by another run (pid {os.getpid()}); wait for "
+        "it to end, or choose another --study_dir."]
+    assert os.listdir(folder) == [".ddl.lock"] and not report.exists()
+    (folder / ".study.json.ddl-tmp").write_text('{"variants": ["addit')
+    assert script.main(args) == 1  # the study runs: its one training run fails at once (--launcher false)
+    out = capsys.readouterr()
+    assert "FAILED" in out.out and "not a study folder" not in out.err, out.err
+    assert json.loads((folder / "study.json").read_text())["max_tokens"] == 4096
+    assert sorted(os.listdir(folder)) == ["runs", "study.json"]  # the leftover and the lock file gone
+    assert not report.exists()  # created for the report, which had no finished run to show: removed
 
 
 def test_a_study_dir_that_is_a_file_is_one_line(tmp_path):
     afile = tmp_path / "notes.txt"
     afile.write_text("mine")
     with pytest.raises(ValueError, match="is a file, not a folder"):  # study.py prints it as one line (FileExistsError)
-        study.check_study_config(str(afile), {"max_tokens": 100})
+        study.claim_study_dir(str(afile))
     assert afile.read_text() == "mine"
 
 
@@ -609,12 +626,14 @@ def test_budget_from_a_recorded_calibration_is_recorded_and_resumed(tmp_path, ca
     args = ["--variants", "additive-dv1", "delta-dv1", "--seeds", "0", "1", "2", "3", "4", "--study_dir", folder,
             "--budget_hours", "1", "--calibration", str(tmp_path / "cal.json")]
     settings, parsed = script.parse_args(args)
+    lock, _ = study.claim_study_dir(folder)  # as study.py does, before the calibration
     plan = script.resolve_scale(settings, parsed)
     assert settings.max_tokens == plan["max_tokens"] == 378 * 4096  # floor((3,240 - 400) / 7.5): nothing spent
     script.check_settings(settings, parsed)
     from ddl_tools.outputs import write_json
 
     write_json(os.path.join(folder, script.CALIBRATION_FILE), plan)
+    lock.release(remove=True)
     again, parsed = script.parse_args(args[:-2])  # a rerun: no calibration, the recorded plan
     assert script.resolve_scale(again, parsed)["steps"] == 378 and again.max_tokens == 378 * 4096
     other, parsed = script.parse_args(args[:-4] + ["--budget_hours", "2"])

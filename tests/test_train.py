@@ -316,6 +316,8 @@ BAD_INPUTS = {
     "misshapen-checkpoint": (["--model_name_or_path", "{misshapen}"], "its weights do not fit its config.json"),
     "misshapen-resume": (["--output_dir", "{misshapen_run}", "--resume_from_checkpoint", "true"],
                          "its weights do not fit its config.json"),
+    # a size-mismatch traceback from from_pretrained, after the tokenizer and data were loaded
+    "misshapen-llama": (["--init_from_llama", "{misshapen_llama}"], "its weights do not fit its config.json"),
 }
 
 
@@ -353,8 +355,12 @@ def bad_input_args(tmp_path, text_file, llama_dir):
     (tmp_path / "data.csv").write_text("body\n" + "\n".join(text_file.read_text().splitlines()[:300]) + "\n")
     (tmp_path / "numbers.csv").write_text("text\n" + "\n".join(str(i) for i in range(300)) + "\n")
     checkpoints = damaged_checkpoints(tmp_path, text_file)
+    misshapen_llama = shutil.copytree(llama_dir, tmp_path / "misshapen_llama")  # a config.json of another size
+    config = json.loads((misshapen_llama / "config.json").read_text())
+    (misshapen_llama / "config.json").write_text(json.dumps({**config, "intermediate_size": 128}))
     fill = dict(tmp=tmp_path, empty=tmp_path / "empty.txt", llama=llama_dir, nonempty=tmp_path / "nonempty",
-                afile=tmp_path / "afile", csv=tmp_path / "data.csv", numbers=tmp_path / "numbers.csv", **checkpoints)
+                afile=tmp_path / "afile", csv=tmp_path / "data.csv", numbers=tmp_path / "numbers.csv",
+                misshapen_llama=misshapen_llama, **checkpoints)
 
     def make(case):
         args, message = BAD_INPUTS[case]
@@ -459,10 +465,55 @@ def test_resume_accepts_the_same_flags_and_keeps_the_block_size(trained):
     import train
 
     checkpoint = str(trained[0] / "checkpoint-3")
-    model_args, data_args, _, _ = train.parse_args(["--ddl_value_channels", "4", "--ddl_residual", "delta",
-                                                    "--config_overrides", TINY_MODEL])
-    train.check_resume(checkpoint, model_args, data_args, [])
+    argv = ["--ddl_value_channels", "4", "--ddl_residual", "delta", "--config_overrides", TINY_MODEL]
+    model_args, data_args, _, training_args = train.parse_args(argv)
+    train.check_resume(checkpoint, model_args, data_args, training_args, argv)
     assert data_args.block_size == 32  # the checkpoint's, not the preset's default 256
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--learning_rate", "1e-2"], "--learning_rate 0.01 is not the checkpoint's 0.001 (Trainer restores the "
+                                  "schedule's peak from the checkpoint: the flag would be ignored)"),
+    (["--weight_decay", "0.5", "--adam_beta2", "0.99"], "--adam_beta2 0.99 is not the checkpoint's 0.95"),
+    (["--optim", "sgd"], "--optim sgd is not the checkpoint's adamw_torch"),
+    (["--per_device_train_batch_size", "8"], "--per_device_train_batch_size 8 is not the checkpoint's 4"),
+    (["--seed", "7"], "--seed 7 is not the checkpoint's 42"),
+], ids=["learning-rate", "optimizer-settings", "optimizer", "batch", "seed"])
+def test_resuming_refuses_training_arguments_it_would_not_honour(flags, message, trained, tmp_path, text_file,
+                                                                  capsys):
+    """Trainer restores the optimizer, with its settings and the schedule's peak, from the checkpoint: a resume with
+    --learning_rate 1e-2 trained on at the checkpoint's rate with exit 0 and no word (as did another weight decay or
+    Adam beta), another --optim was a KeyError traceback, and another batch or seed resumed at other blocks than the
+    run's next ones."""
+    folder = copy_run(trained, tmp_path / "run")
+    args = ["--train_file", text_file, "--output_dir", folder, *TINY_RUN, "--max_steps", "6"]
+    status, err = run_cli([*args, *flags, "--resume_from_checkpoint", "true"], capsys)
+    assert status == 2 and message in err and "Traceback" not in err, err[-2000:]
+    assert "to resume, or start a new run in another --output_dir to train with" in err
+    assert json.loads((folder / "trainer_state.json").read_text())["global_step"] == 3  # untouched
+
+
+def test_a_resume_keeps_the_checkpoints_training_arguments_and_follows_the_schedule_given(trained):
+    """What the command line does not give is the checkpoint's (here its batch of 4, not the preset's 16: the run
+    resumes at its next block, and its card says what it trained with); what Trainer builds from the command line on
+    resume (the schedule's shape and length, the clipping) is taken as given, in any spelling, and so is a flag that
+    repeats the checkpoint's value. A flag Trainer would ignore is refused however it is spelt."""
+    import train
+    from ddl_tools.training import UsageError
+
+    checkpoint = str(trained[0] / "checkpoint-3")
+    argv = ["--config_overrides", TINY_MODEL, "--learning-rate", "1e-3", "--max_grad_norm=0.5", "--warmup_steps", "2",
+            "--lr_scheduler_type", "linear", "--optim", "adamw_torch", "--max_steps", "9"]
+    model_args, data_args, _, training_args = train.parse_args(argv)
+    assert training_args.per_device_train_batch_size == 16
+    train.check_resume(checkpoint, model_args, data_args, training_args, argv)
+    assert training_args.per_device_train_batch_size == 4 and training_args.learning_rate == 1e-3
+    assert (training_args.max_grad_norm, training_args.warmup_steps, training_args.max_steps) == (0.5, 2, 9)
+    assert training_args.lr_scheduler_type == "linear" and training_args.optim == "adamw_torch"
+    argv = ["--config_overrides", TINY_MODEL, "--learning-r=1e-2"]
+    model_args, data_args, _, training_args = train.parse_args(argv)
+    with pytest.raises(UsageError, match="--learning_rate 0.01 is not the checkpoint's 0.001"):
+        train.check_resume(checkpoint, model_args, data_args, training_args, argv)
 
 
 def test_a_failed_run_does_not_block_its_corrected_rerun(tmp_path, text_file, capsys):
@@ -709,7 +760,8 @@ def test_a_checkpoint_without_the_data_record_resumes_with_a_warning(trained, tm
         status, err = run_cli(["--train_file", text_file, "--output_dir", folder, *TINY_RUN, "--max_steps", "4",
                                "--resume_from_checkpoint", "true"], capsys)
     assert status == 0, err[-3000:]
-    assert "does not record its data and tokenizer" in caplog.text
+    assert "does not record its data and tokenizer" in caplog.text and "does not record its training arguments" \
+        in caplog.text
     assert json.loads((folder / "trainer_state.json").read_text())["global_step"] == 4
 
 
