@@ -6,7 +6,6 @@
     python bench.py --size small --repeats 1 --batch_size 1 --variants llama ddl-cc   # the small model on a CPU
     python bench.py --variants llama ddl-dv1 --compile
     python bench.py --variants llama ddl-cc --skip prefill decode --memory_timeline timeline  # where memory goes
-    python bench.py --variants llama ddl-cc-stored ddl-cc-rebuild   # the state rebuild off and on, side by side
 
 Every figure is reported as a ratio to Llama paired by repeat: each repeat's figure over Llama's in the same
 repeat, the median and the spread (min-max) of those ratios. Machine noise that drifts over seconds then hits both
@@ -48,7 +47,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from ddl import DDLConfig, DDLForCausalLM
 from ddl.configuration_ddl import DDL_IMPLEMENTATIONS
-from ddl.cpu_kernels import cpu_kernel
 from ddl_tools.outputs import (
     UsageError,
     check_writable_file,
@@ -95,11 +93,6 @@ VARIANTS = {
     "ddl-write_only": dict(ddl_value_channels=1, ddl_residual="write_only"),
 }
 DEFAULT_VARIANTS = list(VARIANTS)
-# The expanded-state variants with the state rebuild pinned (`ddl_rebuild_states`, ddl/rebuild.py) on or off, to
-# compare both in the same alternations; the variants above follow the model's default (and DDL_REBUILD_STATES).
-for _name in ("ddl-cc", "ddl-tc"):
-    VARIANTS[f"{_name}-stored"] = dict(VARIANTS[_name], ddl_rebuild_states="off")
-    VARIANTS[f"{_name}-rebuild"] = dict(VARIANTS[_name], ddl_rebuild_states="on")
 
 DECODE_PROMPT_LEN = 16
 TIMELINE_POINTS = 1000  # instants kept of a step's memory timeline (the profiler records one per allocation)
@@ -577,9 +570,9 @@ def run(args):
         del runners
 
     rows = summarise(list(records.values()))
-    # whether DDL's fused path ran its C++ CPU kernel (built on first use; without a compiler, the PyTorch path)
+    # whether DDL ran ddl_kernels' C++ CPU kernels (installed and built; else its PyTorch paths)
     kernel = (device.type == "cpu" and dtype in (torch.float32, torch.float64) and args.implementation in ("auto", "triton")
-              and not args.compile and any(v != "llama" for v in args.variants) and cpu_kernel() is not None)
+              and not args.compile and any(v != "llama" for v in args.variants) and cpu_kernels_built())
     train = "in one process" if args.train_in_process else f"per process, {args.repeats} alternations"
     header = (
         f"### bench.py --size {args.size} ({size}), device {args.device}, {args.dtype}"
@@ -593,6 +586,15 @@ def run(args):
         write_json(args.json, {"args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
                                "size": size.__dict__, "torch": torch.__version__, "cpu_kernel": kernel,
                                "train": "in_process" if args.train_in_process else "per_process", "rows": rows})
+
+
+def cpu_kernels_built() -> bool:
+    """Whether ddl_kernels is installed and its C++ CPU kernels are built (building them if not yet)."""
+    try:
+        from ddl_kernels.build import kernels
+    except ImportError:
+        return False
+    return kernels() is not None
 
 
 def write_timelines(args, size, timelines):

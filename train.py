@@ -75,7 +75,6 @@ from transformers.utils import logging
 
 import ddl  # noqa: F401  (registers the DDL Auto classes and the code files saved with checkpoints)
 from ddl import DDLConfig, DDLForCausalLM
-from ddl.cpu_kernels import cpu_kernel
 from ddl_tools.hub import check_hub_strategy
 from ddl_tools.launch import check_launch
 from ddl_tools.lora import add_lora, check_lora, describe_lora, save_adapter_and_merge
@@ -511,12 +510,17 @@ def describe_run(model, blocks, data_info, seconds):
 
 
 def build_kernels(config, training_args):
-    """DDL's C++ CPU kernels, built (20-40 s on a fresh machine, once) before the clock of `train_runtime` starts,
-    by one process while the others wait and then load them. Not for bf16/fp16 runs: autocast takes PyTorch."""
+    """ddl_kernels' C++ CPU kernels (when installed), built (20-40 s on a fresh machine, once; setup.sh does it) before
+    the clock of `train_runtime` starts, by one process while the others wait and then load them. Not for bf16/fp16
+    runs: autocast takes PyTorch."""
     low_precision = training_args.bf16 or training_args.fp16
     if training_args.device.type == "cpu" and config.ddl_implementation in ("auto", "triton") and not low_precision:
-        with training_args.main_process_first(desc="DDL's C++ CPU kernel"):
-            cpu_kernel()
+        try:
+            from ddl_kernels.build import kernels
+        except ImportError:  # PyTorch paths only
+            return
+        with training_args.main_process_first(desc="DDL's C++ CPU kernels"):
+            kernels()
 
 
 def train_and_evaluate(trainer, training_args, resume) -> dict:

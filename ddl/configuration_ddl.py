@@ -12,8 +12,9 @@ DDL_VALUE_INPUTS = ("state", "context")
 DDL_CC_FORMS = ("conv", "matrix")
 DDL_INITIALIZATIONS = ("authors", "llama")
 QK_NORM_POSITIONS = ("after_rope", "before_rope")
-# The defaults follow the authors' code (github.com/yifanzhang-pro/deep-delta-learning at d1f76215, docs/faithfulness.md).
-# A config.json saved before these fields existed was trained with ddl's earlier choices: it loads with these values.
+# The defaults follow the authors' code (github.com/yifanzhang-pro/deep-delta-learning at d1f76215,
+# docs/faithfulness.md). A config.json saved before these fields existed was trained with ddl's earlier choices: it
+# loads with these values.
 LEGACY_DEFAULTS = {
     "ddl_shared_compressor": False,
     "ddl_cc_form": "matrix",
@@ -23,7 +24,6 @@ LEGACY_DEFAULTS = {
 }
 # How the operations run: a runtime choice, never saved with a checkpoint (see `ddl.kernels`).
 DDL_IMPLEMENTATIONS = ("auto", "triton", "torch", "reference")
-REBUILD_CHOICES = ("auto", "on", "off")  # `ddl_rebuild_states` (ddl.rebuild)
 # A saved folder carries these two files; the map lets the Auto classes load it with trust_remote_code=True for
 # someone who never installed `ddl` (save_pretrained alone would record only the class that was saved). Every
 # checkpoint lists the task heads too, so a pretrained causal LM can be fine-tuned as a classifier from its folder.
@@ -107,9 +107,8 @@ class DDLConfig(LlamaConfig):
             d_v == 1; with d_v > 1, h is added to every value channel, an expanded-state additive control).
         ddl_beta_init (`float`, *optional*, defaults to 1.0):
             Initial gate beta in [0, 2]: 0 = identity (skip), 1 = projection (overwrite k^T X with v), 2 =
-            reflection. Sets the gate bias to logit(beta_init / 2) (clamped to |logit| <= 9.21, i.e. beta_init is
-            reached within 2e-4 at the ends of the range); the gate weights start at zero, so every token starts
-            at exactly beta_init.
+            reflection. Sets the gate bias to logit(beta_init / 2) (clamped to |logit| <= 9.21: within 2e-4 of the
+            ends of the range); the gate weights start small (zero with `ddl_initialization="llama"`).
         ddl_beta_hidden_size (`int`, *optional*):
             None = beta from a single linear gate `w . c + b`; an int = two-layer gate `w2 . tanh(W1 c [+ b1]) + b2`
             with that hidden size (the reference code uses 128).
@@ -146,22 +145,10 @@ class DDLConfig(LlamaConfig):
     Runtime choice, not saved with a checkpoint (like transformers' `attn_implementation`): `ddl_implementation`
     (`"auto"` | `"triton"` | `"torch"` | `"reference"`, see `ddl.kernels`) chooses how the update, the compressors and
     EC run on this machine. Set it on the config, pass it to `from_pretrained(..., ddl_implementation="torch")`, or
-    set the environment variable `DDL_IMPLEMENTATION`; default `"auto"`. Likewise `ddl_rebuild_states` (`"off"` |
-    `"on"` | `"auto"`, environment `DDL_REBUILD_STATES`, default `"off"`): whether training rebuilds each expanded
-    state in backward from the next one instead of keeping it (`ddl.rebuild`; `"auto"`: in fp32/fp64 only).
+    set the environment variable `DDL_IMPLEMENTATION`; default `"auto"`.
 
-    Derived fields (set from the above; do not edit): `layer_types` marks the layers whose cache also holds
-    token-axis convolution histories (`"hybrid"`), and `number_of_conv_states` / `per_layer_config` say how many
-    histories each such layer holds, so that `generate()` builds the right cache by itself.
-
-    Example:
-
-    ```python
-    >>> from ddl import DDLConfig, DDLForCausalLM
-    >>> config = DDLConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    ...                    num_attention_heads=4, ddl_value_channels=4)
-    >>> model = DDLForCausalLM(config)
-    ```
+    Derived fields (do not edit): `layer_types` marks the layers whose cache also holds token-convolution histories
+    (`"hybrid"`), `number_of_conv_states` / `per_layer_config` how many, so that `generate()` builds the cache.
     """
 
     model_type = "ddl"
@@ -197,8 +184,9 @@ class DDLConfig(LlamaConfig):
         self._ddl_implementation = None
         if implementation is not None or legacy == "reference":
             self.ddl_implementation = implementation or "reference"
-        self._ddl_rebuild_states = None
-        self.ddl_rebuild_states = kwargs.pop("ddl_rebuild_states", None)
+        if kwargs.pop("ddl_rebuild_states", None) not in (None, "off"):  # (an option of ddl 0.2, removed)
+            raise ValueError("ddl_rebuild_states no longer exists: DDL keeps its expanded states for backward (for "
+                             "less memory, use gradient checkpointing). Drop it.")
         if self.ddl_embed_conv is None:
             self.ddl_embed_conv = self.ddl_value_channels > 1
         # The cache layout is derived, never taken from the caller (a saved config.json carries a copy of it).
@@ -239,16 +227,6 @@ class DDLConfig(LlamaConfig):
     def ddl_implementation(self, name: str | None):
         self._set_runtime_choice("ddl_implementation", name, DDL_IMPLEMENTATIONS, "ddl.kernels")
 
-    @property
-    def ddl_rebuild_states(self) -> str:
-        """Whether training rebuilds the expanded states in backward (`ddl.rebuild`): set on this config, else
-        `DDL_REBUILD_STATES`, else "off"."""
-        return self._runtime_choice("ddl_rebuild_states", REBUILD_CHOICES, "off")
-
-    @ddl_rebuild_states.setter
-    def ddl_rebuild_states(self, name: str | None):
-        self._set_runtime_choice("ddl_rebuild_states", name, REBUILD_CHOICES, "ddl.rebuild")
-
     def _runtime_choice(self, name, choices, default):
         """A runtime choice (never saved): the value set on this config, else the environment variable of the same
         name in capitals, else `default`."""
@@ -269,7 +247,6 @@ class DDLConfig(LlamaConfig):
     def to_dict(self):
         output = super().to_dict()
         output.pop("_ddl_implementation", None)  # a runtime choice: a checkpoint must not pin another machine's
-        output.pop("_ddl_rebuild_states", None)  # likewise
         return output
 
     def validate_architecture(self):
@@ -281,22 +258,15 @@ class DDLConfig(LlamaConfig):
 
         if self.ddl_value_channels < 1:
             raise bad("ddl_value_channels", "an integer >= 1 (1 = scalar state, 4 = the paper's default)")
-        if self.ddl_compressor not in DDL_COMPRESSORS:
-            raise bad("ddl_compressor", f"one of {DDL_COMPRESSORS}")
-        if self.ddl_residual not in DDL_RESIDUAL_MODES:
-            raise bad("ddl_residual", f"one of {DDL_RESIDUAL_MODES}")
-        if self.ddl_value_input not in DDL_VALUE_INPUTS:
-            raise bad("ddl_value_input", f"one of {DDL_VALUE_INPUTS}")
-        if self.ddl_cc_form not in DDL_CC_FORMS:
-            raise bad("ddl_cc_form", f"one of {DDL_CC_FORMS} (conv = the authors', matrix = ddl's earlier form)")
+        for field, choices in (("ddl_compressor", DDL_COMPRESSORS), ("ddl_residual", DDL_RESIDUAL_MODES),
+                               ("ddl_value_input", DDL_VALUE_INPUTS), ("ddl_cc_form", DDL_CC_FORMS),
+                               ("ddl_initialization", DDL_INITIALIZATIONS), ("qk_norm_position", QK_NORM_POSITIONS)):
+            if getattr(self, field) not in choices:
+                raise bad(field, f"one of {choices}")
         if self.ddl_cc_kernel_size is not None and not 1 <= self.ddl_cc_kernel_size <= self.ddl_value_channels:
             raise bad("ddl_cc_kernel_size", f"None (= d_v) or an integer in [1, d_v = {self.ddl_value_channels}]")
-        if self.ddl_initialization not in DDL_INITIALIZATIONS:
-            raise bad("ddl_initialization", f"one of {DDL_INITIALIZATIONS}")
         if not self.ddl_init_std_factor > 0:
             raise bad("ddl_init_std_factor", "a positive float (0.5 in the authors' code)")
-        if self.qk_norm_position not in QK_NORM_POSITIONS:
-            raise bad("qk_norm_position", f"one of {QK_NORM_POSITIONS}")
         if not 0.0 <= self.ddl_beta_init <= 2.0:
             raise bad("ddl_beta_init", "in [0, 2] (0 = identity, 1 = projection, 2 = reflection)")
         for field in ("ddl_state_kernel_size", "ddl_embed_kernel_size"):

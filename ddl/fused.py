@@ -1,21 +1,17 @@
-r"""PyTorch fast paths of `reference.delta_update` and `reference.causal_token_readout`: the same signatures and the
-same numbers, as custom autograd functions that keep less for backward and write their gradients in place. They run
-on any device; `ddl.kernels` chooses them where no compiled kernel applies.
+r"""The PyTorch paths of DDL's operations: the specifications' numbers (`ddl.reference`), as custom autograd functions
+that keep less for backward and write their gradients in place. They run on any device; `ddl.kernels` chooses them
+where no faster implementation serves.
 
-`fused_delta_update` keeps only its inputs (X, h, v, beta) and a few numbers per token for backward and recomputes
-k, k^T X and the coefficient there, instead of autograd keeping every intermediate (k, the fp32 copies, the readout,
-the rank-1 product). X is kept alive anyway by the next norm or compressor, so the extra memory of a sublayer is h
-alone (and with `ddl_rebuild_states`, X itself is rebuilt in backward from X_next: `rebuild_state`, `ddl.rebuild`).
-In inference it skips autograd entirely.
-
-`fused_token_readout` accumulates the readout in place along contiguous d (no state-sized temporary per tap) and has
-a hand-written backward (autograd would zero-fill and copy a state-sized gradient for every lag's slice).
+`fused_delta_update` keeps its inputs (X, h, v, beta) and a few numbers per token for backward and recomputes k, k^T X
+and the coefficient there, instead of autograd keeping every intermediate; X is kept alive anyway by the next norm or
+compressor, so a sublayer's extra memory is h alone. `readout` (TC; CC with one tap) accumulates in place along
+contiguous d and has a hand-written backward (autograd would zero-fill and copy a state-sized gradient per lag);
+`window_readout` reads a decoding step's window where the cache keeps it.
 """
 
 import torch
-import torch.nn.functional as F
 
-from .reference import DELTA_MODES
+from .reference import DELTA_MODES, causal_token_conv
 
 
 def _dot_h(h, state, scalar_state):
@@ -43,9 +39,8 @@ def _rank1(h, coef, scalar_state):
     return (h, coef) if scalar_state else (h.unsqueeze(-2), coef.unsqueeze(-1))
 
 
-def _delta_forward(x, h, v, beta, k_eps, erase, buffer=None):
-    """X_next (in `buffer` if given), the per-token scalars (s, t, beta, h^T X) that the backward needs, and the
-    rank-1 write (`rank1_write`), in few fused operations."""
+def _delta_forward(x, h, v, beta, k_eps, erase):
+    """X_next and the per-token scalars (s, t, beta, h^T X) that the backward needs, in few fused operations."""
     acc = torch.promote_types(x.dtype, torch.float32)
     scalar_state = x.dim() == h.dim()
     h_acc = h.to(acc)  # bf16/fp16 are read out in fp32
@@ -55,38 +50,21 @@ def _delta_forward(x, h, v, beta, k_eps, erase, buffer=None):
     h_dot_x = _dot_h(h_acc, x, scalar_state) if erase else None  # h^T X: (B, T, d_v)
     if erase:
         target = torch.addcmul(target, inv_norm, h_dot_x, value=-1.0)  # v - k^T X
-    write = rank1_write(h, inv_norm, target, beta, x.dtype)
-    out = torch.addcmul(x, *_rank1(*write, scalar_state), out=buffer)
-    return out, (inv_norm, target, beta, h_dot_x), write
+    out = torch.addcmul(x, *_rank1(*_rank1_write(h, inv_norm, target, beta, x.dtype), scalar_state))
+    return out, (inv_norm, target, beta, h_dot_x)
 
 
-def rank1_write(h, inv_norm, target, beta, dtype):
+def _rank1_write(h, inv_norm, target, beta, dtype):
     r"""The update's rank-1 write as the factors (a, c) that the forward adds, X_next = X + a (x) c:
 
         fp32/fp64 states:  a = h,            c = beta s t     (1/|h| folded into the per-token scale)
         bf16/fp16 states:  a = k = s h,      c = beta t       (in the model dtype: fp16 would overflow on s = 1/|h|
                                                                 for tiny h, and |k| < 1)
 
-    with s = 1/sqrt(|h|^2 + eps^2) and t = v - k^T X (write-only: t = v). One function for the forward and for
-    `rebuild_state`, so that the rebuild subtracts exactly the numbers that were added."""
+    with s = 1/sqrt(|h|^2 + eps^2) and t = v - k^T X (write-only: t = v)."""
     if dtype == target.dtype:
         return h, (beta * inv_norm) * target
     return (h.to(target.dtype) * inv_norm).to(dtype), (beta * target).to(dtype)
-
-
-def rebuild_state(x_next, write, in_place=False):
-    r"""The state before a delta update, rebuilt from the one after it and the update's rank-1 write (a, c):
-
-        X = X_next - a c^T        (delta:  X_next = X + k c^T with c = beta (v - k^T X);  write-only: c = beta v)
-
-    The write is a function of X, but it is kept from the forward (a is the sublayer output h, which backward keeps
-    anyway, and c is d_v numbers per token), so nothing needs solving: backward can drop X in forward and rebuild it
-    from X_next (`ddl.rebuild`). Exact up to the rounding of X_next in the model dtype (one rounding per update;
-    the errors of a deep stack add up, they are not amplified). x_next: `(B, T, d_v, d)` (or `(B, T, d)`); a:
-    `(B, T, d)`; c: `(B, T, d_v)`. `in_place`: X is written over X_next (the same numbers, no new state)."""
-    a, c = write
-    factors = _rank1(a.to(x_next.dtype), c.to(x_next.dtype), x_next.dim() == a.dim())
-    return x_next.addcmul_(*factors, value=-1.0) if in_place else torch.addcmul(x_next, *factors, value=-1.0)
 
 
 class _DeltaUpdate(torch.autograd.Function):
@@ -101,10 +79,8 @@ class _DeltaUpdate(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, h, v, beta, k_eps, erase, writes, buffer):
-        out, saved, write = _delta_forward(x, h, v, beta, k_eps, erase, buffer)
-        if writes is not None:  # a `rebuild.StateTape` rebuilds x from out in backward instead of keeping it
-            writes.append(write)
+    def forward(ctx, x, h, v, beta, k_eps, erase):
+        out, saved = _delta_forward(x, h, v, beta, k_eps, erase)
         ctx.save_for_backward(x, h, *saved)
         ctx.erase, ctx.scalar_state, ctx.v_dtype = erase, x.dim() == h.dim(), v.dtype
         return out
@@ -131,24 +107,18 @@ class _DeltaUpdate(torch.autograd.Function):
             grad_x = torch.addcmul(grad, *_rank1(h_acc, -inv_norm * beta * grad_coef, scalar))
         grad_v = beta * grad_coef
         grad_beta = (grad_coef * target).sum(-1, keepdim=True)
-        return (grad_x.to(x.dtype), grad_h.to(h.dtype), grad_v.to(ctx.v_dtype), grad_beta.to(beta.dtype), None, None,
-                None, None)
+        return grad_x.to(x.dtype), grad_h.to(h.dtype), grad_v.to(ctx.v_dtype), grad_beta.to(beta.dtype), None, None
 
 
-def fused_delta_update(x, h, v=None, beta=None, mode="delta", k_eps=1e-5, writes=None, buffer=None):
-    """Same contract as `reference.delta_update`; less memory in training, no autograd bookkeeping in inference.
-    `writes`: a list that gets the update's rank-1 write (`rank1_write`) appended, for `rebuild_state`; `buffer`:
-    memory for X_next, X's shape and layout, not X's (`rebuild.StateTape.buffer_like`), or None."""
+def fused_delta_update(x, h, v=None, beta=None, mode="delta", k_eps=1e-5):
+    """Same contract as `reference.delta_update`; less memory in training, no autograd bookkeeping in inference."""
     if mode == "additive":
         return x + (h if x.dim() == h.dim() else h.unsqueeze(-2))
     if mode not in DELTA_MODES:
         raise ValueError(f"delta_update: unknown mode {mode!r}; expected one of {DELTA_MODES}.")
     if not torch.is_grad_enabled():
-        out, _, write = _delta_forward(x, h, v, beta, k_eps, mode == "delta")
-        if writes is not None:
-            writes.append(write)
-        return out
-    return _DeltaUpdate.apply(x, h, v, beta, k_eps, mode == "delta", writes, buffer)
+        return _delta_forward(x, h, v, beta, k_eps, mode == "delta")[0]
+    return _DeltaUpdate.apply(x, h, v, beta, k_eps, mode == "delta")
 
 
 def readout_forward(x, taps):
@@ -189,21 +159,6 @@ def readout_backward(grad, x, taps, needs_x=True, needs_taps=True):
     return grad_x, grad_taps
 
 
-def conv_backward(grad, x, taps):
-    """The gradients of EC (`reference.causal_token_conv`, taps `(K, d_v, d)`) for the state's gradient G
-    `(B, T, d_v, d)`, in differentiable operations (for a second derivative; the C++ kernel serves the first):
-        dx[t] = sum_s sum_j taps[s, j] * G[t + (K-1) - s, j]
-        dtaps[s, j] = sum over tokens of x[t - (K-1) + s] * G[t, j]
-    """
-    kernel, seq_len = taps.shape[0], x.shape[1]
-    grad = grad.to(x.dtype)
-    ahead = F.pad(grad, (0, 0, 0, 0, 0, kernel - 1))  # G then K-1 zero tokens
-    behind = F.pad(x, (0, 0, kernel - 1, 0))  # K-1 zero tokens then x
-    grad_x = sum((ahead[:, kernel - 1 - s : kernel - 1 - s + seq_len] * taps[s]).sum(-2) for s in range(kernel))
-    grad_taps = torch.stack([(behind[:, s : s + seq_len].unsqueeze(-2) * grad).sum((0, 1)) for s in range(kernel)])
-    return grad_x, grad_taps.to(taps.dtype)
-
-
 class _TokenReadout(torch.autograd.Function):
     """`readout_forward` with `readout_backward` as its backward."""
 
@@ -219,28 +174,37 @@ class _TokenReadout(torch.autograd.Function):
 
 
 def as_taps(weight):
-    """A readout weight `(K, d, d_v)` as taps in the state's layout `(K, d_v, d)` (a small copy)."""
+    """A readout or EC weight `(K, d, d_v)` as taps in the state's layout `(K, d_v, d)` (a small copy; none for a
+    weight kept in that layout)."""
     return weight.transpose(1, 2).contiguous()
 
 
-def readout_with_history(readout, x, weight, history):
-    """`readout(x, taps)` (a token convolution: the readout, or EC) over x with its cached history read as the first
-    K-1 tokens, whose outputs are dropped: the contract of `reference.causal_token_readout` (and `causal_token_conv`)
-    for a function of the whole window."""
-    if history is not None:
-        x = torch.cat([history, x], dim=1)
-    out = readout(x, as_taps(weight))
-    return out if history is None else out[:, weight.shape[0] - 1 :]
-
-
-def _readout(x, taps):
+def readout(x, taps):
+    """`reference.causal_token_readout` of a state `(B, T, d_v, d)` by taps `(K, d_v, d)`, zeros before the first
+    token (as `ddl.kernels` calls its implementations): `readout_forward`, with `readout_backward` under autograd."""
     return _TokenReadout.apply(x, taps) if torch.is_grad_enabled() else readout_forward(x, taps)
 
 
-def fused_token_readout(x, weight, history=None):
-    """Same contract as `reference.causal_token_readout`; faster, and no state-sized temporaries."""
-    return readout_with_history(_readout, x, weight, history)
+def conv(x, taps):
+    """`reference.causal_token_conv` of x `(B, T, d)` by taps `(K, d_v, d)`, zeros before the first token: the
+    specification itself, which writes one state-sized tensor in place (its backward through autograd makes two
+    state-sized products per tap)."""
+    return causal_token_conv(x, taps.transpose(1, 2))
 
 
-__all__ = ["as_taps", "conv_backward", "fused_delta_update", "fused_token_readout", "rank1_write", "readout_backward",
-           "readout_forward", "readout_with_history", "rebuild_state"]
+def window_readout(window, weight):
+    r"""The TC readout of one new token from its cached window `(B, d_v*d, K)` (channel j*d + i, time last), read
+    where the cache keeps it instead of copied back into the state's layout: `(B, 1, d)`, summed in fp32 like the
+    readout of a whole sequence,
+
+        y[b, i] = sum_s sum_j weight[s, i, j] * window[b, j*d + i, s]
+    """
+    kernel, d, dv = weight.shape
+    dtype = torch.promote_types(window.dtype, weight.dtype)
+    acc = torch.promote_types(dtype, torch.float32)
+    products = window.unflatten(1, (dv, d)).to(acc) * weight.permute(2, 1, 0).to(acc)  # (B, d_v, d, K)
+    return products.sum(-1).sum(1).to(dtype).unsqueeze(1)  # two reductions: faster than one over (1, 3)
+
+
+__all__ = ["as_taps", "conv", "fused_delta_update", "readout", "readout_backward", "readout_forward",
+           "window_readout"]

@@ -1,201 +1,151 @@
-r"""The one place that chooses how each DDL operation runs: one dispatcher per operation, called once per use by the
-model, holding the whole decision order.
+r"""How each DDL operation runs: one registry per operation, and the first implementation that serves the inputs.
 
-    delta_residual   the gate, the value and the delta update of one sublayer   (spec: `reference.delta_residual`)
-    token_readout    a CC/TC compressor or the final readout of the state      (spec: `reference.causal_token_readout`)
-    token_conv       EC, the embedding convolution                              (spec: `reference.causal_token_conv`)
+    delta_residual   a sublayer's gate, value and update in one fused seam (spec: `reference.delta_residual`)
+    delta_update     the update alone                                      (spec: `reference.delta_update`)
+    token_readout    a CC/TC compressor or the final readout of the state  (spec: `reference.causal_token_readout`)
+    window_readout   a TC decoding step's readout of its cached window     (the same spec, one token)
+    token_conv       EC, the embedding convolution                         (spec: `reference.causal_token_conv`)
 
-Each takes `implementation`, a runtime choice (`DDLConfig.ddl_implementation`; not saved with a checkpoint, as
-transformers keeps `attn_implementation`):
-
-    "auto"       (the default) the fastest path that has been verified on the device: on CPU (Linux, fp32/fp64, eager)
-                 the C++ kernels of `ddl.cpu_kernels`, built on first use; everywhere else, CUDA included, the PyTorch
-                 fast paths of `ddl.fused`.
-    "triton"     "auto", plus the Triton kernels of `ddl.triton_kernels` on CUDA. Opt-in: they have been tested
-                 through Triton's CPU interpreter, not yet run on a GPU (docs/gpu.md). A Triton compile or launch
-                 failure falls back to PyTorch with one warning that names the kernel.
-    "torch"      the PyTorch fast paths only (no compiled kernel).
-    "reference"  the specifications themselves (plain autograd; slow, and the memory of every intermediate).
-
-Every path computes the specification's numbers up to rounding; each one is tested against it on outputs and
-gradients. The environment variable `DDL_IMPLEMENTATION` sets the default for configs that do not choose.
+Each registry lists its implementations in the order they are tried, each stating next to its code which inputs it
+serves. The PyTorch ones are `ddl.fused`'s; faster ones (C++ for CPU, Triton for CUDA) come from the `ddl_kernels`
+package when it is installed and declares this `INTERFACE_VERSION`, and go first. Otherwise nothing is compiled or
+imported: a checkpoint's code runs on PyTorch alone. `implementation` (`DDLConfig.ddl_implementation`, a runtime
+choice) says which may run: "auto" (the default: ddl_kernels' C++ on CPU, else PyTorch), "triton" ("auto" plus
+ddl_kernels' Triton on CUDA: opt-in, not yet run on a GPU; a kernel that fails to compile gives way to PyTorch with
+one warning), "torch" (PyTorch only), "reference" (the specifications: plain autograd, slow). Every path computes the
+specification's numbers up to rounding, tested on outputs and gradients.
 """
+
+from collections import namedtuple
 
 import torch
 from transformers.utils import logging
 
-from .cpu_kernels import (
-    cpu_conv_applies,
-    cpu_readout_applies,
-    cpu_residual,
-    cpu_residual_applies,
-    cpu_token_conv,
-    cpu_token_readout,
-    cpu_window_readout,
-    cpu_window_readout_applies,
-)
-from .fused import fused_delta_update, fused_token_readout
+from .fused import as_taps, conv, fused_delta_update, readout
+from .fused import window_readout as torch_window_readout
 from .reference import causal_token_conv, causal_token_readout, constant_value, delta_gate, delta_value
 from .reference import delta_residual as reference_residual
+from .reference import delta_update as reference_update
 
 
-logger = logging.get_logger(__name__)
+# under transformers' logger, so that its verbosity governs these lines also as remote code (transformers_modules.*)
+logger = logging.get_logger("transformers.ddl")
+
+INTERFACE_VERSION = 1  # the operations' arguments and results, as ddl_kernels implements them
+Implementation = namedtuple("Implementation", "name choices serves run")  # (ddl_kernels declares the same fields)
+_PYTORCH = ("auto", "triton", "torch")
+_any = lambda *args: True  # noqa: E731
+_TORCH = {  # what serves every input of an operation, last in its registry
+    "delta_residual": [],  # (no fused seam in PyTorch: the gate and value, then `delta_update`)
+    "delta_update": [Implementation("PyTorch delta update", _PYTORCH, _any, fused_delta_update)],
+    "token_readout": [Implementation("PyTorch readout", _PYTORCH, _any, readout)],
+    "window_readout": [Implementation("PyTorch window readout", _PYTORCH, _any, torch_window_readout)],
+    "token_conv": [Implementation("PyTorch EC", _PYTORCH, _any, conv)],
+}
+_registries = None
+
+
+def registries():
+    """{operation: [Implementation, ...]}: ddl_kernels' (when installed, with this interface) before PyTorch's. Made
+    on first use, once per process."""
+    global _registries
+    if _registries is None:
+        found = _accelerators()
+        _registries = {op: [*found.get(op, []), *own] for op, own in _TORCH.items()}
+    return _registries
+
+
+def _accelerators():
+    try:
+        import ddl_kernels
+    except ImportError:
+        logger.info("DDL: the ddl_kernels package (C++ kernels for CPU, Triton for CUDA) is not installed, so DDL runs "
+                    "its PyTorch paths (the same numbers, slower); it comes with the ddl repository (pip install -e . "
+                    "or ./setup.sh in a clone).")
+        return {}
+    version = getattr(ddl_kernels, "INTERFACE_VERSION", None)
+    if version != INTERFACE_VERSION:
+        logger.warning(f"DDL: the installed ddl_kernels has interface version {version}, this model's code expects "
+                       f"{INTERFACE_VERSION}, so DDL runs its PyTorch paths (the same numbers, slower); install the "
+                       "ddl_kernels of the ddl version that saved this checkpoint.")
+        return {}
+    return ddl_kernels.implementations()
+
+
+def _run(op, implementation, *args):
+    """The result of the first implementation of `op` that `implementation` allows and that serves `args`."""
+    for impl in registries()[op]:
+        if implementation in impl.choices and impl.serves(*args):
+            out = impl.run(*args)
+            if out is not None:  # (None: it could not run after all, e.g. a Triton compile error)
+                return out
+    return None
+
 
 # ----------------------------------------------------------------------------------------------- the residual seam
 
 
 def delta_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, *, v_scale, k_eps, mode,
-                   gate_hidden=None, v_constant=None, implementation="auto", tape=None):
-    r"""One sublayer's residual seam, X_next = delta_update(X, h, v(u), beta(c)) (`reference.delta_residual`).
-
-    With a `rebuild.StateTape` (the model's rebuild of the states in backward; "auto" and "torch" only), X_next and
-    the update's rank-1 write go on the tape, which then rebuilds X from them in backward instead of keeping it.
-
-    Decision order:
-    1. "reference": the specification.
-    2. The C++ seam (`cpu_residual`: gate, value and update in one pass, forward and backward) unless "torch": CPU
-       tensors all in fp32 or all in fp64, eager, a single linear gate, a learned value, the kernel built.
-    3. The gate and the value in PyTorch, then the update: Triton on CUDA under "triton"; else `fused_delta_update`.
-    """
+                   gate_hidden=None, v_constant=None, implementation="auto"):
+    r"""One sublayer's residual seam, X_next = delta_update(X, h, v(u), beta(c)) (`reference.delta_residual`): a fused
+    seam where one serves (ddl_kernels' C++ on CPU), else the gate and the value in PyTorch, then `delta_update`."""
+    args = (x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, mode, gate_hidden,
+            v_constant)
     if implementation == "reference":
-        return reference_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, mode,
-                                  gate_hidden, v_constant)
-    writes, buffer = (None, None) if tape is None else ([], tape.buffer_like(x))
-    if (implementation != "torch" and gate_hidden is None and v_constant is None
-            and cpu_residual_applies(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias)):
-        out = cpu_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, mode, writes,
-                           buffer)
-        return out if tape is None else tape.push(out, writes[0])
+        return reference_residual(*args)
+    out = _run("delta_residual", implementation, *args)
+    if out is not None:
+        return out
     beta = delta_gate(c, gate_weight, gate_bias, *(gate_hidden or ()))
-    v = constant_value(x, v_constant) if v_constant is not None else delta_value(u, value_weight, value_bias, v_scale)
-    if implementation == "triton" and tape is None and _triton_serves(x):
-        out = _triton("triton_delta_update", x, h, v, beta, k_eps, mode == "delta")
-        if out is not None:
-            return out
-    out = fused_delta_update(x, h, v, beta, mode=mode, k_eps=k_eps, writes=writes, buffer=buffer)
-    return out if tape is None else tape.push(out, writes[0])
+    v = (constant_value(x, v_constant) if v_constant is not None
+         else delta_value(u, value_weight, value_bias, v_scale))
+    return delta_update(x, h, v, beta, mode=mode, k_eps=k_eps, implementation=implementation)
+
+
+def delta_update(x, h, v=None, beta=None, *, mode="delta", k_eps=1e-5, implementation="auto"):
+    """`reference.delta_update`: ddl_kernels' Triton under "triton" on CUDA, else `fused_delta_update`."""
+    if implementation == "reference":
+        return reference_update(x, h, v, beta, mode, k_eps)
+    return _run("delta_update", implementation, x, h, v, beta, mode, k_eps)
 
 
 # -------------------------------------------------------------------------------------- the token convolutions
 
 
-def window_history(window, x):
-    """The inputs before x in a cached window `(B, C, K-1+T)` (time last, as transformers' conv states are), in x's
-    own layout `(B, K-1, ...)`; None stays None (the start of a sequence: zeros)."""
-    if window is None:
-        return None
-    past = window[..., : window.shape[-1] - x.shape[1]]
-    return past.transpose(1, 2).reshape(x.shape[0], past.shape[-1], *x.shape[2:])
-
-
-def window_readout(window, weight):
-    r"""The TC readout of one new token from its cached window `(B, d_v*d, K)` (channel j*d + i, time last), read
-    where the cache keeps it instead of copied back into the state's layout: `(B, 1, d)`, summed in fp32 like the
-    readout of a whole sequence,
-
-        y[b, i] = sum_s sum_j weight[s, i, j] * window[b, j*d + i, s]
-    """
-    kernel, d, dv = weight.shape
-    dtype = torch.promote_types(window.dtype, weight.dtype)
-    acc = torch.promote_types(dtype, torch.float32)
-    products = window.unflatten(1, (dv, d)).to(acc) * weight.permute(2, 1, 0).to(acc)  # (B, d_v, d, K)
-    return products.sum(-1).sum(1).to(dtype).unsqueeze(1)  # two reductions: faster than one over (1, 3)
-
-
-def token_readout(x, weight, window=None, *, documents=None, implementation="auto"):
+def token_readout(x, weight, history=None, implementation="auto"):
     r"""A compressor's readout of the state (`reference.causal_token_readout`; CC is its one-tap case): `(B, T, d)`.
 
-    x: the state `(B, T, d_v, d)`; weight: `(K, d, d_v)`; window: x's causal window as the cache holds it
-    (`modeling_ddl.cached_window`), or None at the start of a sequence; documents: a packed batch's
-    `packing.Documents` (the readout restarts at each document, whichever path runs), or None. Decision order:
-    1. "reference": the specification.
-    2. A decoding step (one token, no autograd) with a cached window: the C++ window readout unless "torch", else
-       `window_readout`: both read the window where the cache keeps it.
-    3. The C++ readout unless "torch" (CPU, fp32/fp64, eager, the kernel built).
-    4. Triton on CUDA under "triton"; else `fused_token_readout`.
-    """
-    if documents is not None:
-        history = window_history(window, x)
-        return documents.convolve(lambda wide: _token_readout(wide, weight, history, implementation), x,
-                                  weight.shape[0])
-    if implementation != "reference" and window is not None and x.shape[1] == 1 and not torch.is_grad_enabled():
-        if implementation != "torch" and cpu_window_readout_applies(window, weight):
-            return cpu_window_readout(window, weight)
-        return window_readout(window, weight)
-    return _token_readout(x, weight, window_history(window, x), implementation)
-
-
-def _token_readout(x, weight, history, implementation):
-    """`token_readout` of a whole sequence after its history (None: zeros): steps 1, 3 and 4."""
+    x: the state `(B, T, d_v, d)`; weight: `(K, d, d_v)`; history: the K-1 states before x `(B, K-1, d_v, d)`, or
+    None (zeros: the start of a sequence). The implementations compute the readout of a window without history, by
+    taps in the state's layout `(K, d_v, d)`; the history is read as its first K-1 tokens, whose outputs are dropped."""
     if implementation == "reference":
         return causal_token_readout(x, weight, history)
-    if implementation != "torch" and cpu_readout_applies(x, weight):
-        return cpu_token_readout(x, weight, history)
-    if implementation == "triton" and _triton_serves(x):
-        out = _triton("triton_token_readout", x, weight, history)
-        if out is not None:
-            return out
-    return fused_token_readout(x, weight, history)
+    return _with_history("token_readout", implementation, x, weight, history)
 
 
-def token_conv(x, weight, window=None, *, documents=None, implementation="auto"):
-    r"""EC of the embeddings (`reference.causal_token_conv`): the state `(B, T, d_v, d)`.
-
-    x: `(B, T, d)`; weight: `(K, d, d_v)`; window, documents: as for `token_readout`. Decision order:
-    1. The C++ conv (`cpu_token_conv`: the state written once, its gradient read once) unless "reference" or
-       "torch" (CPU, fp32/fp64, eager, the kernel built).
-    2. Triton on CUDA under "triton".
-    3. The specification, which writes one state-sized tensor in place (its backward through autograd makes two
-       state-sized products per tap).
-    """
-    history = window_history(window, x)
-    if documents is not None:
-        return documents.convolve(lambda wide: _token_conv(wide, weight, history, implementation), x,
-                                  weight.shape[0])
-    return _token_conv(x, weight, history, implementation)
+def window_readout(window, weight, implementation="auto"):
+    r"""The TC readout of one new token from its cached window `(B, d_v*d, K)` (channel j*d + i, time last), read
+    where the cache keeps it (no autograd): `(B, 1, d)`, y[b, i] = sum_s sum_j weight[s, i, j] window[b, j*d + i, s]."""
+    if implementation == "reference":
+        steps = window.transpose(1, 2).unflatten(-1, (weight.shape[2], weight.shape[1]))  # (B, K, d_v, d)
+        return causal_token_readout(steps[:, -1:], weight, steps[:, :-1])
+    return _run("window_readout", implementation, window, weight)
 
 
-def _token_conv(x, weight, history, implementation):
-    if implementation not in ("torch", "reference") and cpu_conv_applies(x, weight):
-        return cpu_token_conv(x, weight, history)
-    if implementation == "triton" and _triton_serves(x):
-        out = _triton("triton_token_conv", x, weight, history)
-        if out is not None:
-            return out
-    return causal_token_conv(x, weight, history)
+def token_conv(x, weight, history=None, implementation="auto"):
+    r"""EC of the embeddings (`reference.causal_token_conv`): the state `(B, T, d_v, d)`, from x `(B, T, d)`, weight
+    `(K, d, d_v)` and history `(B, K-1, d)` or None, as `token_readout` runs them."""
+    if implementation == "reference":
+        return causal_token_conv(x, weight, history)
+    return _with_history("token_conv", implementation, x, weight, history)
 
 
-# ------------------------------------------------------------------------------------------------------- Triton
+def _with_history(op, implementation, x, weight, history):
+    if history is not None:
+        x = torch.cat([history, x], dim=1)
+    out = _run(op, implementation, x, as_taps(weight))
+    return out if history is None else out[:, weight.shape[0] - 1 :]
 
 
-_triton_failed = set()  # kernels that failed to compile or launch in this process: PyTorch serves them from then on
-
-
-def _triton_serves(x):
-    """CUDA tensors that the fp32-accumulating kernels serve exactly (not fp64)."""
-    return x.is_cuda and x.dtype != torch.float64
-
-
-def _triton(name, *args):
-    """`ddl.triton_kernels.<name>(*args)`, or None (with one warning naming the kernel) when triton is missing or
-    the kernel fails to compile or launch; the caller then runs the PyTorch path."""
-    if name in _triton_failed:
-        return None
-    try:
-        # (`from .triton_kernels import ...`, so that a saved checkpoint carries the file with the others)
-        from .triton_kernels import triton_delta_update, triton_token_conv, triton_token_readout
-
-        functions = {"triton_delta_update": triton_delta_update, "triton_token_conv": triton_token_conv,
-                     "triton_token_readout": triton_token_readout}
-        return functions[name](*args)
-    except Exception as error:  # ImportError, a compile error, a launch error: PyTorch computes the same numbers
-        _triton_failed.add(name)
-        logger.warning(f"DDL: the Triton kernel {name} failed ({type(error).__name__}: {str(error)[:300]}); DDL "
-                       "uses the PyTorch path for it from now on.")
-        return None
-
-
-__all__ = [
-    "delta_residual", "token_conv", "token_readout", "window_history",
-    "window_readout",
-]
+__all__ = ["INTERFACE_VERSION", "delta_residual", "delta_update", "registries", "token_conv", "token_readout",
+           "window_readout"]

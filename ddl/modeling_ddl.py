@@ -1,16 +1,13 @@
 """Deep Delta Learning (DDL) language model (Zhang, Liu, Wang, Gu, 2026, arXiv 2601.00417).
 
-Llama's architecture with one change: each of the two residual additions of a decoder layer becomes a delta
-update of the residual state. Attention, MLP, RMSNorm and rotary embeddings are transformers' own Llama modules
-(with QK-norm, Llama's attention plus per-head norms, Qwen3's parameter names), so parameter names, attention
-backends and caches are Llama's. The defaults follow the authors' code (docs/faithfulness.md).
-
-Reading order: the cache helpers of the token-axis convolutions, the DDL modules (delta residual, compressor,
-embedding convolution), the attention with QK-norm, the decoder layer, the initialisation, the models. The operations themselves are specified in
-`ddl.reference` (the update is `reference.delta_update`) and dispatched to their fast paths by `ddl.kernels`.
+Llama's architecture with one change: each of the two residual additions of a decoder layer becomes a delta update
+of the residual state. Attention, MLP, RMSNorm and rotary embeddings are transformers' own Llama modules (QK-norm:
+Llama's attention plus Qwen3's per-head norms), so parameter names, attention backends and caches are Llama's; the
+defaults follow the authors' code (docs/faithfulness.md). Reading order: the token convolutions' cache windows, the
+DDL modules (delta residual, compressor, embedding convolution), the attention with QK-norm, the decoder layer, the
+initialisation, the models. The operations are specified in `ddl.reference` and run by `ddl.kernels`.
 """
 
-import contextlib
 import math
 import weakref
 from dataclasses import dataclass
@@ -18,37 +15,25 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import AutoModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache, LinearAttentionCacheLayerMixin
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask
-from transformers import AutoModel
-from transformers.modeling_layers import (
-    GenericForQuestionAnswering,
-    GenericForSequenceClassification,
-    GenericForTokenClassification,
-    GradientCheckpointingLayer,
-)
+from transformers.modeling_layers import GenericForQuestionAnswering, GenericForSequenceClassification
+from transformers.modeling_layers import GenericForTokenClassification, GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.llama.modeling_llama import (
-    LlamaAttention,
-    LlamaMLP,
-    LlamaRMSNorm,
-    LlamaRotaryEmbedding,
-    apply_rotary_pos_emb,
-    eager_attention_forward,
-)
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
 from transformers.utils import can_return_tuple, logging
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_ddl import DDLConfig, conv_state_slots
-from .kernels import delta_residual, token_conv, token_readout
+from .kernels import delta_residual, token_conv, token_readout, window_readout
 from .packing import Padding, find_documents
-from .rebuild import StateTape, active_tape, derived, rebuild_applies, saving_states
 from .reference import constant_value, delta_gate, delta_update, delta_value
 
 
@@ -59,14 +44,10 @@ _MAX_GATE_LOGIT = 9.21
 
 
 def cached_window(x, kernel_size, cache, layer_idx, slot, documents=None):
-    """x's causal window as the cache holds it, time last: the `kernel_size - 1` inputs before x and x itself,
-    `(B, C, K-1+T)` with C the flattened feature axes; None when the cache holds no earlier inputs (no cache, or the
-    start of a sequence: the history is zeros).
-
-    Stores `x` in conv-state `slot` of cache layer `layer_idx` (time last, as transformers' conv states are), so
-    decoding, beam search (reorder), static caches and assisted decoding (crop) all keep it right. Of a packed batch
-    (`documents`) it stores each row's last document only, after zeros, so decoding continues that document alone.
-    """
+    """x's causal window as the cache holds it, time last: the K-1 inputs before x, then x, `(B, C, K-1+T)` (C the
+    flattened feature axes); None when the cache holds no earlier inputs (no cache, or the start of a sequence).
+    Stores x in conv-state `slot` of cache layer `layer_idx`, so decoding, beam search (reorder), static caches and
+    assisted decoding (crop) keep it right; of a packed batch, each row's last document only, after zeros."""
     if cache is None or kernel_size == 1:
         return None
     batch, seq_len = x.shape[:2]
@@ -93,11 +74,9 @@ def _cached_window_of_documents(flat, kernel_size, cache, layer_idx, slot, had_p
     return torch.cat([F.pad(past, (kernel_size - 1 - past.shape[-1], 0)), flat], dim=-1)
 
 
-# Weights derived from parameters for one decoding run (a compressor's readout weight): decoding reads each one 2L + 1
-# times per token, so it is made once per cache and lives exactly as long as that cache (one `generate` call, or as
-# long as a caller keeps it): the cache's keys and values are themselves derived from these weights, so nothing here
-# is staler than they are. Never keyed on a parameter's identity or `_version`: optimizers change weights in place
-# (fused AdamW without bumping `_version`).
+# Weights derived from parameters for one decoding run (a compressor's readout weight, read 2L + 1 times per token):
+# made once per cache and living as long as it (one `generate` call), whose keys and values are derived from the same
+# weights. Never keyed on a parameter's `_version`: fused AdamW changes weights in place without bumping it.
 _DERIVED_PER_CACHE = weakref.WeakKeyDictionary()
 
 
@@ -112,19 +91,33 @@ def _derived_for_cache(cache, module, make):
     return weight
 
 
+def window_history(window, x):
+    """The inputs before x in a cached window `(B, C, K-1+T)` (time last, as transformers' conv states are), in x's
+    own layout `(B, K-1, ...)`; None stays None (the start of a sequence: zeros)."""
+    if window is None:
+        return None
+    past = window[..., : window.shape[-1] - x.shape[1]]
+    return past.transpose(1, 2).reshape(x.shape[0], past.shape[-1], *x.shape[2:])
+
+
 def convolve_tokens(op, x, weight, cache=None, layer_idx=0, slot=None, padding=None, documents=None,
                     implementation="auto"):
-    """`op(x, weight, window, ...)` (`kernels.token_conv`, EC, or `kernels.token_readout`, TC) over x's tokens: with
-    the window from the cache (which keeps x for the next call), padded inputs zeroed and a padded batch compacted
-    where its padding is not only before its tokens (`packing.Padding`), a packed batch's documents kept apart."""
+    """`op(x, weight, history, implementation)` (`kernels.token_conv`, EC, or `kernels.token_readout`, TC) over x's
+    tokens, with the history from the cache (a decoding step's TC readout reads its window there), padding zeroed
+    or compacted (`packing.Padding`), a packed batch's documents apart (`packing.Documents`)."""
     kernel = weight.shape[0]
     if padding is not None:
-        x = derived(padding.masked, x)  # (a state's masked copy is rebuilt in backward with the state)
+        x = padding.masked(x)
         if padding.compacts and kernel > 1:
             x, window = padding.compact(x, kernel, cache, layer_idx, slot)
-            return padding.restore(op(x, weight, window, implementation=implementation), kernel)
+            return padding.restore(op(x, weight, window_history(window, x), implementation), kernel)
     window = cached_window(x, kernel, cache, layer_idx, slot, documents)
-    return op(x, weight, window, documents=documents, implementation=implementation)
+    if op is token_readout and window is not None and x.shape[1] == 1 and not torch.is_grad_enabled():
+        return window_readout(window, weight, implementation)
+    history = window_history(window, x)
+    if documents is not None:
+        return documents.convolve(lambda wide: op(wide, weight, history, implementation), x, kernel)
+    return op(x, weight, history, implementation)
 
 
 class DDLDeltaResidual(nn.Module):
@@ -145,8 +138,7 @@ class DDLDeltaResidual(nn.Module):
         self.mode = config.ddl_residual
         if self.mode == "additive":
             return
-        # read once, as Llama's modules read theirs (a config attribute costs ~1 us; decoding reads these 2L times
-        # per token)
+        # read once, as Llama's modules read theirs (decoding would read these 2L times per token)
         self.value_from_state = config.ddl_value_input == "state"
         self.v_scale, self.k_eps, self.v_constant = config.ddl_v_sigmoid_scale, config.ddl_k_eps, config.ddl_v_constant
         d, dv, hb = config.hidden_size, config.ddl_value_channels, config.ddl_beta_hidden_size
@@ -162,18 +154,16 @@ class DDLDeltaResidual(nn.Module):
 
     def forward(self, x, h, context, sublayer_input, implementation=None):
         """x: state X; h: sublayer output (gives k); context: c = RMSNorm(x_in); sublayer_input: x_in;
-        implementation: `config.ddl_implementation` as the model read it for this forward (None: read it here)."""
+        implementation: `config.ddl_implementation`, read once per model forward (None: read here)."""
         if self.mode == "additive":
             return delta_update(x, h, mode="additive")
         u = sublayer_input if self.value_from_state else context
         constant = self.v_constant is not None
         value_weight, value_bias = (None, None) if constant else (self.value_weight, self.value_bias)
-        with saving_states():  # ddl.rebuild: the state it saves goes on the tape, if any
-            return delta_residual(x, h, context, u, self.beta_weight, self.beta_bias, value_weight, value_bias,
-                                  v_scale=self.v_scale, k_eps=self.k_eps, mode=self.mode,
-                                  gate_hidden=self._gate_hidden(), v_constant=self.v_constant,
-                                  implementation=implementation or self.config.ddl_implementation,
-                                  tape=active_tape())
+        return delta_residual(x, h, context, u, self.beta_weight, self.beta_bias, value_weight, value_bias,
+                              v_scale=self.v_scale, k_eps=self.k_eps, mode=self.mode, gate_hidden=self._gate_hidden(),
+                              v_constant=self.v_constant,
+                              implementation=implementation or self.config.ddl_implementation)
 
     def _gate_hidden(self):
         return (self.beta_hidden_weight, self.beta_hidden_bias) if self.gate_is_mlp else None
@@ -198,11 +188,9 @@ class DDLCompressor(nn.Module):
         CC, matrix:               x_in[i] = sum_j w[i, j] X[j, i]
         TC:                       x_in[t, i] = sum_j r_j sum_s c[s, i, j] X[t - (K-1) + s, j, i]   (causal, tokens)
 
-    Each CC form is a per-feature weight over the d_v channels, so both are `reference.causal_token_readout` with
-    one tap (the conv folded into that weight); TC is its K-tap case. All run by `kernels.token_readout`. With
-    `ddl_shared_compressor` one module serves both sublayers of a block: each call names its own cache slot, since
-    the TC history belongs to the state it reads, not to the module.
-    """
+    Each CC form is a per-feature weight over the d_v channels: `reference.causal_token_readout` with one tap (the
+    conv folded in); TC is its K-tap case. A compressor shared by a block's two sublayers (`ddl_shared_compressor`)
+    is given each call's cache slot: a TC history belongs to the state it reads."""
 
     def __init__(self, config: DDLConfig, layer_idx: int):
         super().__init__()
@@ -252,12 +240,11 @@ class DDLCompressor(nn.Module):
         """padding: the batch's `packing.Padding` (None: none); implementation: `config.ddl_implementation` as the
         model read it for this forward (None: read it here)."""
         implementation = implementation or self.config.ddl_implementation
-        with saving_states():  # ddl.rebuild: the state (or masked copy) it saves goes on the tape, if any
-            weight = self.readout_weight(cache)  # (K, d, d_v)
-            if self.kind != "tc":
-                return token_readout(state, weight, implementation=implementation)  # (B, T, d)
-            return convolve_tokens(token_readout, state, weight, cache, self.layer_idx, cache_slot, padding, documents,
-                                   implementation)  # (B, T, d)
+        weight = self.readout_weight(cache)  # (K, d, d_v)
+        if self.kind != "tc":
+            return token_readout(state, weight, implementation=implementation)  # (B, T, d)
+        return convolve_tokens(token_readout, state, weight, cache, self.layer_idx, cache_slot, padding, documents,
+                               implementation)  # (B, T, d)
 
 
 class DDLEmbedConv(nn.Module):
@@ -267,9 +254,8 @@ class DDLEmbedConv(nn.Module):
         super().__init__()
         self.config = config
         self.cache_slot = cache_slot
-        self.weight = nn.Parameter(
-            torch.empty(config.ddl_embed_kernel_size, config.hidden_size, config.ddl_value_channels)
-        )
+        self.weight = nn.Parameter(torch.empty(config.ddl_embed_kernel_size, config.hidden_size,
+                                               config.ddl_value_channels))
 
     def forward(self, embeds, cache=None, padding=None, documents=None, implementation=None):
         return convolve_tokens(token_conv, embeds, self.weight, cache, 0, self.cache_slot, padding, documents,
@@ -342,31 +328,15 @@ class DDLDecoderLayer(GradientCheckpointingLayer):
         return compressor(hidden_states, cache, padding, self.cache_slots[which], documents, implementation)
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
-    def forward(
-        self,
-        hidden_states,
-        attention_mask=None,
-        position_ids=None,
-        cache: Cache | None = None,
-        use_cache: bool | None = False,
-        position_embeddings=None,
-        padding=None,
-        documents=None,
-        implementation=None,
-        **kwargs,
-    ):
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, cache: Cache | None = None,
+                use_cache: bool | None = False, position_embeddings=None, padding=None, documents=None,
+                implementation=None, **kwargs):
         """implementation: `config.ddl_implementation`, read once per model forward (None: each module reads it)."""
         x_in = self.sublayer_input("attn", hidden_states, cache, padding, documents, implementation)
         context = self.input_layernorm(x_in)
-        attn_out, _ = self.self_attn(
-            hidden_states=context,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache,
-            use_cache=use_cache,
-            position_embeddings=position_embeddings,
-            **kwargs,
-        )
+        attn_out, _ = self.self_attn(hidden_states=context, attention_mask=attention_mask, position_ids=position_ids,
+                                     cache=cache, use_cache=use_cache, position_embeddings=position_embeddings,
+                                     **kwargs)
         hidden_states = self.attn_delta(hidden_states, attn_out, context, x_in, implementation)
 
         x_in = self.sublayer_input("mlp", hidden_states, cache, padding, documents, implementation)
@@ -376,11 +346,9 @@ class DDLDecoderLayer(GradientCheckpointingLayer):
 
 
 class DDLStateReadout(nn.Module):
-    r"""What `output_hidden_states` records after each block: the block's state read through the model's final
-    readout, `(B, T, d)` whatever d_v is (the state itself when d_v = 1, so that entries equal Llama's). transformers'
-    output hooks record this module's output, and the first call's first argument (the token embeddings) as entry 0.
-    Called only when hidden states are requested; the intermediate readouts take no cache (a TC readout of a cached
-    decoding step then sees only the new tokens: ask for hidden states of full forwards)."""
+    r"""What `output_hidden_states` records after each block: the state read through the final readout, `(B, T, d)`
+    (the state itself when d_v = 1, as Llama's), and the first call's first argument (the embeddings) as entry 0.
+    The intermediate readouts take no cache: ask for the hidden states of full forwards, not of decoding steps."""
 
     def forward(self, embeds, state, readout=None, padding=None, documents=None):
         return state if state.dim() == 3 else readout(state, None, padding, None, documents)
@@ -390,8 +358,8 @@ class DDLStateReadout(nn.Module):
 class DDLModelOutputWithPast(BaseModelOutputWithPast):
     r"""
     expanded_states (`tuple(torch.FloatTensor)`, *optional*, returned when `output_expanded_states=True`):
-        The full DDL state after every block, unread: `(B, T, d_v, d)` (`(B, T, d)` when d_v = 1). From `DDLModel`
-        (`model.model(..., output_expanded_states=True)` under a head). `hidden_states` holds the `(B, T, d)` view of the same states a Llama user expects.
+        The full DDL state after every block, unread: `(B, T, d_v, d)` (`(B, T, d)` when d_v = 1), from `DDLModel`
+        (`model.model(..., output_expanded_states=True)` under a head); `hidden_states` holds their `(B, T, d)` view.
     """
 
     expanded_states: tuple[torch.FloatTensor, ...] | None = None
@@ -499,9 +467,7 @@ class DDLModel(DDLPreTrainedModel):
         slots = conv_state_slots(config)
         if config.ddl_embed_conv:
             self.embed_conv = DDLEmbedConv(config, slots.get((0, "embed")))
-        self.layers = nn.ModuleList(
-            [DDLDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
-        )
+        self.layers = nn.ModuleList([DDLDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         if config.ddl_value_channels > 1:
             last = config.num_hidden_layers - 1
             self.readout = DDLCompressor(config, last)
@@ -521,23 +487,18 @@ class DDLModel(DDLPreTrainedModel):
         return embeds.unsqueeze(-2).expand(*embeds.shape[:2], self.config.ddl_value_channels, embeds.shape[-1])
 
     def _check_cache(self, cache):
-        # When any layer keeps conv histories, layer 0 does (EC lives there, TC is in every layer): one O(1) check
-        # per forward, also on each decoding step.
-        if self.config.layer_types[0] == "hybrid" and not (
-            cache.layers and isinstance(cache.layers[0], LinearAttentionCacheLayerMixin)
-        ):
-            raise ValueError(
-                "This DDL variant keeps token-convolution histories in the cache, which a bare `DynamicCache()` "
-                "cannot hold. Pass `DynamicCache(config=model.config)` (or let `generate()` build the cache)."
-            )
+        # When any layer keeps conv histories, layer 0 does (EC lives there, TC in every layer): O(1) per forward
+        if self.config.layer_types[0] == "hybrid" and not (cache.layers and isinstance(cache.layers[0],
+                                                                                     LinearAttentionCacheLayerMixin)):
+            raise ValueError("This DDL variant keeps token-convolution histories in the cache, which a bare "
+                             "`DynamicCache()` cannot hold. Pass `DynamicCache(config=model.config)` (or let "
+                             "`generate()` build the cache).")
 
     @staticmethod
     def _find_documents(inputs_embeds, attention_mask, pad_mask, position_ids, cache, cu_seq_lens_q):
-        """The documents of a packed batch (`packing.find_documents`: no padding (`pad_mask` None, from no mask or an
-        all-ones one), and the caller's position ids restarting inside a row, or `cu_seq_lens_q`), for the token
-        convolutions to restart at each; and, where transformers' causal mask would not keep them apart in attention
-        (it looks for packing only without a mask and without a cache), the mask function that does.
-        (None, None) for any other batch, without looking at the data unless position ids or lengths are given."""
+        """The documents of a packed batch (`packing.find_documents`: no padding, and position ids restarting inside a
+        row, or `cu_seq_lens_q`), and, where transformers' causal mask would not keep them apart (it looks for packing
+        only without a mask and a cache), the mask function that does; (None, None) for any other batch."""
         if (position_ids is None and cu_seq_lens_q is None) or pad_mask is not None or (
                 attention_mask is not None and attention_mask.dim() != 2):
             return None, None
@@ -551,16 +512,8 @@ class DDLModel(DDLPreTrainedModel):
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @merge_with_config_defaults
     @capture_outputs
-    def forward(
-        self,
-        input_ids=None,
-        attention_mask=None,
-        position_ids=None,
-        cache: Cache | None = None,
-        inputs_embeds=None,
-        use_cache: bool | None = None,
-        **kwargs,
-    ) -> DDLModelOutputWithPast:
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache: Cache | None = None,
+                inputs_embeds=None, use_cache: bool | None = None, **kwargs) -> DDLModelOutputWithPast:
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         given = input_ids if input_ids is not None else inputs_embeds
@@ -588,53 +541,28 @@ class DDLModel(DDLPreTrainedModel):
             pad_mask = create_recurrent_attention_mask(self.config, inputs_embeds, attention_mask, cache)
             documents, packed_attention = self._find_documents(
                 inputs_embeds, attention_mask, pad_mask, given_position_ids, cache, kwargs.get("cu_seq_lens_q"))
-            causal_mask = create_causal_mask(
-                config=self.config,
-                inputs_embeds=inputs_embeds,
-                attention_mask=attention_mask,
-                cache=cache,
-                position_ids=position_ids,
-                and_mask_function=packed_attention,
-            )
+            causal_mask = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds,
+                                             attention_mask=attention_mask, cache=cache, position_ids=position_ids,
+                                             and_mask_function=packed_attention)
         padding = Padding.of(pad_mask, inputs_embeds.dtype, cache)
 
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
-        rebuild = rebuild_applies(self.config, inputs_embeds.dtype, self.gradient_checkpointing and self.training)
-        with StateTape() if rebuild else contextlib.nullcontext() as tape:  # ddl.rebuild: states rebuilt in backward
-            hidden_states = self._blocks(inputs_embeds, tape, causal_mask, position_embeddings, position_ids, cache,
-                                         use_cache, padding, documents, **kwargs)
-        hidden_states = self.norm(hidden_states)
-        return DDLModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
-
-    def _blocks(self, inputs_embeds, tape, causal_mask, position_embeddings, position_ids, cache, use_cache, padding,
-                documents, **kwargs):
-        """X_0, the decoder layers, and the final readout of the state: `(B, T, d)`. (X_0 is made here, so that no
-        caller's variable keeps it through the layers: with a `tape`, forward frees each state.)"""
         implementation = self.config.ddl_implementation  # (a runtime choice: read once per forward)
         hidden_states = self.expand(inputs_embeds, cache, padding, documents, implementation)  # X_0: (B, T, [d_v,] d)
-        if tape is not None:
-            tape.start(hidden_states)
         record = kwargs.get("output_hidden_states", self.config.output_hidden_states)
         readout = getattr(self, "readout", None)
         for i, decoder_layer in enumerate(self.layers[: self.config.num_hidden_layers]):
-            hidden_states = decoder_layer(
-                hidden_states,
-                attention_mask=causal_mask,
-                position_embeddings=position_embeddings,
-                position_ids=position_ids,
-                cache=cache,
-                use_cache=use_cache,
-                padding=padding,
-                documents=documents,
-                implementation=implementation,
-                **kwargs,
-            )
+            hidden_states = decoder_layer(hidden_states, attention_mask=causal_mask,
+                                          position_embeddings=position_embeddings, position_ids=position_ids,
+                                          cache=cache, use_cache=use_cache, padding=padding, documents=documents,
+                                          implementation=implementation, **kwargs)
             if record:
                 self.state_readout(inputs_embeds if i == 0 else None, hidden_states, readout, padding, documents)
         if hidden_states.dim() == 4:
             hidden_states = self.readout(hidden_states, cache, padding, self.readout_slot, documents,
                                          implementation)  # (B, T, d)
-        return hidden_states
+        hidden_states = self.norm(hidden_states)
+        return DDLModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
 
 
 class DDLForCausalLM(DDLPreTrainedModel, GenerationMixin):
@@ -652,40 +580,20 @@ class DDLForCausalLM(DDLPreTrainedModel, GenerationMixin):
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @can_return_tuple
-    def forward(
-        self,
-        input_ids=None,
-        attention_mask=None,
-        position_ids=None,
-        cache: Cache | None = None,
-        inputs_embeds=None,
-        labels=None,
-        use_cache: bool | None = None,
-        logits_to_keep: int | torch.Tensor = 0,
-        **kwargs,
-    ) -> CausalLMOutputWithPast:
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache: Cache | None = None,
+                inputs_embeds=None, labels=None, use_cache: bool | None = None, logits_to_keep: int | torch.Tensor = 0,
+                **kwargs) -> CausalLMOutputWithPast:
         """Causal LM forward. `labels` are the input ids (shifted inside; -100 is ignored); extra loss kwargs such
         as `num_items_in_batch` (passed by `Trainer`) go to the loss."""
-        outputs: BaseModelOutputWithPast = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            **kwargs,
-        )
+        outputs: BaseModelOutputWithPast = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                                                      position_ids=position_ids, cache=cache,
+                                                      inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
         logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(
-            loss=loss,
-            logits=logits,
-            cache=outputs.cache,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-        )
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=outputs.cache,
+                                      hidden_states=outputs.hidden_states, attentions=outputs.attentions)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -694,13 +602,9 @@ class DDLForCausalLM(DDLPreTrainedModel, GenerationMixin):
 
 
 class _BaseModelFromConfig:
-    """Lets the generic heads' `AutoModel.from_config(config)` find DDLModel for this very config class.
-
-    As remote code (trust_remote_code=True, `ddl` not installed) the config class comes from its own copy of
-    configuration_ddl.py (transformers loads each auto_map file under its own hash), one that nothing has registered
-    with AutoModel; transformers would then ask on stdin whether to run the checkpoint's code again, and fail where
-    there is no stdin.
-    """
+    """Lets the generic heads' `AutoModel.from_config(config)` find DDLModel for this very config class: as remote
+    code the config class is its own copy (transformers loads each auto_map file under its own hash), which nothing
+    registered with AutoModel, and transformers would ask on stdin whether to run the checkpoint's code again."""
 
     def __init__(self, config):
         AutoModel.register(type(config), DDLModel, exist_ok=True)
@@ -721,11 +625,5 @@ class DDLForQuestionAnswering(_BaseModelFromConfig, GenericForQuestionAnswering,
     """DDLModel with a linear `qa_outputs` head: span start and end logits per token (extractive QA)."""
 
 
-__all__ = [
-    "DDLForCausalLM",
-    "DDLForQuestionAnswering",
-    "DDLForSequenceClassification",
-    "DDLForTokenClassification",
-    "DDLModel",
-    "DDLPreTrainedModel",
-]
+__all__ = ["DDLForCausalLM", "DDLForQuestionAnswering", "DDLForSequenceClassification", "DDLForTokenClassification",
+           "DDLModel", "DDLPreTrainedModel"]

@@ -1,37 +1,27 @@
 r"""Packed and padded batches: where DDL's token convolutions (EC, TC) restart (documents) and what they skip (padding).
 
-**Packed batches**: several documents in one row, kept apart by the token convolutions.
+**Packed batches** (`Documents`): transformers trains "padding-free" by packing documents into a row with no
+attention mask: position ids that restart at each document (`DataCollatorWithFlattening`, TRL's `packing=True`), or
+flash attention's `cu_seq_lens_q/k`. Attention keeps the documents apart; a causal token convolution would read the
+end of one document into the first K-1 tokens of the next. So the row is spread out, each document after K-1 zeros
+(`(B, T) -> (B, T + (K-1)(n-1))`, n documents), the convolution runs there as on any row, by whichever
+implementation `ddl.kernels` chooses, and each token's output is gathered back: each document sees zeros before its
+first token, as when it runs alone (the row's first keeps the row's own history). Where transformers' causal mask
+would not keep the documents apart (it looks for packing only without a cache and a mask), the model adds
+`Documents.attention_mask_function` to it.
 
-transformers trains "padding-free" by packing documents into a row with no attention mask: position ids that restart
-at each document (`DataCollatorWithFlattening`, TRL's `packing=True`), or flash attention's `cu_seq_lens_q/k`.
-Attention keeps the documents apart; a causal token convolution would run across the boundary, reading the end of one
-document into the first K-1 tokens of the next. `Documents` makes every token convolution restart at each document:
-
-    spread:  the row laid out wider, each document after K-1 zeros (`(B, T) -> (B, T + (K-1)(n-1))`, n documents)
-    conv:    the convolution runs there as on any row, by whichever implementation `ddl.kernels` chooses
-    gather:  each token's output read back from its place
-
-so each document sees zeros before its first token, exactly as when it runs alone; the first document of a row keeps
-the row's own history (zeros, or the cache's). One index operation each way, differentiable, and no change to any
-kernel. Unpacked batches never get here (`find_documents` returns None) and run as before. Where transformers' causal
-mask would not keep the documents apart (it looks for packing only without a cache and without a mask), the model
-adds `Documents.attention_mask_function` to it.
-
-**Padded batches** (`Padding`): attention skips padded positions by the mask; a token convolution reads each real
-token's K-1 predecessors, which must be the row's real tokens however the padding lies. Padding before a row's tokens
-(`generate`'s left padding) needs nothing but zeroing the padded inputs: they are the zeros a sequence starts from.
-Padding anywhere else (after the tokens, or holes between them) is compacted: each row's real tokens are moved
-together after its history (the cache's last inputs, or the zeros before a sequence) and its padding before that,
-the convolution runs there as on any row, and each token's output is read back from its place; the cache then keeps
-the row's last real inputs, so decoding continues them.
+**Padded batches** (`Padding`): a token convolution must read each real token's K-1 real predecessors however the
+padding lies. Padding before a row's tokens (`generate`'s left padding) needs nothing but zeroing the padded inputs:
+they are the zeros a sequence starts from. Padding anywhere else (after the tokens, or holes between them) is
+compacted: each row's real tokens are moved together after its history (the cache's last inputs, or zeros) and its
+padding before that, the convolution runs there, and each token's output is read back; the cache then keeps the
+row's last real inputs, so decoding continues them.
 """
 
 import torch
 import torch.nn.functional as F
 from transformers.masking_utils import find_packed_sequence_indices, packed_sequence_mask_function
 from transformers.utils.import_utils import is_tracing
-
-from .rebuild import derived
 
 
 class Documents:
@@ -69,8 +59,7 @@ class Documents:
         """`conv(x)` for a causal convolution of `kernel` taps over x's token axis, restarted at every document."""
         if kernel == 1:
             return conv(x)
-        # (with the states rebuilt in backward, so is the spread copy of one: `rebuild.derived`)
-        return self.gather(conv(derived(lambda state: self.spread(state, kernel), x)), kernel)
+        return self.gather(conv(self.spread(x, kernel)), kernel)
 
     def last_document(self, x):
         """x `(B, C, T)` (time last, as the cache keeps conv inputs) with every token before its row's last
@@ -87,15 +76,11 @@ class Documents:
 
 
 def find_documents(batch, seq_len, position_ids=None, cu_seq_lens_q=None, cache=None):
-    """The documents of a packed batch of `batch` rows of `seq_len` tokens, or None when every row holds one.
-
-    Call it only for inputs without padding (no attention mask, or an all-ones one). The documents come from
-    `cu_seq_lens_q` (flash attention's cumulative lengths over the flattened rows) when given, else from position ids
-    that restart inside a row (transformers' `find_packed_sequence_indices`: a new document wherever a position is
-    not the previous one plus 1). While tracing (torch.compile, torch.export), position ids are read only without a
-    cache, as transformers does for attention; whether they restart, and the packed layout's width, come from the
-    data there: a graph break under torch.compile (the numbers stay right), an error under `fullgraph=True`.
-    """
+    """The documents of a packed batch of `batch` rows of `seq_len` tokens without padding, or None when every row
+    holds one: from `cu_seq_lens_q` (flash attention's cumulative lengths over the flattened rows), else from position
+    ids that restart inside a row (transformers' `find_packed_sequence_indices`). While tracing, position ids are read
+    only without a cache, as transformers does for attention (a graph break under torch.compile; the numbers stay
+    right, `fullgraph=True` errs)."""
     if seq_len < 2:
         return None
     if cu_seq_lens_q is not None:
@@ -126,11 +111,10 @@ class Padding:
 
     @classmethod
     def of(cls, pad_mask, dtype, cache=None):
-        """The padding of `pad_mask` `(B, T)` (None: no padding), for a forward with `cache` (or None), which may
-        continue earlier tokens. Its rows are compacted unless every row's padding lies before its tokens, where zeros are
-        what the convolution reads anyway; without a cache padding after the tokens needs nothing either (no later
-        token reads them), and a row that continues its cache's tokens must have none at all. (One synchronisation
-        with the device; while tracing, always compacted: the data cannot be looked at.)"""
+        """The padding of `pad_mask` `(B, T)` (None: none) in a forward with `cache` (or None). Its rows are compacted
+        unless every row's padding lies before its tokens (the zeros a convolution reads anyway), or, without a cache,
+        also after them (no later token reads them); a row that continues its cache's tokens must have none. (One
+        synchronisation with the device; while tracing, always compacted: the data cannot be looked at.)"""
         if pad_mask is None:
             return None
         real = pad_mask.bool()

@@ -1,14 +1,11 @@
 r"""The specifications: DDL's operations in plain PyTorch, written to read like the paper.
 
-Every fast path (`ddl.fused`, the C++ kernels of `ddl.cpu_kernels`, the Triton kernels of `ddl.triton_kernels`) is
-tested against these functions on outputs and gradients; `ddl.kernels` chooses among them. This module imports
-nothing from the package.
+Every faster path (`ddl.fused`, and ddl_kernels' C++ and Triton kernels) is tested against these functions on
+outputs and gradients; `ddl.kernels` chooses among them. This module imports nothing from the package.
 
-- `delta_update`: the residual update of one sublayer (paper Eq. 2.1-2.2), with the `write_only` and `additive`
-  controls.
+- `delta_update`: the residual update of one sublayer (paper Eq. 2.1-2.2), with the write-only and additive controls.
 - `delta_gate`, `delta_value`, `delta_residual`: where beta and v come from, and the whole residual seam.
-- `causal_token_conv` (EC) and `causal_token_readout` (TC; CC is its one-tap case): the token-axis convolutions of
-  the expanded state.
+- `causal_token_conv` (EC), `causal_token_readout` (TC; CC its one-tap case): the expanded state's token convolutions.
 
 The state X is `(B, T, d)` for d_v = 1 and `(B, T, d_v, d)` for the expanded state: its d_v columns of length d
 stored one after another, so that every per-token operation runs along contiguous d.

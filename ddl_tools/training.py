@@ -169,14 +169,19 @@ def parsed_arguments(parser, argv):
 
 
 def check_ddl_environment() -> None:
-    """DDL's runtime choices from the environment (`DDL_IMPLEMENTATION`, `DDL_REBUILD_STATES`), read at the start: an
+    """DDL's runtime choices from the environment (`DDL_IMPLEMENTATION`, `DDL_CPU_KERNEL`), read at the start: an
     invalid value would otherwise be a `ValueError` at the model's first use, after the tokenizer is written."""
-    config = DDLConfig()
-    for name in ("ddl_implementation", "ddl_rebuild_states"):
-        try:
-            getattr(config, name)
-        except ValueError as err:
-            raise UsageError(str(err)) from err
+    try:
+        DDLConfig().ddl_implementation
+        with contextlib.suppress(ImportError):
+            from ddl_kernels.build import switched_on
+
+            switched_on()
+    except ValueError as err:
+        raise UsageError(str(err)) from err
+    if os.environ.get("DDL_REBUILD_STATES", "").strip().lower() not in ("", "off"):
+        logger.warning("DDL_REBUILD_STATES is set, but DDL no longer rebuilds its states in backward (ddl 0.3): it is "
+                       "ignored. For less memory, pass --gradient_checkpointing.")
 
 
 def preset_config(preset: str, vocab_size: int, overrides: dict | None = None, **ddl_kwargs) -> DDLConfig:
@@ -767,11 +772,10 @@ generator = pipeline("text-generation", model=model, tokenizer=tokenizer)
 print(generator({prompt!r}, max_new_tokens=100)[0]["generated_text"])
 ```
 
-Loading it runs more than Python: on a Linux CPU (fp32/fp64) the first forward pass compiles DDL's C++ kernels with
-the machine's C++ compiler (20-40 s, once) and writes the build under `~/.cache/torch_extensions` (or
-`TORCH_EXTENSIONS_DIR`); without a compiler DDL runs its PyTorch paths. To switch the build off, set the environment
-variable `DDL_CPU_KERNEL=0` (no C++ kernels), or `DDL_IMPLEMENTATION=torch` (the PyTorch paths only; or pass
-`ddl_implementation="torch"` to `from_pretrained`).
+The remote code is PyTorch only (the model, its operations' specifications and their PyTorch paths): loading,
+training and generating start no process and write nothing but transformers' own module cache. Faster kernels (C++
+for CPU, Triton for CUDA) are the optional `ddl_kernels` package of the ddl repository; when it is installed the same
+code uses them (`DDL_IMPLEMENTATION=torch`, or `ddl_implementation="torch"` in `from_pretrained`, keeps PyTorch).
 
 Fine-tune it further with `python train.py --model_name_or_path <this folder> ...`, or as a classifier with
 `python train_classifier.py --model_name_or_path <this folder>` (its `auto_map` also lists

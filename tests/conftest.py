@@ -101,17 +101,32 @@ def tokenizer():
 
 @pytest.fixture(params=["cpu-kernel", "pytorch"])
 def cpu_kernel_on_or_off(request, monkeypatch):
-    """Runs a test twice: with DDL's C++ CPU kernels (where they build) and with them off, so that the PyTorch fast
-    paths, which machines without a compiler run, stay tested on CPU too."""
-    from ddl import cpu_kernels
+    """Runs a test twice: with ddl_kernels' C++ CPU kernels (where they build) and with them off, so that the PyTorch
+    paths, which machines without a compiler (or without ddl_kernels) run, stay tested on CPU too."""
+    from ddl_kernels import build
 
     if TEST_DEVICE != "cpu" and request.param == "cpu-kernel":
         pytest.skip("the C++ kernels serve CPU tensors only")
     if request.param == "pytorch":
-        monkeypatch.setattr(cpu_kernels, "_ops", False)
-    elif cpu_kernels.cpu_kernel() is None:
-        pytest.skip("the C++ CPU kernel could not be built here: the 'pytorch' case covers this machine")
+        monkeypatch.setattr(build, "_ops", False)
+    elif build.kernels() is None:
+        pytest.skip("the C++ CPU kernels could not be built here: the 'pytorch' case covers this machine")
     return request.param
+
+
+def count_calls(monkeypatch, op, name_part):
+    """A list that gets an entry for every call of the implementations of `op` (a `ddl.kernels` registry) whose name
+    contains `name_part`, for as long as the test runs."""
+    from ddl import kernels
+
+    calls, registries = [], kernels.registries()
+
+    def counted(run):
+        return lambda *args: calls.append(1) or run(*args)
+
+    monkeypatch.setitem(registries, op, [impl._replace(run=counted(impl.run)) if name_part in impl.name else impl
+                                         for impl in registries[op]])
+    return calls
 
 
 def assert_same_loss_and_gradients(models, ids, loss_atol=1e-6, grad_rtol=1e-5, grad_atol=1e-6):

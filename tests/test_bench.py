@@ -112,25 +112,6 @@ def test_worker_command_carries_the_measurement_settings():
         assert getattr(worker, name) == getattr(args, name)
 
 
-def test_state_rebuild_variants_pin_the_choice_and_stay_out_of_the_default_run(monkeypatch):
-    """`ddl-cc-stored` / `ddl-cc-rebuild` (and TC's) compare the state rebuild off and on in the same alternations,
-    whatever DDL_REBUILD_STATES says; the plain variants follow the model's default."""
-    monkeypatch.setenv("DDL_REBUILD_STATES", "on")
-    meta = bench.torch.device("meta")
-
-    def config(variant):
-        with meta:
-            return bench.build(variant, bench.SIZES["tiny"], meta, None).config
-
-    for name in ("cc", "tc"):
-        stored, rebuilt = config(f"ddl-{name}-stored"), config(f"ddl-{name}-rebuild")
-        assert (stored.ddl_rebuild_states, rebuilt.ddl_rebuild_states) == ("off", "on")
-        assert stored.ddl_compressor == rebuilt.ddl_compressor == name and stored.ddl_value_channels == 4
-    assert config("ddl-cc").ddl_rebuild_states == "on"  # from the environment
-    default = bench.parse_args([]).variants
-    assert "ddl-cc" in default and not any(v.endswith(("-stored", "-rebuild")) for v in default)
-
-
 def test_a_failed_worker_is_one_line(monkeypatch):
     """A worker that dies (out of memory, say) stops the run with a line that names the model and what to try."""
     monkeypatch.setattr(bench, "worker_command", lambda *a, **k: [bench.sys.executable, "-c", "raise SystemExit(3)"])

@@ -1,6 +1,6 @@
-"""The C++ CPU kernels (`ddl.cpu_kernels`): the residual seam equals `reference.delta_residual` and the readout
-equals `reference.causal_token_readout`, outputs and every gradient, and the models take them wherever they apply
-(and only there)."""
+"""The C++ CPU kernels of ddl_kernels: the residual seam equals `reference.delta_residual`, the readout
+`reference.causal_token_readout` and EC `reference.causal_token_conv`, outputs and every gradient; the models take them
+wherever they serve (and only there); and their build (ddl_kernels/build.py) never blocks or fails a run."""
 
 import os
 import signal
@@ -12,22 +12,40 @@ import pytest
 import torch
 
 from conftest import assert_same_loss_and_gradients, tiny_config
-from ddl import DDLForCausalLM, cpu_kernels, kernels
-from ddl.cpu_kernels import (
-    cpu_conv_applies,
-    cpu_kernel,
-    cpu_readout_applies,
-    cpu_residual,
-    cpu_residual_applies,
-    cpu_token_conv,
-    cpu_token_readout,
-    cpu_window_readout_applies,
-)
+from conftest import count_calls
+from ddl import DDLForCausalLM
+from ddl.fused import as_taps
 from ddl.modeling_ddl import DDLDeltaResidual
 from ddl.reference import causal_token_conv, causal_token_readout, delta_update
+from ddl_kernels import build
+from ddl_kernels.conv import cpu as conv_cpu
+from ddl_kernels.readout import cpu as readout_cpu
+from ddl_kernels.residual import cpu as residual_cpu
 
 
-pytestmark = pytest.mark.skipif(cpu_kernel() is None, reason="the C++ CPU kernel could not be built here")
+pytestmark = pytest.mark.skipif(build.kernels() is None, reason="the C++ CPU kernels could not be built here")
+cpu_kernel = build.kernels
+cpu_residual = residual_cpu.run
+
+
+def cpu_residual_applies(x, h, c, u, *params):
+    return residual_cpu.serves(x, h, c, u, *params, 4.0, 1e-5, "delta", None, None)
+
+
+def _with_history(run, x, weight, history=None):
+    """`run(x, taps)` (an implementation, zeros before the first token) over x after its history, as the dispatcher
+    calls it (`kernels.token_readout`): the spec's contract."""
+    full = x if history is None else torch.cat([history, x], dim=1)
+    out = run(full, as_taps(weight))
+    return out if history is None else out[:, weight.shape[0] - 1 :]
+
+
+def cpu_token_readout(x, weight, history=None):
+    return _with_history(readout_cpu.run, x, weight, history)
+
+
+def cpu_token_conv(x, weight, history=None):
+    return _with_history(conv_cpu.run, x, weight, history)
 
 
 def _seam(dv, mode, value_input, v_scale, dtype, batch=2, seq_len=4, seed=0, edge_rows=True, **overrides):
@@ -181,14 +199,15 @@ def test_kernel_applies_only_where_it_serves():
 
 
 def test_window_readout_applies_only_without_autograd_in_one_dtype():
+    serves = readout_cpu.window_serves
     window, taps = torch.zeros(2, 6, 4), torch.zeros(4, 3, 2)  # (B, d_v*d, K), (K, d, d_v)
     with torch.no_grad():
-        assert cpu_window_readout_applies(window, taps) and cpu_window_readout_applies(window.double(), taps.double())
-        assert not cpu_window_readout_applies(window, taps.double())
-        assert not cpu_window_readout_applies(window.bfloat16(), taps.bfloat16())
+        assert serves(window, taps) and serves(window.double(), taps.double())
+        assert not serves(window, taps.double())
+        assert not serves(window.bfloat16(), taps.bfloat16())
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            assert not cpu_window_readout_applies(window, taps)
-    assert not cpu_window_readout_applies(window, taps)  # grad enabled: the kernel has no backward
+            assert not serves(window, taps)
+    assert not serves(window, taps)  # grad enabled: the kernel has no backward
 
 
 @pytest.mark.parametrize("overrides", [{"ddl_value_channels": 1}, {}, {"ddl_compressor": "tc", "ddl_embed_conv": False},
@@ -197,8 +216,7 @@ def test_window_readout_applies_only_without_autograd_in_one_dtype():
 def test_models_take_the_kernel_in_training_and_decoding(overrides, monkeypatch):
     """Every sublayer of a training forward and of each decoding step goes through the kernel; the loss, every
     parameter's gradient and greedy generation equal the reference implementation's."""
-    calls = []
-    monkeypatch.setattr(kernels, "cpu_residual", lambda *a, **k: calls.append(1) or cpu_residual(*a, **k))
+    calls = count_calls(monkeypatch, "delta_residual", "C++")
     models = {}
     for name, impl in (("reference", "reference"), ("fused", "auto")):
         torch.manual_seed(0)
@@ -222,8 +240,8 @@ def test_build_failure_and_switch_fall_back_to_pytorch(monkeypatch, caplog):
     """No compiler (a failed build) or DDL_CPU_KERNEL=0: no kernel, a warning that says so, the PyTorch path."""
     import torch.utils.cpp_extension as cpp_extension
 
-    monkeypatch.setattr(cpu_kernels, "_ops", None)
-    monkeypatch.setattr(cpp_extension, "load_inline", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no c++")))
+    monkeypatch.setattr(build, "_ops", None)
+    monkeypatch.setattr(cpp_extension, "load", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no c++")))
     with caplog.at_level("WARNING"):
         assert cpu_kernel() is None
     assert "could not be built" in caplog.text and "no c++" in caplog.text
@@ -232,10 +250,10 @@ def test_build_failure_and_switch_fall_back_to_pytorch(monkeypatch, caplog):
     model = DDLForCausalLM(tiny_config(ddl_value_channels=1))
     ids = torch.randint(3, 99, (1, 5), generator=torch.Generator().manual_seed(1))
     assert torch.isfinite(model(ids, labels=ids).loss)  # the PyTorch path
-    assert cpu_kernels._ops is False  # remembered: no second 20-40 s build attempt in this process
-    monkeypatch.setattr(cpu_kernels, "_ops", None)
+    assert build._ops is False  # remembered: no second 20-40 s build attempt in this process
+    monkeypatch.setattr(build, "_ops", None)
     monkeypatch.setenv("DDL_CPU_KERNEL", "0")
-    monkeypatch.setattr(cpp_extension, "load_inline", lambda *a, **k: pytest.fail("DDL_CPU_KERNEL=0 must not build"))
+    monkeypatch.setattr(cpp_extension, "load", lambda *a, **k: pytest.fail("DDL_CPU_KERNEL=0 must not build"))
     assert cpu_kernel() is None
 
 
@@ -245,17 +263,17 @@ def test_a_mistyped_switch_is_an_error_not_on(value, monkeypatch):
     one clear error, raised before any build. (Failed: it built.)"""
     import torch.utils.cpp_extension as cpp_extension
 
-    monkeypatch.setattr(cpu_kernels, "_ops", None)
+    monkeypatch.setattr(build, "_ops", None)
     monkeypatch.setenv("DDL_CPU_KERNEL", value)
-    monkeypatch.setattr(cpp_extension, "load_inline", lambda *a, **k: pytest.fail(f"DDL_CPU_KERNEL={value} built"))
+    monkeypatch.setattr(cpp_extension, "load", lambda *a, **k: pytest.fail(f"DDL_CPU_KERNEL={value} built"))
     with pytest.raises(ValueError, match="DDL_CPU_KERNEL"):
         cpu_kernel()
 
 
 # the token convolutions with a C++ kernel: (kernel, spec, applies, x's feature shape, d_v is x's (readout) or out's)
 _TOKEN_CONVS = {
-    "readout": (cpu_token_readout, causal_token_readout, cpu_readout_applies, (3, 8)),  # (B, T, d_v, d) -> (B, T, d)
-    "ec": (cpu_token_conv, causal_token_conv, cpu_conv_applies, (8,)),  # (B, T, d) -> (B, T, d_v, d)
+    "readout": (cpu_token_readout, causal_token_readout, readout_cpu.serves, (3, 8)),  # (B, T, d_v, d) -> (B, T, d)
+    "ec": (cpu_token_conv, causal_token_conv, conv_cpu.serves, (8,)),  # (B, T, d) -> (B, T, d_v, d)
 }
 
 
@@ -276,7 +294,7 @@ def test_token_conv_kernel_equals_spec(op, kernel, threads, with_history):
         spec = spec_op(x, weight, history)
         cotangent = torch.randn(spec.shape, generator=g, dtype=torch.float64)
         spec_grads = torch.autograd.grad(spec, (x, weight), cotangent)
-        assert applies(x, weight)
+        assert applies(x, as_taps(weight))
         previous = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
@@ -318,7 +336,7 @@ def test_weight_gradients_are_repeatable_on_several_threads():
         assert all(torch.equal(a, b) for a, b in zip(runs[0], later))
 
 
-# --------------------------------------------------------------- issue 14: a killed build must not hang the next
+# ------------------------------------------------------------------------- a killed build must not hang the next
 
 
 _BUILDER = r"""
@@ -333,9 +351,9 @@ def stuck_build(name, *args, build_directory=None, **kwargs):  # takes torch's l
     print("building", flush=True)
     time.sleep(600)
 
-cpp.load_inline = stuck_build
-from ddl import cpu_kernels
-cpu_kernels.cpu_kernel()
+cpp.load = stuck_build
+from ddl_kernels import build
+build.kernels()
 """
 
 
@@ -349,13 +367,13 @@ def _start_stuck_build(folder):
 
 @pytest.fixture
 def fake_torch_build(tmp_path, monkeypatch):
-    """torch's extension build pointed at a fresh folder, standing in for `load_inline` with its locking: a `lock`
-    file left in the folder makes torch wait forever (FileBaton.wait), here an error instead."""
+    """torch's extension build pointed at a fresh folder, standing in for `load` with its locking: a `lock` file left
+    in the folder makes torch wait forever (FileBaton.wait), here an error instead."""
     import torch.utils.cpp_extension as cpp
 
     built = object()
 
-    def load_inline(name, *args, build_directory=None, **kwargs):
+    def load(name, *args, build_directory=None, **kwargs):
         baton = cpp.FileBaton(os.path.join(build_directory or str(tmp_path), "lock"))
         if not baton.try_acquire():
             raise TimeoutError("torch would wait for its lock file forever")
@@ -363,8 +381,8 @@ def fake_torch_build(tmp_path, monkeypatch):
         return built
 
     monkeypatch.setattr(cpp, "_get_build_directory", lambda name, verbose: str(tmp_path))
-    monkeypatch.setattr(cpp, "load_inline", load_inline)
-    monkeypatch.setattr(cpu_kernels, "_ops", None)
+    monkeypatch.setattr(cpp, "load", load)
+    monkeypatch.setattr(build, "_ops", None)
     monkeypatch.delenv("DDL_CPU_KERNEL", raising=False)
     return tmp_path, built
 
@@ -385,7 +403,7 @@ def test_a_build_that_hangs_makes_others_fall_back_not_wait(fake_torch_build, ca
     """A live build that takes far too long: the others use the PyTorch path after a bounded wait (they waited
     forever)."""
     folder, _ = fake_torch_build
-    monkeypatch.setattr(cpu_kernels, "_STALE_AFTER_S", 1.0, raising=False)
+    monkeypatch.setattr(build, "STALE_AFTER_S", 1.0)
     stuck = _start_stuck_build(folder)
     try:
         with caplog.at_level("WARNING"):
@@ -400,7 +418,7 @@ def test_a_lock_file_a_live_build_holds_is_waited_for_not_removed(fake_torch_bui
     """A build that does not take DDL's lock (another DDL version sharing the cache) and holds torch's lock file open:
     its file is left alone, and after a bounded wait this process takes the PyTorch path (it used to wait forever)."""
     folder, _ = fake_torch_build
-    monkeypatch.setattr(cpu_kernels, "_STALE_AFTER_S", 1.0, raising=False)
+    monkeypatch.setattr(build, "STALE_AFTER_S", 1.0)
     holder = (f"import os, time, torch.utils.cpp_extension as cpp; b = cpp.FileBaton({str(folder / 'lock')!r}); "
               "assert b.try_acquire(); print('building', flush=True); time.sleep(600)")
     other = subprocess.Popen([sys.executable, "-c", holder], stdout=subprocess.PIPE, text=True)
@@ -417,10 +435,10 @@ def test_a_lock_file_a_live_build_holds_is_waited_for_not_removed(fake_torch_bui
 @pytest.mark.parametrize("age", [0.0, 3600.0], ids=["young", "old"])
 def test_a_lock_file_whose_holder_cannot_be_told(age, fake_torch_build, caplog, monkeypatch):
     """Where the processes holding torch's lock file cannot be looked up (another user's), its age decides: one
-    untouched for `_STALE_AFTER_S` is stale (removed, and the build goes on); a younger one is waited for until then."""
+    untouched for `STALE_AFTER_S` is stale (removed, and the build goes on); a younger one is waited for until then."""
     folder, built = fake_torch_build
-    monkeypatch.setattr(cpu_kernels, "_baton_holders", lambda baton: None, raising=False)
-    monkeypatch.setattr(cpu_kernels, "_STALE_AFTER_S", 1.0, raising=False)
+    monkeypatch.setattr(build, "_baton_holders", lambda baton: None)
+    monkeypatch.setattr(build, "STALE_AFTER_S", 1.0)
     (folder / "lock").write_text("")
     os.utime(folder / "lock", (time.time() - age, time.time() - age))
     start = time.monotonic()
@@ -433,11 +451,7 @@ def test_a_lock_file_whose_holder_cannot_be_told(age, fake_torch_build, caplog, 
 def test_each_pytorch_installation_keeps_its_own_kernel_build(monkeypatch):
     """Two environments sharing ~/.cache/torch_extensions compile with different header folders; under one name each
     would rebuild the other's kernel (and wait for its lock) on every start."""
-    import torch
-
-    from ddl import cpu_kernels
-
-    here = cpu_kernels._library_name()
-    assert cpu_kernels._library_name() == here  # stable within one installation
+    here = build.library_name()
+    assert build.library_name() == here  # stable within one installation
     monkeypatch.setattr(torch, "__file__", "/elsewhere/venv/lib/site-packages/torch/__init__.py")
-    assert cpu_kernels._library_name() != here
+    assert build.library_name() != here

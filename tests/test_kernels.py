@@ -1,14 +1,21 @@
-"""The PyTorch fast paths (`ddl.fused`) and the dispatchers (`ddl.kernels`) equal the specifications (`ddl.reference`)
-on outputs and gradients; the Triton kernels too, through Triton's CPU interpreter."""
+"""The PyTorch paths (`ddl.fused`) and the dispatchers (`ddl.kernels`) equal the specifications (`ddl.reference`) on
+outputs and gradients; ddl_kernels' Triton kernels too, through Triton's CPU interpreter; the registries take the
+first implementation that serves, in their order, and a checkpoint's code runs without ddl_kernels."""
 
 import pytest
 import torch
 
 from conftest import assert_same_loss_and_gradients, seeded, tiny_config
-from ddl import DDLForCausalLM, cpu_kernels, kernels
-from ddl.fused import fused_delta_update, fused_token_readout
+from ddl import DDLForCausalLM, kernels
+from ddl.fused import fused_delta_update
 from ddl.kernels import token_conv, token_readout, window_readout
+from ddl.modeling_ddl import window_history
 from ddl.reference import causal_token_conv, causal_token_readout, delta_update
+
+
+def fused_token_readout(x, weight, history=None):
+    """The PyTorch readout (`fused.readout`) under the spec's contract, as the dispatcher runs it."""
+    return token_readout(x, weight, history, implementation="torch")
 
 
 def _inputs(dv, dtype, seed=0, zero_h=False):
@@ -136,6 +143,14 @@ def _cache_window(history, x):
     return full.reshape(full.shape[0], full.shape[1], -1).transpose(1, 2)
 
 
+def _from_window(op, x, weight, window, implementation="auto"):
+    """The readout (or EC) of x given its window as the cache holds it, as `modeling_ddl.convolve_tokens` runs it: a
+    decoding step's readout reads the window in place, anything else gets the window's history back."""
+    if op is token_readout and x.shape[1] == 1 and not torch.is_grad_enabled():
+        return window_readout(window, weight, implementation)
+    return op(x, weight, window_history(window, x), implementation)
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("implementation", ["auto", "torch", "reference"])
 @pytest.mark.parametrize("seq_len", [1, 3], ids=["decoding-step", "continuation"])
@@ -143,8 +158,8 @@ def _cache_window(history, x):
 def test_dispatched_token_convolutions_with_a_cached_window_match_reference(dtype, seq_len, implementation,
                                                                            cpu_kernel_on_or_off):
     """The readout and EC given their window as the cache holds it (a decoding step reads it in place: the C++
-    window readout or `window_readout`; longer inputs go back to the state layout) equal the specs given the same
-    inputs as history; also for a window sliced from a longer cache (assisted decoding's)."""
+    window readout or `fused.window_readout`; longer inputs go back to the state layout) equal the specs given the
+    same inputs as history; also for a window sliced from a longer cache (assisted decoding's)."""
     g = seeded(0)
     x = torch.randn(3, seq_len, 2, 5, generator=g, dtype=dtype)
     history = torch.randn(3, 3, 2, 5, generator=g, dtype=dtype)
@@ -153,20 +168,21 @@ def test_dispatched_token_convolutions_with_a_cached_window_match_reference(dtyp
     longer = torch.cat([torch.randn(3, 10, 10, generator=g, dtype=dtype), window], dim=-1)[..., -window.shape[-1]:]
     expected = causal_token_readout(x, weight, history)
     for w in (window, longer):
-        torch.testing.assert_close(token_readout(x, weight, w, implementation=implementation), expected, rtol=0,
+        torch.testing.assert_close(_from_window(token_readout, x, weight, w, implementation), expected, rtol=0,
                                    atol=1e-6)
     embeds, past = torch.randn(3, seq_len, 5, generator=g, dtype=dtype), torch.randn(3, 3, 5, generator=g, dtype=dtype)
-    torch.testing.assert_close(token_conv(embeds, weight, _cache_window(past, embeds), implementation=implementation),
+    torch.testing.assert_close(_from_window(token_conv, embeds, weight, _cache_window(past, embeds), implementation),
                                causal_token_conv(embeds, weight, past), rtol=0, atol=1e-6)
 
 
 @torch.no_grad()
-def test_window_readout_equals_the_spec_for_one_token():
+@pytest.mark.parametrize("implementation", ["auto", "torch", "reference"])
+def test_window_readout_equals_the_spec_for_one_token(implementation, cpu_kernel_on_or_off):
     g = seeded(1)
     x, history = torch.randn(2, 1, 3, 4, generator=g, dtype=torch.float64), torch.randn(2, 2, 3, 4, generator=g,
                                                                                          dtype=torch.float64)
     weight = torch.randn(3, 4, 3, generator=g, dtype=torch.float64)
-    torch.testing.assert_close(window_readout(_cache_window(history, x), weight),
+    torch.testing.assert_close(window_readout(_cache_window(history, x), weight, implementation),
                                causal_token_readout(x, weight, history), rtol=1e-12, atol=1e-12)
 
 
@@ -177,8 +193,8 @@ def test_token_conv_low_precision_decoding_steps_equal_prefill(dtype):
     g = seeded(0)
     x, weight = torch.randn(2, 12, 64, generator=g).to(dtype), torch.randn(4, 64, 4, generator=g).to(dtype)
     padded = torch.cat([x.new_zeros(2, 3, 64), x], dim=1)
-    steps = torch.cat([token_conv(x[:, t : t + 1], weight, _cache_window(padded[:, t : t + 3], x[:, t : t + 1]))
-                       for t in range(12)], dim=1)
+    steps = torch.cat([_from_window(token_conv, x[:, t : t + 1], weight,
+                                    _cache_window(padded[:, t : t + 3], x[:, t : t + 1])) for t in range(12)], dim=1)
     assert torch.equal(steps, token_conv(x, weight))
     exact = causal_token_conv(x.double(), weight.double())
     torch.testing.assert_close(steps.double(), exact, rtol=2**-6, atol=1e-2)
@@ -193,8 +209,8 @@ def test_token_readout_low_precision_decoding_equals_prefill(dtype):
     weight = torch.randn(4, 64, 4, generator=g).to(dtype)
     prefill = token_readout(x, weight)
     padded = torch.cat([x.new_zeros(2, 3, 4, 64), x], dim=1)
-    steps = torch.cat([token_readout(x[:, t : t + 1], weight, _cache_window(padded[:, t : t + 3], x[:, t : t + 1]))
-                       for t in range(12)], dim=1)
+    steps = torch.cat([_from_window(token_readout, x[:, t : t + 1], weight,
+                                    _cache_window(padded[:, t : t + 3], x[:, t : t + 1])) for t in range(12)], dim=1)
     torch.testing.assert_close(steps, prefill, rtol=2**-7, atol=1e-3)
     exact = causal_token_readout(x.double(), weight.double())
     torch.testing.assert_close(prefill.double(), exact, rtol=2**-7, atol=1e-2)
@@ -204,23 +220,24 @@ def test_token_readout_low_precision_decoding_equals_prefill(dtype):
 # Triton kernels: on CPU through the interpreter (conftest sets TRITON_INTERPRET=1), on CUDA when there is one.
 
 
-def _triton_kernels():
+def _triton(op):
+    """ddl_kernels' Triton module of an operation (residual, readout, conv)."""
     pytest.importorskip("triton")
-    import ddl.triton_kernels
+    import importlib
 
-    return ddl.triton_kernels
+    return importlib.import_module(f"ddl_kernels.{op}.triton")
 
 
 @pytest.mark.parametrize("mode", ["delta", "write_only"])
 @pytest.mark.parametrize("dv", [1, 3, 4], ids=["dv1", "dv3", "dv4"])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
 def test_triton_kernels_match_reference(dv, mode, dtype, tol):
-    kernels = _triton_kernels()
+    update = _triton("residual").run
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ref_inputs = [t.detach().to(device).requires_grad_() for t in _inputs(dv, dtype, seed=dv)]
     tri_inputs = [t.detach().clone().requires_grad_() for t in ref_inputs]
     ref = delta_update(*ref_inputs, mode=mode)
-    out = kernels.triton_delta_update(*tri_inputs, k_eps=1e-5, erase=mode == "delta")
+    out = update(*tri_inputs, mode, 1e-5)
     assert out.dtype == ref.dtype and out.shape == ref.shape
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
     weight = torch.randn(ref.shape, generator=seeded(4)).to(device=device, dtype=dtype)
@@ -236,9 +253,10 @@ def test_triton_kernels_match_reference(dv, mode, dtype, tol):
                          ids=["cc", "tc", "tc-dv3-history", "k3-dv2", "tc-decoding-step"])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
 def test_triton_token_convolutions_match_reference(kind, kernel, dv, with_history, seq_len, dtype, tol, monkeypatch):
-    """TC/CC readout and EC through the Triton kernels: outputs and gradients of input and taps equal the specs."""
-    kernels = _triton_kernels()
-    monkeypatch.setattr(kernels, "_CHUNK", 8)  # 19 tokens = 3 chunks of tap gradients (the last one partial)
+    """TC/CC readout and EC through the Triton kernels, after their history as the dispatcher gives it: outputs and
+    gradients of input and taps equal the specs."""
+    windows = _triton("readout")
+    monkeypatch.setattr(windows, "_CHUNK", 8)  # 19 tokens = 3 chunks of tap gradients (the last one partial)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = seeded(kernel * 10 + dv)
     batch, d = 2, 200  # two blocks of 128 features, the second one partial (masked)
@@ -247,8 +265,13 @@ def test_triton_token_convolutions_match_reference(kind, kernel, dv, with_histor
     weight = torch.randn(kernel, d, dv, generator=g).to(device=device, dtype=dtype).requires_grad_()
     history = torch.randn(batch, kernel - 1, *x_shape[2:], generator=g).to(device=device, dtype=dtype) \
         if with_history else None
-    spec, fast = ((causal_token_readout, kernels.triton_token_readout) if kind == "readout"
-                  else (causal_token_conv, kernels.triton_token_conv))
+    spec = causal_token_readout if kind == "readout" else causal_token_conv
+
+    def fast(x, weight, history):
+        full = x if history is None else torch.cat([history, x], dim=1)
+        out = windows.token_window(full, weight.transpose(1, 2).contiguous(), read=kind == "readout")
+        return out if history is None else out[:, kernel - 1 :]
+
     ref_x, ref_w = (t.detach().clone().requires_grad_() for t in (x, weight))
     ref = spec(ref_x.double(), ref_w.double(), None if history is None else history.double())
     out = fast(x, weight, history)
@@ -262,19 +285,22 @@ def test_triton_token_convolutions_match_reference(kind, kernel, dv, with_histor
 
 
 def test_a_failing_triton_kernel_falls_back_to_pytorch_with_one_warning(monkeypatch, caplog):
-    """Under "triton" a kernel that fails to compile or launch is replaced by the PyTorch path (same numbers), with
-    one warning naming it, and not tried again."""
-    triton_kernels = _triton_kernels()
+    """Under "triton" a kernel that fails to compile or launch gives way to the PyTorch path (same numbers), with one
+    warning naming it, and is not tried again."""
+    import ddl_kernels
+
     calls = []
 
     def broken(*args):
         calls.append(1)
         raise RuntimeError("ptxas fatal: unsupported GPU")
 
-    monkeypatch.setattr(triton_kernels, "triton_delta_update", broken)
-    monkeypatch.setattr(kernels, "_triton_serves", lambda x: True)  # as if these CPU tensors were on a GPU
-    monkeypatch.setattr(kernels, "_triton_failed", set())
-    monkeypatch.setattr(cpu_kernels, "_ops", False)  # the C++ seam would come first on CPU
+    triton_entry = ddl_kernels.Implementation("Triton delta update", ("triton",), lambda *a: True,
+                                              ddl_kernels.fallible("Triton delta update", broken))
+    registries = kernels.registries()
+    monkeypatch.setitem(registries, "delta_update", [triton_entry, *registries["delta_update"]])
+    monkeypatch.setitem(registries, "delta_residual", [])  # the C++ seam would come first on CPU
+    monkeypatch.setattr(ddl_kernels, "_failed", set())
     model = DDLForCausalLM(tiny_config(ddl_value_channels=1, ddl_implementation="triton"))
     reference = DDLForCausalLM(tiny_config(ddl_value_channels=1, ddl_implementation="reference"))
     reference.load_state_dict(model.state_dict())
@@ -283,7 +309,7 @@ def test_a_failing_triton_kernel_falls_back_to_pytorch_with_one_warning(monkeypa
         loss = model(ids, labels=ids).loss
         model(ids, labels=ids)
     torch.testing.assert_close(loss, reference(ids, labels=ids).loss)
-    assert len(calls) == 1 and caplog.text.count("triton_delta_update failed") == 1
+    assert len(calls) == 1 and caplog.text.count("Triton delta update kernel failed") == 1
     assert "ptxas fatal" in caplog.text
 
 

@@ -1,5 +1,6 @@
-"""The layout a newcomer relies on: `ddl/` is what a checkpoint ships, and its imports run one way
-(specifications <- fast paths <- dispatch <- model), with no cycle."""
+"""The layout a newcomer relies on: `ddl/` is what a checkpoint ships, its imports run one way (specifications <-
+PyTorch paths <- dispatch <- model) with no cycle, and it never imports the accelerators (`ddl_kernels`) but through
+the dispatcher's guarded import."""
 
 import ast
 import os
@@ -29,8 +30,7 @@ def test_imports_run_one_way_without_a_cycle():
     graph = _graph()
     assert graph["reference"] == set()  # the specifications import nothing from the package
     assert graph["configuration_ddl"] == set()
-    for fast_path in ("fused", "cpu_kernels", "triton_kernels"):  # fast paths never reach back to dispatch or model
-        assert not graph[fast_path] & {"kernels", "modeling_ddl"}, fast_path
+    assert not graph["fused"] & {"kernels", "modeling_ddl"}  # the PyTorch paths never reach back to dispatch or model
     assert "modeling_ddl" not in graph["kernels"]
     done, visiting = set(), []
 
@@ -56,3 +56,23 @@ def test_the_package_is_what_a_checkpoint_ships(tmp_path):
     DDLForCausalLM(tiny_config()).save_pretrained(tmp_path)
     shipped = {f for f in os.listdir(tmp_path) if f.endswith(".py")}
     assert shipped == {f for f in os.listdir(PACKAGE) if f.endswith(".py") and f != "__init__.py"}
+
+
+def test_the_accelerators_are_imported_only_by_the_dispatcher_and_never_import_the_model():
+    """`ddl_kernels` is imported by `ddl.kernels` alone, inside a try (so transformers' remote-code import check does
+    not require it); its own modules import nothing of the model package at import time."""
+    for name in (f for f in os.listdir(PACKAGE) if f.endswith(".py")):
+        tree = ast.parse(open(os.path.join(PACKAGE, name), encoding="utf-8").read())
+        tries = [node for node in ast.walk(tree) if isinstance(node, ast.Try)]
+        guarded = {id(n) for t in tries for part in t.body for n in ast.walk(part)}
+        imports = [node for node in ast.walk(tree) if isinstance(node, ast.Import)
+                   and any(alias.name.split(".")[0] == "ddl_kernels" for alias in node.names)]
+        assert all(id(node) in guarded for node in imports), name
+        assert bool(imports) == (name == "kernels.py"), name
+    for folder, _, files in os.walk(os.path.join(ROOT, "ddl_kernels")):
+        for name in (f for f in files if f.endswith(".py")):
+            tree = ast.parse(open(os.path.join(folder, name), encoding="utf-8").read())
+            top = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
+            modules = [alias.name for node in top if isinstance(node, ast.Import) for alias in node.names]
+            modules += [node.module for node in top if isinstance(node, ast.ImportFrom) and node.level == 0]
+            assert not any(m == "ddl" or m.startswith("ddl.") for m in modules), (name, modules)

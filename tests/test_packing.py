@@ -9,7 +9,7 @@ import torch
 from transformers import DataCollatorWithFlattening
 
 from conftest import TINY, seeded, tiny_config, trained_looking
-from ddl import DDLForCausalLM, cpu_kernels, kernels
+from ddl import DDLForCausalLM, kernels
 
 
 VARIANTS = [
@@ -34,11 +34,19 @@ LENGTHS = (7, 2, 9)  # a document shorter than the kernels' K-1 = 3 history, bet
 
 
 def _model(overrides, implementation, monkeypatch, dtype=torch.float32):
-    if implementation == "triton":  # through Triton's CPU interpreter (conftest sets TRITON_INTERPRET=1)
+    if implementation == "triton":  # ddl_kernels' Triton through its CPU interpreter (conftest: TRITON_INTERPRET=1)
         pytest.importorskip("triton")
-        monkeypatch.setattr(kernels, "_triton_serves", lambda x: x.dtype != torch.float64)
-        monkeypatch.setattr(kernels, "_triton_failed", set())
-        monkeypatch.setattr(cpu_kernels, "_ops", False)  # the C++ seam would come first on CPU
+        import importlib
+
+        registries = kernels.registries()
+        for op, module in (("delta_update", "residual"), ("token_readout", "readout"), ("token_conv", "conv")):
+            entry = getattr(importlib.import_module(f"ddl_kernels.{module}.triton"), {"residual": "UPDATE",
+                                                                                   "readout": "READOUT",
+                                                                                   "conv": "CONV"}[module])
+            # as if these CPU tensors were on a GPU
+            serving = entry._replace(serves=lambda *args: args[0].dtype != torch.float64)
+            monkeypatch.setitem(registries, op, [serving, *registries[op]])
+        monkeypatch.setitem(registries, "delta_residual", [])  # the C++ seam would come first on CPU
     torch.manual_seed(0)
     model = DDLForCausalLM(tiny_config(ddl_implementation=implementation, **overrides))
     return trained_looking(model).to(dtype).eval()

@@ -249,7 +249,7 @@ def test_bad_input_is_one_line(case, bad_input_args, capsys):
     assert "Traceback" not in err
 
 
-@pytest.mark.parametrize("variable", ["DDL_IMPLEMENTATION", "DDL_REBUILD_STATES"])
+@pytest.mark.parametrize("variable", ["DDL_IMPLEMENTATION", "DDL_CPU_KERNEL"])
 def test_an_invalid_ddl_environment_variable_is_one_line(variable, tmp_path, capsys, monkeypatch):
     """It used to be a ValueError traceback once the model ran."""
     import train_classifier
@@ -257,7 +257,7 @@ def test_an_invalid_ddl_environment_variable_is_one_line(variable, tmp_path, cap
     monkeypatch.setenv(variable, "fastest")
     status, err = run_cli(train_classifier.cli, ["--output_dir", str(tmp_path / "out"), "--config_overrides",
                                                  TINY_MODEL, *TINY_RUN], capsys)
-    assert status == 2 and f"{variable}='fastest' must be one of" in err and "Traceback" not in err, err[-2000:]
+    assert status == 2 and f"{variable}='fastest'" in err and "Traceback" not in err, err[-2000:]
     assert not (tmp_path / "out").exists()
 
 

@@ -1,0 +1,79 @@
+"""DDL's accelerators: faster implementations of the operations a DDL checkpoint specifies, used when installed.
+
+A DDL checkpoint's code (`ddl/`, what `save_pretrained` ships) holds each operation's specification and its
+PyTorch paths, and runs anywhere without this package. When `ddl_kernels` is importable and declares the interface
+version the checkpoint's dispatcher (`ddl.kernels`) expects, the dispatcher puts the implementations listed here in
+front of its own, in this order; each says next to its code which inputs it serves. One folder per operation:
+
+    residual/   the residual seam (gate, value and delta update) in C++ for CPU; the delta update in Triton for CUDA
+    readout/    the TC readout of the expanded state (CC: one tap) and a decoding step's window readout: C++; Triton
+    conv/       EC, the embedding convolution: C++; Triton (the readout's kernels run the other way)
+    build.py    building the C++ kernels once per machine (`python -m ddl_kernels.build`; else on first use)
+
+Every implementation is tested against the specification on outputs and every gradient (tests/test_cpu_kernel.py,
+tests/test_kernels.py).
+"""
+
+from collections import namedtuple
+
+import torch
+
+
+INTERFACE_VERSION = 1  # what the operations take and return (ddl.kernels); raised on any change of a contract
+
+# name: for messages; choices: the values of `DDLConfig.ddl_implementation` that may use it; serves(*args): whether
+# it computes these inputs (the operation's arguments); run(*args): the result, or None when it cannot run after all
+Implementation = namedtuple("Implementation", "name choices serves run")
+
+
+_failed = set()  # kernels that failed to compile or launch in this process: the next implementation serves them
+
+
+def fallible(name, run):
+    """`run`, returning None instead of raising (once, with one warning that names the kernel; never again in this
+    process) when it fails to compile or launch, e.g. Triton on a GPU it does not support: the dispatcher then runs
+    the next implementation, which computes the same numbers."""
+
+    def guarded(*args):
+        if name in _failed:
+            return None
+        try:
+            return run(*args)
+        except Exception as error:  # a compile error, a launch error, an unsupported device
+            from transformers.utils import logging
+
+            _failed.add(name)
+            logging.get_logger(__name__).warning(
+                f"DDL: the {name} kernel failed ({type(error).__name__}: {str(error)[:300]}); DDL uses the next "
+                "implementation (PyTorch) for it from now on.")
+            return None
+
+    return guarded
+
+
+def implementations():
+    """{operation: [Implementation, ...]} in the order the dispatcher tries them. Triton's are listed where CUDA
+    and triton are there (importing triton costs seconds; its kernels serve CUDA tensors only)."""
+    from .conv import cpu as conv_cpu
+    from .readout import cpu as readout_cpu
+    from .residual import cpu as residual_cpu
+
+    found = {
+        "delta_residual": [residual_cpu.SEAM],
+        "delta_update": [],
+        "token_readout": [readout_cpu.READOUT],
+        "window_readout": [readout_cpu.WINDOW],
+        "token_conv": [conv_cpu.CONV],
+    }
+    if torch.cuda.is_available():
+        from .conv import triton as conv_triton
+        from .readout import triton as readout_triton
+        from .residual import triton as residual_triton
+
+        found["delta_update"].append(residual_triton.UPDATE)
+        found["token_readout"].append(readout_triton.READOUT)
+        found["token_conv"].append(conv_triton.CONV)
+    return found
+
+
+__all__ = ["INTERFACE_VERSION", "Implementation", "fallible", "implementations"]

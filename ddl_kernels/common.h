@@ -1,0 +1,82 @@
+// Helpers the CPU kernels of every operation share: sums over tokens in a fixed order, and dot products in lanes.
+#pragma once
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <mutex>
+#include <vector>
+
+namespace ddl {
+
+// Sums over tokens of per-token vectors (the weight gradients). Each chunk of tokens accumulates in T (vectorised,
+// in a buffer of its own: no false sharing) and flushes into double every 64 tokens; the chunks' sums are then added
+// in token order, so the result does not depend on which thread finished first.
+class TokenSums {
+ public:
+  explicit TokenSums(int64_t width) : width_(width) {}
+  template <typename T>
+  void flush(std::vector<T>& partial, std::vector<double>& sums) {
+    for (int64_t k = 0; k < width_; ++k) { sums[k] += double(partial[k]); partial[k] = T(0); }
+  }
+  void add(int64_t begin, std::vector<double>&& sums) {
+    std::lock_guard<std::mutex> guard(lock_);
+    chunks_.emplace_back(begin, std::move(sums));
+  }
+  std::vector<double> total() {
+    std::sort(chunks_.begin(), chunks_.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+    std::vector<double> out(width_, 0.0);
+    for (const auto& chunk : chunks_)
+      for (int64_t k = 0; k < width_; ++k) out[k] += chunk.second[k];
+    return out;
+  }
+  static constexpr int64_t kFlushEvery = 64;
+
+ private:
+  int64_t width_;
+  std::mutex lock_;
+  std::vector<std::pair<int64_t, std::vector<double>>> chunks_;
+};
+
+// sums[q] = sum over tokens t < n of what body(t, partial) adds to partial[q] (q < width): tokens split over threads,
+// each chunk's partial in T flushed into double every kFlushEvery tokens, the chunks then added in token order.
+template <typename T, typename Body>
+inline std::vector<double> sum_over_tokens(int64_t n, int64_t width, const Body& body) {
+  TokenSums sums(width);
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    std::vector<T> partial(width, T(0));
+    std::vector<double> chunk(width, 0.0);
+    for (int64_t t = begin; t < end; ++t) {
+      body(t, partial.data());
+      if ((t - begin + 1) % TokenSums::kFlushEvery == 0) sums.flush(partial, chunk);
+    }
+    sums.flush(partial, chunk);
+    sums.add(begin, std::move(chunk));
+  });
+  return sums.total();
+}
+
+// out[j] = a . m[j] for the rows of m (stride d). With R > 0 rows known at compile time, one pass over a and m
+// with R sums, each in two vectors' width of lanes (independent chains, added at the end); R = 0: `rows` at run
+// time, one row at a time.
+template <typename T, int R>
+inline void row_dots(const T* a, const T* m, int64_t d, int64_t rows, T* out) {
+  if (R == 0) {
+    for (int64_t j = 0; j < rows; ++j) row_dots<T, 1>(a, m + j * d, d, 1, out + j);
+    return;
+  }
+  constexpr int L = 64 / sizeof(T), N = R > 0 ? R : 1;
+  T lanes[N][L] = {};
+  int64_t i = 0;
+  for (; i + L <= d; i += L)
+    for (int j = 0; j < N; ++j)
+      for (int l = 0; l < L; ++l) lanes[j][l] += a[i + l] * m[j * d + i + l];
+  for (int j = 0; j < N; ++j) {
+    T sum = 0;
+    for (int64_t k = i; k < d; ++k) sum += a[k] * m[j * d + k];
+    for (int l = 0; l < L; ++l) sum += lanes[j][l];
+    out[j] = sum;
+  }
+}
+
+}  // namespace ddl

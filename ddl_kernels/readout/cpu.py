@@ -1,0 +1,60 @@
+r"""The readout of the expanded state in C++ (readout.cpp), forward and backward in one pass each, and a TC decoding
+step's readout of its cached window.
+
+Serves `reference.causal_token_readout` (TC; CC is its one-tap case) without history, as the dispatcher calls it:
+a state x `(B, T, d_v, d)` and taps `(K, d_v, d)` (the weight in the state's layout), zeros before the first token,
+
+    y[t, i] = sum_s sum_j taps[s, j, i] x[t - (K-1) + s, j, i]
+    dx[t, j, i] = sum_s taps[s, j, i] G[t + (K-1) - s, i],   dtaps[s, j, i] = sum_t x[t - (K-1) + s, j, i] G[t, i]
+
+for CPU tensors in fp32 or fp64, eager. The window readout: one new token from its window as the cache holds it,
+`(B, d_v*d, K)` (channel j*d + i, time last), no autograd: y[b, i] = sum_s sum_j weight[s, i, j] window[b, j*d + i, s].
+"""
+
+import torch
+
+from .. import Implementation
+from ..build import kernels, ready
+
+
+def serves(x, taps):
+    return taps.dtype is x.dtype and taps.is_cpu and ready(x)
+
+
+class _Readout(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, taps):
+        ctx.save_for_backward(x, taps)
+        return kernels().readout_forward(x.contiguous(), taps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, taps = ctx.saved_tensors
+        if torch.is_grad_enabled() or grad.dtype is not x.dtype:  # create_graph: the C++ gradients carry no graph
+            from ddl.fused import readout_backward
+
+            return readout_backward(grad, x, taps, *ctx.needs_input_grad)
+        return tuple(kernels().readout_backward(grad.contiguous(), x.contiguous(), taps))
+
+
+def run(x, taps):
+    if torch.is_grad_enabled():
+        return _Readout.apply(x, taps.contiguous())
+    return kernels().readout_forward(x.contiguous(), taps.contiguous())  # (a stride-0 repeated state is copied)
+
+
+def window_serves(window, weight):
+    """A decoding step's window `(B, d_v*d, K)` and weight `(K, d, d_v)`: no autograd (no backward here), the same
+    dtype, CPU, eager."""
+    return weight.dtype is window.dtype and weight.is_cpu and not torch.is_grad_enabled() and ready(window)
+
+
+def window_run(window, weight):
+    taps = weight.permute(2, 1, 0).contiguous()  # (d_v, d, K): the window's layout (no copy when kept so)
+    return kernels().window_readout(window.contiguous(), taps).unsqueeze(1)
+
+
+READOUT = Implementation("C++ readout", ("auto", "triton"), serves, run)
+WINDOW = Implementation("C++ window readout", ("auto", "triton"), window_serves, window_run)
+
+__all__ = ["READOUT", "WINDOW"]

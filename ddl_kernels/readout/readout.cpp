@@ -1,0 +1,105 @@
+// The TC readout of the expanded state (CC: one tap), its backward, and a decoding step's readout of its cached window
+// (ddl_kernels/readout).
+#include "common.h"
+
+namespace ddl {
+
+// The TC readout (CC: one tap): y[t, i] = sum_s sum_j taps[s, j, i] X[t - (K-1) + s, j, i], zero before token 0.
+template <typename T>
+void readout_forward_impl(const T* x, const T* taps, int64_t batch, int64_t len, int64_t k, int64_t nv, int64_t d,
+                          T* y) {
+  at::parallel_for(0, batch * len, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t bt = begin; bt < end; ++bt) {
+      const int64_t t = bt % len;
+      T* yt = y + bt * d;
+      for (int64_t i = 0; i < d; ++i) yt[i] = 0;
+      for (int64_t s = std::max<int64_t>(0, k - 1 - t); s < k; ++s) {
+        const T* xs = x + (bt - (k - 1) + s) * nv * d;
+        for (int64_t j = 0; j < nv; ++j) {
+          const T* xj = xs + j * d; const T* w = taps + (s * nv + j) * d;
+#pragma omp simd
+          for (int64_t i = 0; i < d; ++i) yt[i] += w[i] * xj[i];
+        }
+      }
+    }
+  });
+}
+
+// dX[t, j, i] = sum_s taps[s, j, i] G[t + (K-1) - s, i];  dtaps[s, j, i] = sum_t X[t - (K-1) + s, j, i] G[t, i].
+template <typename T>
+void readout_backward_impl(const T* g, const T* x, const T* taps, int64_t batch, int64_t len, int64_t k, int64_t nv,
+                           int64_t d, T* gx, T* gtaps) {
+  const auto total = sum_over_tokens<T>(batch * len, k * nv * d, [&](int64_t bt, T* partial) {  // the tap gradients
+    const int64_t t = bt % len;
+    T* gxt = gx + bt * nv * d; const T* xt = x + bt * nv * d;
+    for (int64_t i = 0; i < nv * d; ++i) gxt[i] = 0;
+    for (int64_t s = std::max<int64_t>(0, t + k - len); s < k; ++s) {  // output t + (K-1) - s reads t via tap s
+      const T* gs = g + (bt + (k - 1) - s) * d;
+      for (int64_t j = 0; j < nv; ++j) {
+        const T* w = taps + (s * nv + j) * d; T* gxj = gxt + j * d; const T* xj = xt + j * d;
+        T* pw = partial + (s * nv + j) * d;
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) { gxj[i] += w[i] * gs[i]; pw[i] += xj[i] * gs[i]; }
+      }
+    }
+  });
+  for (size_t q = 0; q < total.size(); ++q) gtaps[q] = T(total[q]);
+}
+
+at::Tensor readout_forward(const at::Tensor& x, const at::Tensor& taps) {
+  const int64_t batch = x.size(0), len = x.size(1), nv = x.size(2), d = x.size(3), k = taps.size(0);
+  TORCH_CHECK(taps.size(1) == nv && taps.size(2) == d, "ddl readout_forward: taps must be (K, d_v, d)");
+  auto y = at::empty({batch, len, d}, x.options());
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "ddl_readout_forward", [&] {
+    readout_forward_impl<scalar_t>(x.data_ptr<scalar_t>(), taps.data_ptr<scalar_t>(), batch, len, k, nv, d,
+                                   y.data_ptr<scalar_t>());
+  });
+  return y;
+}
+
+std::vector<at::Tensor> readout_backward(const at::Tensor& g, const at::Tensor& x, const at::Tensor& taps) {
+  const int64_t batch = x.size(0), len = x.size(1), nv = x.size(2), d = x.size(3), k = taps.size(0);
+  TORCH_CHECK(taps.size(1) == nv && taps.size(2) == d && g.numel() == batch * len * d,
+              "ddl readout_backward: taps must be (K, d_v, d) and the gradient (B, T, d)");
+  auto gx = at::empty_like(x), gtaps = at::empty_like(taps);
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "ddl_readout_backward", [&] {
+    readout_backward_impl<scalar_t>(g.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), taps.data_ptr<scalar_t>(), batch,
+                                    len, k, nv, d, gx.data_ptr<scalar_t>(), gtaps.data_ptr<scalar_t>());
+  });
+  return {gx, gtaps};
+}
+
+// One decoding step of the TC readout from its window where the cache holds it, time last: w (B, d_v*d, K) and
+// taps (d_v, d, K) in the same layout; y[b, i] = sum_j sum_s taps[j, i, s] w[b, j*d + i, s].
+template <typename T>
+void window_readout_impl(const T* w, const T* taps, int64_t batch, int64_t nv, int64_t d, int64_t k, T* y) {
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const T* wb = w + b * nv * d * k; T* yb = y + b * d;
+      for (int64_t i = 0; i < d; ++i) yb[i] = 0;
+      for (int64_t j = 0; j < nv; ++j) {
+        const T* wj = wb + j * d * k; const T* tj = taps + j * d * k;
+        for (int64_t i = 0; i < d; ++i) {
+          T acc = 0;
+          for (int64_t s = 0; s < k; ++s) acc += wj[i * k + s] * tj[i * k + s];
+          yb[i] += acc;
+        }
+      }
+    }
+  });
+}
+
+at::Tensor window_readout(const at::Tensor& w, const at::Tensor& taps) {
+  TORCH_CHECK(w.dim() == 3 && taps.dim() == 3 && w.is_contiguous() && taps.is_contiguous(),
+              "ddl window_readout: the window must be (B, d_v*d, K) and the taps (d_v, d, K), both contiguous");
+  const int64_t batch = w.size(0), nv = taps.size(0), d = taps.size(1), k = taps.size(2);
+  TORCH_CHECK(w.size(1) == nv * d && w.size(2) == k, "ddl window_readout: the window must be (B, d_v*d, K)");
+  auto y = at::empty({batch, d}, w.options());
+  AT_DISPATCH_FLOATING_TYPES(w.scalar_type(), "ddl_window_readout", [&] {
+    window_readout_impl<scalar_t>(w.data_ptr<scalar_t>(), taps.data_ptr<scalar_t>(), batch, nv, d, k,
+                                  y.data_ptr<scalar_t>());
+  });
+  return y;
+}
+
+}  // namespace ddl

@@ -1,0 +1,165 @@
+r"""The token convolutions of the expanded state in Triton for CUDA: the readout (TC; CC is its one-tap case) maps the
+state to a vector, EC (ddl_kernels/conv) maps the embeddings to a state, and each one's input gradient is the other's
+shape of computation run backwards in time. So two kernels serve both, forward and backward: `_window_kernel` (a
+K-token window of states -> a d-vector per token, or of d-vectors -> a (d_v x d) tile per token) and
+`_tap_grads_kernel` (per-lag products summed over a chunk of tokens; the chunks' partial sums are added in PyTorch).
+Each program handles one token (or chunk) and one block of features; accumulation is in fp32.
+
+Serves `reference.causal_token_readout` without history (x `(B, T, d_v, d)`, taps `(K, d_v, d)`, zeros before the
+first token) for CUDA tensors other than fp64. Opt-in (`ddl_implementation="triton"`) until verified on a GPU;
+tested on CPU through Triton's interpreter (tests/test_kernels.py).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import Implementation, fallible
+
+
+# Token convolutions. A program's output row `t` reads source rows src = t + offset + direction * s for the lags
+# s = 0..K-1 (rows outside [0, L_src) are zeros): offset = (L_src - T_out) - (K - 1), direction +1 for the causal
+# forward; the input gradients run the same relation backwards (offset negated, direction -1).
+
+@triton.jit
+def _feature_block(d, dv, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr):
+    """This program's block of features: their columns, and the offsets and mask of a (d_v x block) state tile."""
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    chans = tl.arange(0, BLOCK_V)
+    return cols, chans[:, None] * d + cols[None, :], (chans < dv)[:, None] & (cols < d)[None, :]
+
+@triton.jit
+def _row_in_range(cols, row, n_rows):
+    """0 <= row < n_rows, as a block over the columns (the interpreter mishandles scalar & block masks)."""
+    rows = cols * 0 + row
+    return (rows >= 0) & (rows < n_rows)
+
+@triton.jit
+def _window_kernel(
+    in_ptr, taps_ptr, out_ptr, t_out, l_src, offset, d, dv,
+    READ: tl.constexpr, K: tl.constexpr, DIRECTION: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """A K-row window of the input, weighted by the taps, for output row t:
+    READ:      out[t] = sum_s sum_j taps[s, j] * in[src(t, s), j]   (B, t_out, d) from a state (B, l_src, d_v, d)
+    otherwise: out[t, j] = sum_s taps[s, j] * in[src(t, s)]        (B, t_out, d_v, d) from vectors (B, l_src, d)
+    """
+    row = tl.program_id(0).to(tl.int64)
+    b, t = row // t_out, row % t_out
+    cols, tile, tile_ok = _feature_block(d, dv, BLOCK_D, BLOCK_V)
+    acc = tl.zeros((BLOCK_V, BLOCK_D), dtype=tl.float32)
+    for s in tl.static_range(K):
+        src = t + offset + DIRECTION * s
+        ok = _row_in_range(cols, src, l_src)
+        w = tl.load(taps_ptr + s * dv * d + tile, mask=tile_ok, other=0.0).to(tl.float32)
+        if READ:
+            x = tl.load(in_ptr + (b * l_src + src) * dv * d + tile, mask=tile_ok & ok[None, :], other=0.0)
+            acc += x.to(tl.float32) * w
+        else:
+            x = tl.load(in_ptr + (b * l_src + src) * d + cols, mask=(cols < d) & ok, other=0.0)
+            acc += w * x.to(tl.float32)[None, :]
+    if READ:
+        tl.store(out_ptr + row * d + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=cols < d)
+    else:
+        tl.store(out_ptr + row * dv * d + tile, acc.to(out_ptr.dtype.element_ty), mask=tile_ok)
+
+@triton.jit
+def _tap_grads_kernel(
+    src_ptr, grad_ptr, part_ptr, t_out, l_src, offset, d, dv, n_chunks,
+    SRC_IS_STATE: tl.constexpr, K: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """part[chunk, s] = sum over the chunk's tokens t of src[t + offset + s] * grad[t]: the lag-s tap gradient
+    of one chunk of one sequence, (d_v, d) in fp32. One of src / grad is the state (d_v x d), the other a
+    vector: the readout's taps (src = state, grad = vector) or EC's (src = embeddings, grad = state)."""
+    program = tl.program_id(0).to(tl.int64)
+    b, chunk, s = program // n_chunks, program % n_chunks, tl.program_id(2)
+    cols, tile, tile_ok = _feature_block(d, dv, BLOCK_D, BLOCK_V)
+    acc = tl.zeros((BLOCK_V, BLOCK_D), dtype=tl.float32)
+    for i in range(CHUNK):
+        t = chunk * CHUNK + i
+        src = t + offset + s
+        ok = _row_in_range(cols, src, l_src) & _row_in_range(cols, t, t_out)
+        if SRC_IS_STATE:
+            a = tl.load(src_ptr + (b * l_src + src) * dv * d + tile, mask=tile_ok & ok[None, :], other=0.0)
+            g = tl.load(grad_ptr + (b * t_out + t) * d + cols, mask=(cols < d) & ok, other=0.0)
+            acc += a.to(tl.float32) * g.to(tl.float32)[None, :]
+        else:
+            a = tl.load(src_ptr + (b * l_src + src) * d + cols, mask=(cols < d) & ok, other=0.0)
+            g = tl.load(grad_ptr + (b * t_out + t) * dv * d + tile, mask=tile_ok & ok[None, :], other=0.0)
+            acc += a.to(tl.float32)[None, :] * g.to(tl.float32)
+    tl.store(part_ptr + (program * K + s) * dv * d + tile, acc, mask=tile_ok)
+
+
+def channel_block(dv):
+    """The d_v axis of a tile: a power of 2, at least 2 (tl.sum over a length-1 axis is avoided)."""
+    return max(2, triton.next_power_of_2(dv))
+
+
+_CHUNK = 64  # tokens per tap-gradient program
+
+
+def _window(read, inputs, taps, out, t_out, l_src, offset, direction):
+    """Launch `_window_kernel`: one program per output token and block of features."""
+    kernel_size, dv, d = taps.shape
+    block_d = min(128, triton.next_power_of_2(d))
+    grid = (out.shape[0] * t_out, triton.cdiv(d, block_d))
+    _window_kernel[grid](inputs, taps, out, t_out, l_src, offset, d, dv, READ=read, K=kernel_size,
+                         DIRECTION=direction, BLOCK_D=block_d, BLOCK_V=channel_block(dv))
+    return out
+
+
+def _tap_grads(src, grad, taps, t_out, offset, src_is_state):
+    """d taps: `(K, d_v, d)` in fp32, from per-chunk partial sums."""
+    kernel_size, dv, d = taps.shape
+    batch, l_src = src.shape[:2]
+    n_chunks = triton.cdiv(t_out, _CHUNK)
+    block_d = min(128, triton.next_power_of_2(d))
+    parts = torch.empty(batch * n_chunks, kernel_size, dv, d, dtype=torch.float32, device=src.device)
+    _tap_grads_kernel[(batch * n_chunks, triton.cdiv(d, block_d), kernel_size)](
+        src, grad, parts, t_out, l_src, offset, d, dv, n_chunks, SRC_IS_STATE=src_is_state, K=kernel_size,
+        CHUNK=_CHUNK, BLOCK_D=block_d, BLOCK_V=channel_block(dv),
+    )
+    return parts.sum(0)
+
+
+class _TritonTokenWindow(torch.autograd.Function):
+    """The causal token convolutions over x with history first (if any), `taps` `(K, d_v, d)`:
+        read (TC/CC readout):  y[t] = sum_s sum_j taps[s, j] * x[t + offset + s, j]    x `(B, L, d_v, d)` -> `(B, T, d)`
+        spread (EC):           y[t, j] = sum_s taps[s, j] * x[t + offset + s]          x `(B, L, d)` -> `(B, T, d_v, d)`
+    The input gradient of each is the other run backwards in time: dx[r] = sum_s taps[s] G[r - offset - s]."""
+
+    @staticmethod
+    def forward(ctx, x, taps, t_out, read):
+        x, taps = x.contiguous(), taps.contiguous()
+        offset = x.shape[1] - t_out - (taps.shape[0] - 1)
+        shape = (x.shape[0], t_out, x.shape[-1]) if read else (x.shape[0], t_out, taps.shape[1], x.shape[-1])
+        out = x.new_empty(shape, dtype=torch.promote_types(x.dtype, taps.dtype))
+        ctx.save_for_backward(x, taps)
+        ctx.t_out, ctx.offset, ctx.read = t_out, offset, read
+        return _window(read, x, taps, out, t_out, x.shape[1], offset, 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, taps = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = grad_taps = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _window(not ctx.read, grad, taps, torch.empty_like(x), x.shape[1], ctx.t_out, -ctx.offset, -1)
+        if ctx.needs_input_grad[1]:
+            grad_taps = _tap_grads(x, grad, taps, ctx.t_out, ctx.offset, src_is_state=ctx.read).to(taps.dtype)
+        return grad_x, grad_taps, None, None
+
+
+def token_window(x, taps, read):
+    """The readout (`read`) or EC of x by taps `(K, d_v, d)`, zeros before the first token."""
+    return _TritonTokenWindow.apply(x, taps, x.shape[1], read)
+
+
+def serves(x, taps):
+    return x.is_cuda and x.dtype != torch.float64
+
+
+READOUT = Implementation("Triton readout", ("triton",), serves,
+                         fallible("Triton readout", lambda x, taps: token_window(x, taps, read=True)))
+
+__all__ = ["READOUT", "channel_block", "token_window"]

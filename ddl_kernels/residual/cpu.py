@@ -1,0 +1,85 @@
+r"""One sublayer's residual seam in C++ (residual.cpp): the gate, the value and the delta update, forward and
+backward, in one pass over each token's rows.
+
+Serves `reference.delta_residual` with a single linear gate and a learned value, delta or write-only, for CPU tensors
+all in fp32 or all in fp64, eager (no autocast, not traced). Per token (rows of length d; the state X has d_v rows),
+the specification's numbers:
+    beta = 2 sigmoid(w . c + b),   v_j = s_v sigmoid(W_v[j] . u + b_v[j])  (or W_v[j] . u + b_v[j] when s_v = None)
+    s = 1 / sqrt(|h|^2 + eps^2),   t_j = v_j - s h . X_j  (write-only: t_j = v_j)
+    X_next_j = X_j + h (beta s t_j)
+and its gradients (those of `ddl.fused`'s update, followed by the gate's and the value's):
+    b_j = h . G_j,   c_j = s b_j,   dv_j = beta c_j,   dbeta = sum_j c_j t_j
+    dX_j = G_j - h (beta s c_j),   dh = sum_j G_j (s beta t_j) - X_j (s beta c_j) - h s^3 beta (sum_j b_j t_j - hX_j c_j)
+    dz = dbeta beta (1 - beta/2),  dy_j = dv_j v_j (1 - v_j / s_v)  (dv_j without the sigmoid)
+    dc = dz w (+ sum_j dy_j W_v[j] when u is c),  du = sum_j dy_j W_v[j]  (into dX when u is the d_v = 1 state)
+    dw = sum over tokens of dz c,  db = sum dz,  dW_v[j] = sum dy_j u,  db_v[j] = sum dy_j
+Why: in eager PyTorch each operation of the seam is a pass over a `(B, T, d)` tensor (the gate and value projections
+to 1-4 outputs run as matrix-vector products, far below the memory speed), and a decoding step pays a dispatch per
+operation; here each token's rows are read once for the dot products and once for the writes.
+"""
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .. import Implementation
+from ..build import kernels, ready
+
+
+def serves(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, mode, gate_hidden,
+           v_constant):
+    """A single linear gate, a learned value, delta or write-only; every tensor on the CPU and in x's dtype (fp32 or
+    fp64), eager. Checked on every sublayer of every decoding step, so written out flat."""
+    dtype = x.dtype
+    return (
+        gate_hidden is None
+        and v_constant is None
+        and mode != "additive"
+        and h.dtype is dtype
+        and c.dtype is dtype
+        and u.dtype is dtype
+        and gate_weight.dtype is dtype
+        and gate_bias.dtype is dtype
+        and value_weight.dtype is dtype
+        and value_bias.dtype is dtype
+        and gate_weight.is_cpu
+        and value_weight.is_cpu
+        and ready(x)
+    )
+
+
+class _Seam(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, erase, u_kind):
+        out, stats = kernels().residual_forward(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale,
+                                                k_eps, erase, True)
+        ctx.save_for_backward(x, h, c, u, gate_weight, value_weight, stats)
+        ctx.v_scale, ctx.erase, ctx.u_kind = v_scale, erase, u_kind
+        return out
+
+    @staticmethod
+    @once_differentiable  # its gradients are computed outside autograd: a second derivative raises
+    def backward(ctx, grad):
+        x, h, c, u, gate_weight, value_weight, stats = ctx.saved_tensors
+        gx, gh, gc, gu, gw, gb, gwv, gbv = kernels().residual_backward(
+            grad.contiguous(), x, h, c, u, gate_weight, value_weight, stats, ctx.v_scale, ctx.erase, ctx.u_kind
+        )
+        return gx, gh, gc, gu if ctx.u_kind == 0 else None, gw, gb, gwv, gbv, None, None, None, None
+
+
+def run(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, mode, gate_hidden=None,
+        v_constant=None):
+    """`reference.delta_residual` (where `serves`) through the C++ kernel, for any number of tokens, with autograd."""
+    u_kind = 1 if u is c else (2 if u is x and x.dim() == h.dim() else 0)  # before any copy: by identity
+    x = x.contiguous()  # the stride-0 repeated embeddings of a d_v > 1 model without EC
+    u = x if u_kind == 2 else u.contiguous()
+    args = (x, h.contiguous(), c.contiguous(), u, gate_weight.contiguous(), gate_bias.contiguous(),
+            value_weight.contiguous(), value_bias.contiguous(), -1.0 if v_scale is None else float(v_scale),
+            float(k_eps), mode == "delta")
+    if torch.is_grad_enabled():
+        return _Seam.apply(*args, u_kind)
+    return kernels().residual_forward(*args, False)[0]
+
+
+SEAM = Implementation("C++ residual seam", ("auto", "triton"), serves, run)
+
+__all__ = ["SEAM", "run", "serves"]

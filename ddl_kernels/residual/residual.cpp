@@ -1,0 +1,155 @@
+// One sublayer's residual seam (`reference.delta_residual` with a single linear gate and a learned value): the gate,
+// the value and the delta update, forward and backward, in one pass over each token's rows (ddl_kernels/residual).
+#include "common.h"
+
+namespace ddl {
+
+// u_kind: 0 = u is its own tensor, 1 = u is c (value from the normalised input), 2 = u is the d_v = 1 state X.
+// NV: d_v when it is 1, 2, 4 or 8 (compiled for each: a token's d_v rows go through each loop together), or 0:
+// d_v = nv at run time.
+template <typename T, int NV>
+void seam_forward(const T* x, const T* h, const T* c, const T* u, const T* wb, T bb, const T* wv, const T* bv,
+                  double scale, double eps, bool erase, int64_t n, int64_t nv, int64_t d, T* out, T* beta_out,
+                  T* v_out, T* s_out, T* hx_out) {
+  const int64_t rows = NV > 0 ? NV : nv;
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    std::vector<T> coef(rows), ys(rows), hxs(rows, T(0));
+    for (int64_t t = begin; t < end; ++t) {
+      const T* xt = x + t * rows * d; const T* ht = h + t * d; const T* ct = c + t * d; const T* ut = u + t * d;
+      T z, hh;
+      row_dots<T, 1>(ct, wb, d, 1, &z);
+      row_dots<T, 1>(ht, ht, d, 1, &hh);
+      row_dots<T, NV>(ut, wv, d, rows, ys.data());
+      if (erase) row_dots<T, NV>(ht, xt, d, rows, hxs.data());
+      const T beta = T(2) / (T(1) + std::exp(-(z + bb)));
+      const T s = T(1) / std::sqrt(hh + T(eps * eps));
+      for (int64_t j = 0; j < rows; ++j) {
+        const T y = ys[j] + bv[j], hx = hxs[j];
+        const T v = scale > 0 ? T(scale) / (T(1) + std::exp(-y)) : y;
+        coef[j] = beta * s * (v - s * hx);
+        if (v_out) { v_out[t * rows + j] = v; hx_out[t * rows + j] = hx; }
+      }
+      if (beta_out) { beta_out[t] = beta; s_out[t] = s; }
+      T* ot = out + t * rows * d;
+      for (int64_t j = 0; j < rows; ++j) {
+        const T* xj = xt + j * d; T* oj = ot + j * d; const T cj = coef[j];
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) oj[i] = xj[i] + ht[i] * cj;
+      }
+    }
+  });
+}
+
+template <typename T, int NV>
+void seam_backward(const T* g, const T* x, const T* h, const T* c, const T* u, const T* wb, const T* wv,
+                   const T* beta_s, const T* v_s, const T* s_s, const T* hx_s, double scale, bool erase, int64_t u_kind,
+                   int64_t n, int64_t nv, int64_t d, T* gx, T* gh, T* gc, T* gu, T* gwb, T* gbb, T* gwv, T* gbv) {
+  const int64_t rows = NV > 0 ? NV : nv;
+  const int64_t width = d + 1 + rows * d + rows;  // the weight gradients: dw, db, dW_v, db_v
+  const auto total = sum_over_tokens<T>(n, width, [&](int64_t t, T* partial) {
+    T* awb = partial; T* awv = awb + d + 1;
+    thread_local std::vector<T> scratch;  // per-token numbers of each row (one buffer per thread, kept)
+    scratch.resize(4 * rows);
+    T* b = scratch.data(); T* a_g = b + rows; T* a_x = a_g + rows; T* dy = a_x + rows;
+    const T* gt = g + t * rows * d; const T* xt = x + t * rows * d; const T* ht = h + t * d;
+    const T* ct = c + t * d; const T* ut = u + t * d;
+    const T beta = beta_s[t], s = s_s[t];
+    row_dots<T, NV>(ht, gt, d, rows, b);
+    T dbeta = 0, h_dot = 0;
+    for (int64_t j = 0; j < rows; ++j) {
+      const T v = v_s[t * rows + j], hx = erase ? hx_s[t * rows + j] : T(0);
+      const T tj = v - s * hx, cj = s * b[j];
+      dbeta += cj * tj;
+      h_dot += b[j] * tj - hx * cj;
+      a_g[j] = s * beta * tj;                      // dh += G_j a_g
+      a_x[j] = erase ? s * beta * cj : T(0);       // dh -= X_j a_x,  dX_j = G_j - h a_x
+      const T dv = beta * cj;
+      dy[j] = scale > 0 ? dv * v * (T(1) - v / T(scale)) : dv;
+    }
+    const T a_h = s * s * s * beta * h_dot;       // dh -= h a_h
+    const T dz = dbeta * beta * (T(1) - beta / T(2));
+    T* ght = gh + t * d; T* gxt = gx + t * rows * d; T* gct = gc + t * d;
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) { ght[i] = -ht[i] * a_h; gct[i] = dz * wb[i]; awb[i] += dz * ct[i]; }
+    // the value's input gradient: into dc (u = c), dX (u = the d_v = 1 state) or its own tensor
+    T* gut = u_kind == 1 ? gct : (u_kind == 2 ? gxt : gu + t * d);
+    if (u_kind == 0) for (int64_t i = 0; i < d; ++i) gut[i] = 0;
+    for (int64_t j = 0; j < rows; ++j) {
+      const T* gj = gt + j * d; const T* xj = xt + j * d; T* gxj = gxt + j * d;
+      const T agj = a_g[j], axj = a_x[j];
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) {
+        ght[i] += gj[i] * agj - xj[i] * axj;
+        gxj[i] = gj[i] - ht[i] * axj;
+      }
+    }
+    for (int64_t j = 0; j < rows; ++j) {
+      const T* wj = wv + j * d; T* awj = awv + j * d; const T dyj = dy[j];
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) { gut[i] += dyj * wj[i]; awj[i] += dyj * ut[i]; }
+    }
+    awb[d] += dz;
+    for (int64_t j = 0; j < rows; ++j) awv[rows * d + j] += dy[j];
+  });
+  for (int64_t k = 0; k < width; ++k) {
+    T* dst = k < d ? gwb + k
+                   : (k == d ? gbb : (k < d + 1 + rows * d ? gwv + (k - d - 1) : gbv + (k - d - 1 - rows * d)));
+    *dst = T(total[k]);
+  }
+}
+
+// Runs kernel<NV> for d_v = nv: compiled for 1, 2, 4 and 8, any other at run time.
+#define DDL_BY_ROWS(nv, kernel, ...)            \
+  switch (nv) {                                 \
+    case 1: kernel<scalar_t, 1>(__VA_ARGS__); break; \
+    case 2: kernel<scalar_t, 2>(__VA_ARGS__); break; \
+    case 4: kernel<scalar_t, 4>(__VA_ARGS__); break; \
+    case 8: kernel<scalar_t, 8>(__VA_ARGS__); break; \
+    default: kernel<scalar_t, 0>(__VA_ARGS__);  \
+  }
+
+std::vector<at::Tensor> residual_forward(const at::Tensor& x, const at::Tensor& h, const at::Tensor& c,
+                                         const at::Tensor& u, const at::Tensor& wb, const at::Tensor& bb,
+                                         const at::Tensor& wv, const at::Tensor& bv, double scale, double eps,
+                                         bool erase, bool save) {
+  const int64_t d = h.size(-1), n = h.numel() / d, nv = wv.size(0);
+  TORCH_CHECK(x.numel() == n * nv * d && c.numel() == n * d && u.numel() == n * d && wb.numel() == d &&
+              bb.numel() == 1 && wv.size(1) == d && bv.numel() == nv, "ddl residual_forward: mismatched shapes");
+  auto out = at::empty_like(x);
+  at::Tensor stats;  // None when nothing is saved (inference)
+  if (save) stats = at::empty({n * (2 + 2 * nv)}, h.options());
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "ddl_residual_forward", [&] {
+    scalar_t* st = save ? stats.data_ptr<scalar_t>() : nullptr;
+    DDL_BY_ROWS(nv, seam_forward, x.data_ptr<scalar_t>(), h.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(),
+                u.data_ptr<scalar_t>(), wb.data_ptr<scalar_t>(), *bb.data_ptr<scalar_t>(), wv.data_ptr<scalar_t>(),
+                bv.data_ptr<scalar_t>(), scale, eps, erase, n, nv, d, out.data_ptr<scalar_t>(),
+                save ? st : nullptr, save ? st + 2 * n : nullptr, save ? st + n : nullptr,
+                save ? st + 2 * n + n * nv : nullptr);
+  });
+  return {out, stats};
+}
+
+std::vector<at::Tensor> residual_backward(const at::Tensor& g, const at::Tensor& x, const at::Tensor& h,
+                                          const at::Tensor& c, const at::Tensor& u, const at::Tensor& wb,
+                                          const at::Tensor& wv, const at::Tensor& stats, double scale, bool erase,
+                                          int64_t u_kind) {
+  const int64_t d = h.size(-1), n = h.numel() / d, nv = wv.size(0);
+  TORCH_CHECK(g.numel() == x.numel() && x.numel() == n * nv * d && stats.numel() == n * (2 + 2 * nv),
+              "ddl residual_backward: mismatched shapes");
+  auto gx = at::empty_like(x), gh = at::empty_like(h), gc = at::empty_like(c);
+  auto gu = u_kind == 0 ? at::empty_like(u) : at::empty({0}, u.options());
+  auto gwb = at::empty_like(wb), gbb = at::empty({1}, wb.options()), gwv = at::empty_like(wv);
+  auto gbv = at::empty({nv}, wv.options());
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "ddl_residual_backward", [&] {
+    const scalar_t* st = stats.data_ptr<scalar_t>();
+    DDL_BY_ROWS(nv, seam_backward, g.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), h.data_ptr<scalar_t>(),
+                c.data_ptr<scalar_t>(), u.data_ptr<scalar_t>(), wb.data_ptr<scalar_t>(), wv.data_ptr<scalar_t>(), st,
+                st + 2 * n, st + n, st + 2 * n + n * nv, scale, erase, u_kind, n, nv, d, gx.data_ptr<scalar_t>(),
+                gh.data_ptr<scalar_t>(), gc.data_ptr<scalar_t>(), u_kind == 0 ? gu.data_ptr<scalar_t>() : nullptr,
+                gwb.data_ptr<scalar_t>(), gbb.data_ptr<scalar_t>(), gwv.data_ptr<scalar_t>(),
+                gbv.data_ptr<scalar_t>());
+  });
+  return {gx, gh, gc, gu, gwb, gbb, gwv, gbv};
+}
+
+}  // namespace ddl
