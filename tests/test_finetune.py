@@ -1,7 +1,7 @@
 """Fine-tuning. LoRA with PEFT: the default targets and DDL's own parameters (ddl_tools/lora.py), and `train.py
 --lora`, which saves the adapter and a merged model that loads by remote code and computes what base + adapter
-compute. Chat: tokenizers trained by train.py carry a chat template (ChatML) with its special tokens, and the README's
-SFT command (`trl sft`, TRL as an optional extra) runs on a train.py checkpoint and a conversational dataset built
+compute. Chat: tokenizers trained by train.py carry a chat template (ChatML) with its special tokens, and
+docs/training.md's SFT command (`trl sft`, TRL as an optional extra) runs on a train.py checkpoint and a conversational dataset built
 here; its output loads by remote code and answers through the template."""
 
 import json
@@ -17,6 +17,8 @@ import torch
 from conftest import tiny_config, tiny_tokenizer
 from test_hub import load_in_fresh_process
 from test_train import ROOT, TINY_RUN, env, run_train, text_file, trained  # noqa: F401 (fixtures)
+
+TRAINING_DOC = open(os.path.join(ROOT, "docs", "training.md"), encoding="utf-8").read()  # where the commands live
 
 
 def randomised(model, seed=0):
@@ -78,14 +80,13 @@ def test_lora_config_adapts_the_projections_and_trains_ddl_branch_in_full(varian
 
 @pytest.mark.parametrize("variant", ["dv4-tc-ec-gate-mlp", "dv1-delta"])
 def test_readme_peft_config_trains_the_ddl_branch(variant):
-    """The README's `LoraConfig` for PEFT users: LoRA on the projections, every DDL parameter trained in full."""
+    """docs/training.md's `LoraConfig` for PEFT users: LoRA on the projections, every DDL parameter trained in full."""
     import ddl
 
-    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-    snippet = re.search(r"```python\n(from peft import LoraConfig.*?)```", readme, re.S).group(1)
+    snippet = re.search(r"```python\n(from peft import LoraConfig.*?)```", TRAINING_DOC, re.S).group(1)
     namespace = {"model": randomised(ddl.DDLForCausalLM(tiny_config(**VARIANTS[variant])))}
     own = own_parameters(namespace["model"])
-    exec(compile(snippet, "README.md", "exec"), namespace)
+    exec(compile(snippet, "docs/training.md", "exec"), namespace)
     assert trained_in_full(namespace["model"]) == own
     assert any(".lora_A." in n for n, p in namespace["model"].named_parameters() if p.requires_grad)
 
@@ -197,7 +198,8 @@ print("OK", repr(tokenizer.decode(new)))
 
 
 def test_sft_command_runs_on_a_train_py_checkpoint(trained, tmp_path):  # noqa: F811
-    """The README's `trl sft` command, with a tiny conversational dataset (JSON lines of `messages`), 2 steps."""
+    """docs/training.md's `trl sft` command (on a CPU with --use_cpu, as it says), with a tiny conversational dataset
+    (JSON lines of `messages`), 2 steps."""
     base, _ = trained
     data = tmp_path / "chats"
     data.mkdir()
@@ -225,8 +227,7 @@ def test_sft_command_runs_on_a_train_py_checkpoint(trained, tmp_path):  # noqa: 
 
 
 def readme_sft_command() -> list[str]:
-    """The README's `trl sft ...` command (continued lines joined), as arguments after `trl`."""
-    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-    match = re.search(r"^trl (sft .*?)(?<!\\)$", readme, re.M | re.S)
-    assert match, "README.md shows no `trl sft` command"
+    """docs/training.md's `trl sft ...` command (continued lines joined), as arguments after `trl`."""
+    match = re.search(r"^trl (sft .*?)(?<!\\)$", TRAINING_DOC, re.M | re.S)
+    assert match, "docs/training.md shows no `trl sft` command"
     return shlex.split(match.group(1).replace("\\\n", " ").split("#")[0])

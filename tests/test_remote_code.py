@@ -26,6 +26,17 @@ VARIANTS = {
     "tc-ec": dict(ddl_value_channels=4, ddl_compressor="tc"),
 }
 
+# What both sides run: one fused-AdamW step, a no-grad forward, greedy decoding.
+STEP = """
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+loss = model(ids, labels=ids).loss
+loss.backward()
+optimizer.step()
+with torch.no_grad():
+    logits = model(ids).logits
+generated = model.generate(ids[:, :3], max_new_tokens=4, do_sample=False, pad_token_id=0)
+"""
+
 # Runs in the fresh process: the audit hook records every process started and every file opened for writing
 # outside the HF cache, from the moment the hook is installed (before transformers is imported).
 USER = r"""
@@ -64,28 +75,17 @@ for op, impls in kernels.registries().items():
         return lambda *args: calls.__setitem__(name, calls.get(name, 0) + 1) or run(*args)
     kernels.registries()[op] = [impl._replace(run=counted(impl.run, impl.name)) for impl in impls]
 ids = torch.tensor(json.loads(sys.argv[2]))
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-loss = model(ids, labels=ids).loss
-loss.backward()
-optimizer.step()
-with torch.no_grad():
-    logits = model(ids).logits
-generated = model.generate(ids[:, :3], max_new_tokens=4, do_sample=False, pad_token_id=0)
+""" + STEP + r"""
 print("RESULT " + json.dumps({"loss": loss.item(), "logits": logits.tolist(), "generated": generated.tolist(),
                               "events": events, "registries": used, "calls": calls}))
 """
 
 
 def _in_repo(model, ids):
-    """What the fresh process computes, with the in-repo model and the same (PyTorch) paths."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-    loss = model(ids, labels=ids).loss
-    loss.backward()
-    optimizer.step()
-    with torch.no_grad():
-        logits = model(ids).logits
-    generated = model.generate(ids[:, :3], max_new_tokens=4, do_sample=False, pad_token_id=0)
-    return loss.item(), logits, generated
+    """What the fresh process computes (`STEP`), with the in-repo model and the same (PyTorch) paths."""
+    names = {"torch": torch, "model": model, "ids": ids}
+    exec(STEP, names)
+    return names["loss"].item(), names["logits"], names["generated"]
 
 
 def _run_user(folder, ids, tmp_path, blocked, extra_env=None):
@@ -198,7 +198,7 @@ def test_the_in_repo_dispatch_order():
     assert torch_only == ["PyTorch readout"]
 
 
-EARLIER = ["ddl-cc-ec-3b07340", "ddl-tc-ec-3b07340"]  # saved by ddl 0.2 with its own 11 files (C++ source included)
+EARLIER = ["ddl-cc-ec-3b07340"]  # the default variant saved by ddl 0.2 with its own 11 files (C++ source included)
 OLD_CODE = r"""
 import json, sys, torch
 sys.modules["ddl"] = sys.modules["ddl_kernels"] = None
