@@ -22,8 +22,7 @@ LEGACY_DEFAULTS = {
     "ddl_beta_hidden_bias": True,
     "qk_norm_position": "before_rope",
 }
-# How the operations run: a runtime choice, never saved with a checkpoint (see `ddl.kernels`).
-DDL_IMPLEMENTATIONS = ("auto", "triton", "torch", "reference")
+DDL_IMPLEMENTATIONS = ("auto", "triton", "torch", "reference")  # a runtime choice, never saved (see `ddl.kernels`)
 # A saved folder carries these two files; the map lets the Auto classes load it with trust_remote_code=True for
 # someone who never installed `ddl` (save_pretrained alone would record only the class that was saved). Every
 # checkpoint lists the task heads too, so a pretrained causal LM can be fine-tuned as a classifier from its folder.
@@ -153,6 +152,9 @@ class DDLConfig(LlamaConfig):
 
     model_type = "ddl"
     keys_to_ignore_at_inference = ["cache"]
+    # Llama's plan, and QK-norm's per-head norms: their heads are split over the ranks, so are their gradients (Qwen3's)
+    base_model_tp_plan = {**LlamaConfig.base_model_tp_plan, **dict.fromkeys(
+        ("layers.*.self_attn.q_norm", "layers.*.self_attn.k_norm"), "replicated_with_grad_allreduce")}
 
     ddl_value_channels: int = 4
     ddl_compressor: str = "cc"

@@ -23,8 +23,7 @@ def _dot_h(h, state, scalar_state):
 
 
 def _combine(state, coef, scalar_state, out=None, alpha=1.0):
-    """sum_j X[..., j] c[j], `(B, T, d)`; with `out`, accumulated into it in place: out += alpha * sum_j X[..., j] c[j]
-    (one pass, no temporary: these run on every sublayer's backward)."""
+    """sum_j X[..., j] c[j], `(B, T, d)`; with `out`, out += alpha * sum_j X[..., j] c[j] in one pass, no temporary."""
     if out is None:
         return state * coef if scalar_state else (coef.unsqueeze(-2) @ state).squeeze(-2)
     if scalar_state:

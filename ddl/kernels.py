@@ -46,8 +46,7 @@ _registries = None
 
 
 def registries():
-    """{operation: [Implementation, ...]}: ddl_kernels' (when installed, with this interface) before PyTorch's. Made
-    on first use, once per process."""
+    """{operation: [Implementation, ...]}: ddl_kernels' (installed, this interface) first; made once per process."""
     global _registries
     if _registries is None:
         found = _accelerators()
