@@ -76,7 +76,7 @@ from transformers.utils import logging
 import ddl  # noqa: F401  (registers the DDL Auto classes and the code files saved with checkpoints)
 from ddl import DDLConfig, DDLForCausalLM
 from ddl_tools.hub import check_hub_strategy
-from ddl_tools.launch import check_launch
+from ddl_tools.launch import check_launch, launcher_precision, outside_zero3
 from ddl_tools.lora import add_lora, check_lora, describe_lora, save_adapter_and_merge
 from ddl_tools.outputs import write_json
 from ddl_tools.training import (
@@ -252,7 +252,10 @@ def argument_parser(argv: list[str]) -> HfArgumentParser:
         data_name = "shakespeare"
     source = known.model_name_or_path or known.init_from_llama
     model_name = (f"ddl-{os.path.basename(source.rstrip('/'))}" if source else f"ddl-{preset}") + variant
-    bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    # `accelerate launch` states the run's precision (a config's mixed_precision, or --mixed_precision): the default
+    # follows it, as DeepSpeed's config and accelerate's autocast do; otherwise bf16 where the GPU has it.
+    launcher = launcher_precision()
+    bf16 = launcher == "bf16" if launcher else torch.cuda.is_available() and torch.cuda.is_bf16_supported()
 
     parser = HfArgumentParser((ModelArguments, DataArguments, RunArguments, TrainingArguments))
     parser.set_defaults(
@@ -582,13 +585,14 @@ def card_inputs(model_args, training_args, config, blocks, data_info, tokenizer_
                 unigram=blocks.unigram, init_from=init_source(model_args), finetuning=describe_lora(model_args))
 
 
-def generate_sample(out, data_args, data_info, seed) -> tuple[str, str]:
+def generate_sample(out, data_args, data_info, training_args) -> tuple[str, str]:
     """Step 6: a sample through `pipeline("text-generation")` from the saved folder (by remote code, as a user
     would load it)."""
-    generator = pipeline("text-generation", model=out, tokenizer=out, trust_remote_code=True, device="cpu")
     prompt = data_args.sample_prompt or ("Romeo.\n" if data_info["name"].startswith("shakespeare") else "The")
-    torch.manual_seed(seed)
-    return prompt, generator(prompt, max_new_tokens=data_args.sample_max_new_tokens)[0]["generated_text"]
+    with outside_zero3():  # this process alone loads and generates (under ZeRO-3 both would wait for the others)
+        generator = pipeline("text-generation", model=out, tokenizer=out, trust_remote_code=True, device="cpu")
+        torch.manual_seed(training_args.seed)
+        return prompt, generator(prompt, max_new_tokens=data_args.sample_max_new_tokens)[0]["generated_text"]
 
 
 # ------------------------------------------------------------------------------------------------------- main
@@ -647,7 +651,7 @@ def main(argv: list[str]) -> None:
         curve = plot_loss_curve(trainer.state.log_history, os.path.join(out, "loss_curve.png"),
                                 title=f"{describe_variant(config)} on {data_info['name'].split(' (')[0]}",
                                 unigram=blocks.unigram)
-    prompt, sample = generate_sample(out, data_args, data_info, training_args.seed)  # 6. a sample
+    prompt, sample = generate_sample(out, data_args, data_info, training_args)  # 6. a sample
     trainer.ddl_model_card = model_card(
         **trainer.card_inputs, num_parameters=model.num_parameters(), steps=trainer.state.global_step,
         metrics=metrics, loss_curve=curve, sample=sample, prompt=prompt)

@@ -9,11 +9,17 @@ Two launches used to exit 0 while doing something else than asked:
 
 (Two separate runs into one folder, two shells or a rerun while the first still trains, are refused by the output
 folder's lock: `ddl_tools.training.claim_output_dir`.)
+
+The run's precision has two sources under `accelerate launch`: the launch config's mixed_precision (which accelerate
+autocasts to, and writes into a DeepSpeed config) and Trainer's --bf16 / --fp16. train.py's default follows the
+launcher; flags that contradict it are refused (DeepSpeed would fail at the first step, DDP would quietly autocast to
+the launcher's precision while the run's record said otherwise).
 """
 
+import contextlib
 import os
 
-from .training import UsageError
+from .outputs import UsageError
 
 
 def launched_processes() -> int:
@@ -24,14 +30,44 @@ def launched_processes() -> int:
     return 1
 
 
+def launcher_precision() -> str | None:
+    """The mixed precision `accelerate launch` asked for ("no", "bf16", "fp16", ...); None when not launched by it."""
+    return os.environ.get("ACCELERATE_MIXED_PRECISION") or None
+
+
+@contextlib.contextmanager
+def outside_zero3():
+    """Load models in this process alone: under DeepSpeed ZeRO-3, `from_pretrained` partitions the weights it loads
+    over every process (`zero.Init`), a collective the other processes never join once training is over."""
+    from transformers.integrations import deepspeed
+
+    if not deepspeed.is_deepspeed_zero3_enabled():
+        yield
+        return
+    active = deepspeed._hf_deepspeed_config_weak_ref()  # (the config accelerate keeps alive for the run)
+    deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        deepspeed.set_hf_deepspeed_config(active)
+
+
 def fsdp_requested(training_args) -> bool:
     """An accelerate FSDP config (`accelerate launch --config_file configs/fsdp.yaml`) or Trainer's `--fsdp`."""
     return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" or bool(training_args.fsdp)
 
 
 def check_launch(training_args) -> None:
-    """Refuse (one line) a launch that would not shard as asked or whose processes would not form one job."""
+    """Refuse (one line) a launch that would not shard as asked, whose processes would not form one job, or whose
+    precision flags contradict the launcher's."""
     launched = launched_processes()
+    launcher, flags = launcher_precision(), "bf16" if training_args.bf16 else "fp16" if training_args.fp16 else "no"
+    if launcher and launcher != flags:
+        raise UsageError(
+            f"The launch asks for mixed precision {launcher!r} (the accelerate config's mixed_precision, or accelerate "
+            f"launch --mixed_precision) but train.py's flags for {flags!r}: make them agree, e.g. accelerate launch "
+            f"--mixed_precision {flags} ..., or leave --bf16/--fp16 unset to follow the launch."
+        )
     if fsdp_requested(training_args) and training_args.device.type == "cpu":
         raise UsageError(
             "FSDP was requested (accelerate FSDP config or --fsdp), but on CPU accelerate runs plain DDP instead "
@@ -47,4 +83,4 @@ def check_launch(training_args) -> None:
                          f"train alone into the same output folder. {fix}")
 
 
-__all__ = ["check_launch", "fsdp_requested", "launched_processes"]
+__all__ = ["check_launch", "fsdp_requested", "launched_processes", "launcher_precision", "outside_zero3"]

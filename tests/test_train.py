@@ -50,9 +50,9 @@ def env(**extra):
             "CUDA_VISIBLE_DEVICES": "", **extra}
 
 
-def run_train(*args, check=True, timeout=300, launcher=None):
+def run_train(*args, check=True, timeout=300, launcher=None, env_extra=None):
     cmd = (launcher or [sys.executable]) + [TRAIN, *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(**(env_extra or {})), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
