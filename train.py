@@ -239,6 +239,7 @@ def argument_parser(argv: list[str]) -> HfArgumentParser:
     for name in ("preset", "model_name_or_path", "init_from_llama", "dataset_name", "train_file", "output_dir",
                  "ddl_residual", "ddl_value_channels", "ddl_compressor", "ddl_embed_conv"):
         pre.add_argument(f"--{name}")
+    pre.add_argument("--use_cpu", nargs="?", const="true", default="false")
     known, _ = pre.parse_known_args(argv)
     # The default folder names the variant, so `python train.py --ddl_residual additive` does not collide with
     # the default DDL run.
@@ -252,10 +253,12 @@ def argument_parser(argv: list[str]) -> HfArgumentParser:
         data_name = "shakespeare"
     source = known.model_name_or_path or known.init_from_llama
     model_name = (f"ddl-{os.path.basename(source.rstrip('/'))}" if source else f"ddl-{preset}") + variant
-    # `accelerate launch` states the run's precision (a config's mixed_precision, or --mixed_precision): the default
-    # follows it, as DeepSpeed's config and accelerate's autocast do; otherwise bf16 where the GPU has it.
-    launcher = launcher_precision()
-    bf16 = launcher == "bf16" if launcher else torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    # bf16 where the GPU has it; `accelerate launch` states the run's precision (a config's mixed_precision, or
+    # --mixed_precision), which the default follows, as DeepSpeed's config and accelerate's autocast do, wherever it
+    # can run (on a machine without GPUs, with --use_cpu; without it the launch is refused first, by `check_launch`).
+    gpu_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    launcher, on_cpu = launcher_precision(), known.use_cpu.lower() in ("true", "1", "yes")
+    bf16 = launcher == "bf16" and (gpu_bf16 or on_cpu) if launcher else gpu_bf16
 
     parser = HfArgumentParser((ModelArguments, DataArguments, RunArguments, TrainingArguments))
     parser.set_defaults(

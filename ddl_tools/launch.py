@@ -61,13 +61,6 @@ def check_launch(training_args) -> None:
     """Refuse (one line) a launch that would not shard as asked, whose processes would not form one job, or whose
     precision flags contradict the launcher's."""
     launched = launched_processes()
-    launcher, flags = launcher_precision(), "bf16" if training_args.bf16 else "fp16" if training_args.fp16 else "no"
-    if launcher and launcher != flags:
-        raise UsageError(
-            f"The launch asks for mixed precision {launcher!r} (the accelerate config's mixed_precision, or accelerate "
-            f"launch --mixed_precision) but train.py's flags for {flags!r}: make them agree, e.g. accelerate launch "
-            f"--mixed_precision {flags} ..., or leave --bf16/--fp16 unset to follow the launch."
-        )
     if fsdp_requested(training_args) and training_args.device.type == "cpu":
         raise UsageError(
             "FSDP was requested (accelerate FSDP config or --fsdp), but on CPU accelerate runs plain DDP instead "
@@ -81,6 +74,13 @@ def check_launch(training_args) -> None:
                if training_args.device.type == "cpu" else "Check the launch config against configs/README.md.")
         raise UsageError(f"Started as one of {launched} processes, but they did not form one job{why}, so each would "
                          f"train alone into the same output folder. {fix}")
+    launcher, flags = launcher_precision(), "bf16" if training_args.bf16 else "fp16" if training_args.fp16 else "no"
+    if launcher and launcher != flags:
+        raise UsageError(
+            f"The launch asks for mixed precision {launcher!r} (the accelerate config's mixed_precision, or accelerate "
+            f"launch --mixed_precision) but train.py's flags for {flags!r}: make them agree, e.g. accelerate launch "
+            f"--mixed_precision {flags} ..., or leave --bf16/--fp16 unset to follow the launch."
+        )
 
 
 __all__ = ["check_launch", "fsdp_requested", "launched_processes", "launcher_precision", "outside_zero3"]
