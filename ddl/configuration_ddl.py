@@ -1,6 +1,7 @@
 """DDL model configuration: Llama's configuration plus one group of `ddl_*` fields."""
 
 import os
+from collections import Counter
 
 from huggingface_hub.dataclasses import strict
 from transformers.models.llama.configuration_llama import LlamaConfig
@@ -26,10 +27,13 @@ DDL_IMPLEMENTATIONS = ("auto", "triton", "torch", "reference")  # a runtime choi
 # A saved folder carries these two files; the map lets the Auto classes load it with trust_remote_code=True for
 # someone who never installed `ddl` (save_pretrained alone would record only the class that was saved). Every
 # checkpoint lists the task heads too, so a pretrained causal LM can be fine-tuned as a classifier from its folder.
+# `transformers serve` loads a model by AutoModelForDecision (a decision pipeline scores a causal LM by its logits),
+# else by `getattr(transformers, config.architectures[0])`, where no checkpoint's own class can be found.
 AUTO_MAP = {
     "AutoConfig": "configuration_ddl.DDLConfig",
     "AutoModel": "modeling_ddl.DDLModel",
     "AutoModelForCausalLM": "modeling_ddl.DDLForCausalLM",
+    "AutoModelForDecision": "modeling_ddl.DDLForCausalLM",
     "AutoModelForSequenceClassification": "modeling_ddl.DDLForSequenceClassification",
     "AutoModelForTokenClassification": "modeling_ddl.DDLForTokenClassification",
     "AutoModelForQuestionAnswering": "modeling_ddl.DDLForQuestionAnswering",
@@ -194,13 +198,8 @@ class DDLConfig(LlamaConfig):
         # The cache layout is derived, never taken from the caller (a saved config.json carries a copy of it).
         kwargs.pop("per_layer_config", None)
         kwargs["auto_map"] = {**AUTO_MAP, **(kwargs.get("auto_map") or {})}
-        slots = conv_state_slots(self)
-        per_layer = {}
-        for (layer_idx, _), slot in slots.items():
-            per_layer[layer_idx] = max(per_layer.get(layer_idx, 0), slot + 1)
-        self.layer_types = [
-            "hybrid" if layer_idx in per_layer else "full_attention" for layer_idx in range(self.num_hidden_layers)
-        ]
+        per_layer = Counter(layer_idx for layer_idx, _ in conv_state_slots(self))  # (its slots are 0, 1, ...)
+        self.layer_types = ["hybrid" if i in per_layer else "full_attention" for i in range(self.num_hidden_layers)]
         self.number_of_conv_states = max(per_layer.values(), default=0)
         overrides = {i: {"number_of_conv_states": n} for i, n in per_layer.items() if n != self.number_of_conv_states}
         if overrides:
@@ -222,29 +221,20 @@ class DDLConfig(LlamaConfig):
 
     @property
     def ddl_implementation(self) -> str:
-        """How DDL's operations run here (`ddl.kernels`): set on this config, else `DDL_IMPLEMENTATION`, else auto."""
-        return self._runtime_choice("ddl_implementation", DDL_IMPLEMENTATIONS, "auto")
+        """How DDL's operations run here (`ddl.kernels`), never saved: set on this config, else `DDL_IMPLEMENTATION`,
+        else auto."""
+        if self._ddl_implementation is not None:
+            return self._ddl_implementation
+        value = os.environ.get("DDL_IMPLEMENTATION", "").strip().lower() or "auto"
+        if value not in DDL_IMPLEMENTATIONS:
+            raise ValueError(f"DDL_IMPLEMENTATION={value!r} must be one of {DDL_IMPLEMENTATIONS}; unset it or pick one")
+        return value
 
     @ddl_implementation.setter
     def ddl_implementation(self, name: str | None):
-        self._set_runtime_choice("ddl_implementation", name, DDL_IMPLEMENTATIONS, "ddl.kernels")
-
-    def _runtime_choice(self, name, choices, default):
-        """A runtime choice (never saved): the value set on this config, else the environment variable of the same
-        name in capitals, else `default`."""
-        value = getattr(self, f"_{name}")
-        if value is not None:
-            return value
-        variable = name.upper()
-        value = os.environ.get(variable, "").strip().lower() or default
-        if value not in choices:
-            raise ValueError(f"{variable}={value!r} must be one of {choices}; unset it or pick one.")
-        return value
-
-    def _set_runtime_choice(self, name, value, choices, see):
-        if value is not None and value not in choices:
-            raise ValueError(f"{name} must be one of {choices} (see {see}), got {value!r}.")
-        setattr(self, f"_{name}", value)
+        if name is not None and name not in DDL_IMPLEMENTATIONS:
+            raise ValueError(f"ddl_implementation must be one of {DDL_IMPLEMENTATIONS} (see ddl.kernels), got {name!r}")
+        self._ddl_implementation = name
 
     def to_dict(self):
         output = super().to_dict()

@@ -584,7 +584,7 @@ def test_remote_code_loading_in_a_fresh_process(tmp_path, tokenizer):
         expected[f"ddl-tests/tiny{i}"] = logits
     config = json.loads((tmp_path / "model1" / "config.json").read_text())
     assert set(config["auto_map"]) == {
-        "AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoModelForSequenceClassification",
+        "AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoModelForDecision", "AutoModelForSequenceClassification",
         "AutoModelForTokenClassification", "AutoModelForQuestionAnswering",
     }
     assert {"model.safetensors", "configuration_ddl.py", "modeling_ddl.py", "generation_config.json"} <= {
