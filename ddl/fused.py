@@ -5,8 +5,7 @@ where no faster implementation serves.
 `fused_delta_update` keeps its inputs (X, h, v, beta) and a few numbers per token for backward and recomputes k, k^T X
 and the coefficient there, instead of autograd keeping every intermediate; X is kept alive anyway by the next norm or
 compressor, so a sublayer's extra memory is h alone. `readout` (TC; CC with one tap) accumulates in place along
-contiguous d and has a hand-written backward (autograd would zero-fill and copy a state-sized gradient per lag);
-`window_readout` reads a decoding step's window where the cache keeps it.
+contiguous d and has a hand-written backward (autograd would zero-fill and copy a state-sized gradient per lag).
 """
 
 import torch
@@ -122,16 +121,17 @@ def fused_delta_update(x, h, v=None, beta=None, mode="delta", k_eps=1e-5):
 
 def readout_forward(x, taps):
     """y[t] = sum_s sum_j taps[s, j] * x[t - (K-1) + s, j] (zero before the first token) for a state `(B, T, d_v, d)`
-    and taps `(K, d_v, d)`: K * d_v fused multiply-adds into one `(B, T, d)` fp32 buffer (bf16 would round K*d_v
-    times), no state-sized temporary."""
+    and taps `(K, d_v, d)`: K * d_v fused multiply-adds into one fp32 buffer (bf16 would round K*d_v times), no
+    state-sized temporary. Token t adds into rows t..t+K-1 of a `(B, T+K-1, d)` buffer, whose first T are y: slices of
+    length T at fixed offsets, so a symbolic T (torch.export) needs no guard on T against K."""
     kernel, seq_len = taps.shape[0], x.shape[1]
     dtype = torch.promote_types(x.dtype, taps.dtype)
-    out = x.new_zeros(x.shape[0], seq_len, x.shape[-1], dtype=torch.promote_types(dtype, torch.float32))
-    for lag in range(min(kernel, seq_len)):
-        rows = out[:, lag:]
+    out = x.new_zeros(x.shape[0], seq_len + kernel - 1, x.shape[-1], dtype=torch.promote_types(dtype, torch.float32))
+    for lag in range(kernel):
+        rows = out[:, lag : lag + seq_len]
         for j in range(x.shape[2]):
-            rows.addcmul_(x[:, : seq_len - lag, j], taps[kernel - 1 - lag, j])
-    return out.to(dtype)
+            rows.addcmul_(x[:, :, j], taps[kernel - 1 - lag, j])
+    return out[:, :seq_len].to(dtype).contiguous()
 
 
 def readout_backward(grad, x, taps, needs_x=True, needs_taps=True):
@@ -185,19 +185,14 @@ def readout(x, taps):
 
 
 def conv(x, taps):
-    """`reference.causal_token_conv` of x `(B, T, d)` by taps `(K, d_v, d)`, zeros before the first token: the
-    specification itself, which writes one state-sized tensor in place (its backward through autograd makes two
-    state-sized products per tap)."""
+    """`reference.causal_token_conv` of x `(B, T, d)` by taps `(K, d_v, d)`: the specification itself, in place into
+    one state-sized tensor (its backward through autograd makes two state-sized products per tap)."""
     return causal_token_conv(x, taps.transpose(1, 2))
 
 
 def window_readout(window, weight):
-    r"""The TC readout of one new token from its cached window `(B, d_v*d, K)` (channel j*d + i, time last), read
-    where the cache keeps it instead of copied back into the state's layout: `(B, 1, d)`, summed in fp32 like the
-    readout of a whole sequence,
-
-        y[b, i] = sum_s sum_j weight[s, i, j] * window[b, j*d + i, s]
-    """
+    """`kernels.window_readout` in PyTorch: the window read where the cache keeps it, not copied back into the
+    state's layout, and summed in fp32 like the readout of a whole sequence."""
     kernel, d, dv = weight.shape
     dtype = torch.promote_types(window.dtype, weight.dtype)
     acc = torch.promote_types(dtype, torch.float32)
