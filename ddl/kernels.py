@@ -17,13 +17,14 @@ specification's numbers up to rounding, tested on outputs and gradients.
 """
 
 from collections import namedtuple
+from functools import partial
 
 import torch
 from transformers.utils import logging
 
 from .fused import as_taps, conv, fused_delta_update, readout
 from .fused import window_readout as torch_window_readout
-from .reference import causal_token_conv, causal_token_readout, constant_value, delta_gate, delta_value
+from .reference import causal_token_conv, causal_token_readout
 from .reference import delta_residual as reference_residual
 from .reference import delta_update as reference_update
 
@@ -58,9 +59,8 @@ def _accelerators():
     try:
         import ddl_kernels
     except ImportError:
-        logger.info("DDL: the ddl_kernels package (C++ kernels for CPU, Triton for CUDA) is not installed, so DDL runs "
-                    "its PyTorch paths (the same numbers, slower); it comes with the ddl repository (pip install -e . "
-                    "or ./setup.sh in a clone).")
+        logger.info("DDL: the ddl_kernels package (C++ for CPU, Triton for CUDA) is not installed, so DDL runs its "
+                    "PyTorch paths (the same numbers, slower); it comes with the ddl repository (pip install -e .).")
         return {}
     version = getattr(ddl_kernels, "INTERFACE_VERSION", None)
     if version != INTERFACE_VERSION:
@@ -93,12 +93,9 @@ def delta_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias,
     if implementation == "reference":
         return reference_residual(*args)
     out = _run("delta_residual", implementation, *args)
-    if out is not None:
-        return out
-    beta = delta_gate(c, gate_weight, gate_bias, *(gate_hidden or ()))
-    v = (constant_value(x, v_constant) if v_constant is not None
-         else delta_value(u, value_weight, value_bias, v_scale))
-    return delta_update(x, h, v, beta, mode=mode, k_eps=k_eps, implementation=implementation)
+    if out is None:  # the specification's gate and value, then this module's `delta_update`
+        out = reference_residual(*args, update=partial(delta_update, implementation=implementation))
+    return out
 
 
 def delta_update(x, h, v=None, beta=None, *, mode="delta", k_eps=1e-5, implementation="auto"):

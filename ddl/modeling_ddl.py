@@ -3,9 +3,8 @@
 Llama's architecture with one change: each of the two residual additions of a decoder layer becomes a delta update
 of the residual state. Attention, MLP, RMSNorm and rotary embeddings are transformers' own Llama modules (QK-norm:
 Llama's attention plus Qwen3's per-head norms), so parameter names, attention backends and caches are Llama's; the
-defaults follow the authors' code (docs/faithfulness.md). Reading order: the token convolutions' cache windows, the
-DDL modules (delta residual, compressor, embedding convolution), the attention with QK-norm, the decoder layer, the
-initialisation, the models. The operations are specified in `ddl.reference` and run by `ddl.kernels`.
+defaults follow the authors' code (docs/faithfulness.md). The operations are specified in `ddl.reference` and run
+by `ddl.kernels`; this file reads in Llama's order, the token convolutions' cache windows first.
 """
 
 import math
@@ -33,7 +32,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_ddl import DDLConfig, conv_state_slots
 from .kernels import delta_residual, token_conv, token_readout, window_readout
-from .packing import Padding, find_documents
+from .packing import Padding, check_documents_start, find_documents
 from .reference import constant_value, delta_gate, delta_update, delta_value
 
 
@@ -153,8 +152,7 @@ class DDLDeltaResidual(nn.Module):
             self.value_bias = nn.Parameter(torch.empty(dv))
 
     def forward(self, x, h, context, sublayer_input, implementation=None):
-        """x: state X; h: sublayer output (gives k); context: c = RMSNorm(x_in); sublayer_input: x_in;
-        implementation: `config.ddl_implementation`, read once per model forward (None: read here)."""
+        """x: state X; h: sublayer output (gives k); context: c = RMSNorm(x_in); sublayer_input: x_in."""
         if self.mode == "additive":
             return delta_update(x, h, mode="additive")
         u = sublayer_input if self.value_from_state else context
@@ -237,8 +235,6 @@ class DDLCompressor(nn.Module):
         return (windows[pad + 1 : pad + kernel + 1].flip(0).t() @ self.conv_weight.t()).t()
 
     def forward(self, state, cache=None, padding=None, cache_slot=None, documents=None, implementation=None):
-        """padding: the batch's `packing.Padding` (None: none); implementation: `config.ddl_implementation` as the
-        model read it for this forward (None: read it here)."""
         implementation = implementation or self.config.ddl_implementation
         weight = self.readout_weight(cache)  # (K, d, d_v)
         if self.kind != "tc":
@@ -331,7 +327,6 @@ class DDLDecoderLayer(GradientCheckpointingLayer):
     def forward(self, hidden_states, attention_mask=None, position_ids=None, cache: Cache | None = None,
                 use_cache: bool | None = False, position_embeddings=None, padding=None, documents=None,
                 implementation=None, **kwargs):
-        """implementation: `config.ddl_implementation`, read once per model forward (None: each module reads it)."""
         x_in = self.sublayer_input("attn", hidden_states, cache, padding, documents, implementation)
         context = self.input_layernorm(x_in)
         attn_out, _ = self.self_attn(hidden_states=context, attention_mask=attention_mask, position_ids=position_ids,
@@ -376,9 +371,7 @@ class DDLPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = True
     _supports_attention_backend = True
     _can_compile_fullgraph = True
-    _can_record_outputs = {
-        # (B, T, d) entries: the embeddings, then each block's state read through the final readout; the last is
-        # last_hidden_state. The unread (B, T, d_v, d) states: `output_expanded_states=True`.
+    _can_record_outputs = {  # (what each records: DDLStateReadout, DDLModelOutputWithPast)
         "hidden_states": DDLStateReadout,
         "expanded_states": DDLDecoderLayer,
         "attentions": OutputRecorder(LlamaAttention, index=1),
@@ -516,10 +509,9 @@ class DDLModel(DDLPreTrainedModel):
                 inputs_embeds=None, use_cache: bool | None = None, **kwargs) -> DDLModelOutputWithPast:
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-        given = input_ids if input_ids is not None else inputs_embeds
-        if given.dim() != (2 if input_ids is not None else 3):
-            name, shape = ("input_ids", "(batch, sequence)") if input_ids is not None else ("inputs_embeds",
-                                                                                          "(batch, sequence, hidden)")
+        name, given, dims, shape = (("input_ids", input_ids, 2, "(batch, sequence)") if input_ids is not None else
+                                    ("inputs_embeds", inputs_embeds, 3, "(batch, sequence, hidden)"))
+        if given.dim() != dims:
             raise ValueError(f"DDL: {name} must be {shape}, got shape {tuple(given.shape)}; a single sequence needs a "
                              f"batch dimension: {name}.unsqueeze(0).")
         if inputs_embeds is None:
@@ -541,13 +533,16 @@ class DDLModel(DDLPreTrainedModel):
             pad_mask = create_recurrent_attention_mask(self.config, inputs_embeds, attention_mask, cache)
             documents, packed_attention = self._find_documents(
                 inputs_embeds, attention_mask, pad_mask, given_position_ids, cache, kwargs.get("cu_seq_lens_q"))
+            if given_position_ids is not None and pad_mask is None and conv_state_slots(self.config) and (
+                    cache is None or cache.get_seq_length() == 0):  # (only EC and TC keep token histories)
+                check_documents_start(given_position_ids)
             causal_mask = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds,
                                              attention_mask=attention_mask, cache=cache, position_ids=position_ids,
                                              and_mask_function=packed_attention)
         padding = Padding.of(pad_mask, inputs_embeds.dtype, cache)
 
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
-        implementation = self.config.ddl_implementation  # (a runtime choice: read once per forward)
+        implementation = self.config.ddl_implementation  # (a runtime choice: read once, passed to every module)
         hidden_states = self.expand(inputs_embeds, cache, padding, documents, implementation)  # X_0: (B, T, [d_v,] d)
         record = kwargs.get("output_hidden_states", self.config.output_hidden_states)
         readout = getattr(self, "readout", None)
@@ -594,6 +589,20 @@ class DDLForCausalLM(DDLPreTrainedModel, GenerationMixin):
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=outputs.cache,
                                       hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+
+    @property
+    def init_continuous_batching(self):
+        """GenerationMixin's, for variants without token convolutions: continuous batching's paged cache keeps only
+        attention keys and values, not EC's and TC's inputs (`transformers serve` asks hasattr, then uses generate)."""
+        if conv_state_slots(self.config):  # (EC or TC)
+            raise AttributeError("init_continuous_batching")
+        return super().init_continuous_batching
+
+    def generate_batch(self, *args, **kwargs):
+        if conv_state_slots(self.config):  # (EC or TC)
+            raise ValueError("DDL: continuous batching keeps only attention keys and values per request, not the "
+                             "inputs EC/TC read: use generate(), or d_v=1, or CC with ddl_embed_conv=False.")
+        return super().generate_batch(*args, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -99,6 +99,17 @@ def find_documents(batch, seq_len, position_ids=None, cu_seq_lens_q=None, cache=
     return Documents(index)
 
 
+def check_documents_start(position_ids):
+    """Raises when a document begins at a position > 0 (position ids restart at each): it continues unseen tokens."""
+    if is_tracing(position_ids):
+        return
+    first = F.pad(position_ids[..., 1:] != position_ids[..., :-1] + 1, (1, 0), value=True)
+    if bool((first & (position_ids > 0)).any()):
+        raise ValueError("DDL: position ids that do not start at 0 continue a sequence whose last inputs this "
+                         "variant's token convolutions (EC/TC) read from the cache: pass the cache that saw them (as "
+                         "generate() does), or feed each sequence from its first token.")
+
+
 class Padding:
     """The padding of a batch over this forward's tokens, for the token convolutions: `mask` `(B, T)` (1 = a real
     token) in the model dtype, and whether the rows must be compacted (`compacts`; see the module docstring). Built by
@@ -176,4 +187,4 @@ class Padding:
         return self.masked(y.gather(1, index))
 
 
-__all__ = ["Documents", "Padding", "find_documents"]
+__all__ = ["Documents", "Padding", "check_documents_start", "find_documents"]
