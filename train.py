@@ -40,15 +40,20 @@ further):
     python train.py --output_dir outputs/ddl-tiny-shakespeare --resume_from_checkpoint true
 
 Many processes (see configs/README.md; every TrainingArguments flag works, e.g. --gradient_checkpointing,
---bf16, --report_to tensorboard, --push_to_hub --hub_model_id me/ddl-small):
+--bf16, --report_to tensorboard, --push_to_hub --hub_model_id me/ddl-small; on a machine without GPUs add
+--use_cpu, which --bf16 needs there too):
 
-    torchrun --nproc_per_node 8 train.py --preset small ...                              # DDP (gloo on CPU)
-    accelerate launch --multi_gpu --num_processes 2 train.py ...                         # DDP, also on CPU
+    torchrun --nproc_per_node 8 train.py --preset small ...                              # DDP on GPUs
+    torchrun --nproc_per_node 2 train.py --use_cpu ...                                   # DDP on CPU (gloo)
     accelerate launch --config_file configs/fsdp.yaml train.py --preset medium ...       # FSDP on GPUs
     accelerate launch --config_file configs/deepspeed_zero2.yaml train.py --preset medium ...
+    DS_ACCELERATOR=cpu accelerate launch --config_file configs/deepspeed_zero3.yaml --num_processes 2 \
+        train.py --use_cpu ...                                                          # DeepSpeed on CPU
+
+A streamed run resumes where its checkpoint left the stream, without reading again what it consumed.
 
 Defaults: the paper's recipe (AdamW (0.9, 0.95), weight decay 0.1, lr 1e-3 cosine with warm-up, clip 1.0) plus
-per-preset run sizes (ddl/training.py: PAPER_RECIPE, PRESET_RUN_DEFAULTS); any flag you pass wins.
+per-preset run sizes (ddl_tools/training.py: PAPER_RECIPE, PRESET_RUN_DEFAULTS); any flag you pass wins.
 """
 
 import argparse
@@ -86,6 +91,7 @@ from ddl_tools.training import (
     DDLRunRecord,
     DDLTrainer,
     UsageError,
+    card_metadata,
     check_ddl_environment,
     check_llama_weights,
     check_resumed_data,
@@ -224,6 +230,10 @@ class DataArguments:
 class RunArguments:
     overwrite_output_dir: bool = field(
         default=False, metadata={"help": "Allow writing into a non-empty --output_dir (otherwise: error, or resume)."}
+    )
+    license: str | None = field(
+        default=None, metadata={"help": "The model card's license, a Hub license id (apache-2.0, mit, ...); none if "
+                                        "not given."}
     )
 
 
@@ -579,13 +589,15 @@ def init_source(model_args) -> str | None:
     return None
 
 
-def card_inputs(model_args, training_args, config, blocks, data_info, tokenizer_source) -> dict:
+def card_inputs(model_args, data_args, run_args, training_args, config, blocks, data_info, tokenizer_source) -> dict:
     """What the model card says about the run apart from its progress and results (`model_card`'s other inputs):
     the final card and the card of every revision pushed during training."""
     return dict(repo_name=training_args.hub_model_id or os.path.basename(os.path.abspath(training_args.output_dir)),
                 config=config, data_name=data_info["name"], block_size=blocks.block_size,
                 tokenizer_source=tokenizer_source, train_tokens=blocks.train_tokens, training_args=training_args,
-                unigram=blocks.unigram, init_from=init_source(model_args), finetuning=describe_lora(model_args))
+                unigram=blocks.unigram, init_from=init_source(model_args), finetuning=describe_lora(model_args),
+                metadata=card_metadata(license_id=run_args.license, dataset_name=data_args.dataset_name,
+                                       base=model_args.model_name_or_path or model_args.init_from_llama))
 
 
 def generate_sample(out, data_args, data_info, training_args) -> tuple[str, str]:
@@ -636,7 +648,8 @@ def main(argv: list[str]) -> None:
     trainer = DDLTrainer(model=model, args=training_args, train_dataset=blocks.train if training_args.do_train
                          else None, eval_dataset=blocks.eval, processing_class=tokenizer,
                          data_collator=default_data_collator, callbacks=[run_record_callback])
-    trainer.card_inputs = card_inputs(model_args, training_args, config, blocks, data_info, tokenizer_source)
+    trainer.card_inputs = card_inputs(model_args, data_args, run_args, training_args, config, blocks, data_info,
+                                      tokenizer_source)
     build_kernels(config, training_args)
     metrics = train_and_evaluate(trainer, training_args, resume)  # 4. train and evaluate (stops if it diverges)
 

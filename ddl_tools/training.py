@@ -33,6 +33,7 @@ from transformers.utils import logging
 from ddl import DDLConfig, DDLForCausalLM
 from .outputs import (FolderLock, UsageError, claim_folder, folder_contents, release_folder, save_figure, write_json,
                       write_text)
+from .streaming import StreamPosition, examples_per_step, save_position, saved_position
 
 
 logger = logging.get_logger(__name__)
@@ -723,9 +724,7 @@ def _training_time(metrics, tokens_seen, steps, world_size):
 
 
 MODEL_CARD = """---
-library_name: transformers
-pipeline_tag: text-generation
-tags: [ddl, deep-delta-learning, custom_code]
+{metadata}
 ---
 
 # {repo_name}
@@ -788,11 +787,16 @@ def model_card(*, repo_name: str, config: DDLConfig, num_parameters: int, data_n
                tokenizer_source: str, train_tokens: int | None, steps: int, metrics: dict, training_args,
                loss_curve: str | None, unigram: float | None = None, sample: str | None = None,
                prompt: str = "Romeo.\n", init_from: str | None = None, status: str | None = None,
-               finetuning: str | None = None) -> str:
+               finetuning: str | None = None, metadata: dict | None = None) -> str:
     """The checkpoint's README.md (`MODEL_CARD` filled in): variant, sizes, data, training, results, how to load it.
     `init_from` says what the run started from (None: from scratch); `status` is a line under the introduction
-    (e.g. that training is in progress); `finetuning` how the weights were adapted (e.g. LoRA), if not in full."""
+    (e.g. that training is in progress); `finetuning` how the weights were adapted (e.g. LoRA), if not in full;
+    `metadata` the card's metadata beyond the library, task and tags (`card_metadata`)."""
+    from huggingface_hub import ModelCardData
+
     variant = describe_variant(config)
+    header = ModelCardData(library_name="transformers", pipeline_tag="text-generation",
+                           tags=["ddl", "deep-delta-learning", "custom_code"], **(metadata or {})).to_yaml()
 
     def loss_and_ppl(x):
         return ("n/a", "n/a") if x is None else (f"{x:.4f}", f"{math.exp(min(x, 50)):.2f}")
@@ -807,7 +811,8 @@ def model_card(*, repo_name: str, config: DDLConfig, num_parameters: int, data_n
     if status:
         intro += f"\n\n{status}"
     return MODEL_CARD.format(
-        repo_name=repo_name, intro=intro, variant=variant, c=config, a=training_args, num_parameters=num_parameters,
+        metadata=header, repo_name=repo_name, intro=intro, variant=variant, c=config, a=training_args,
+        num_parameters=num_parameters,
         tokenizer_source=tokenizer_source, block_size=block_size, data_name=data_name,
         train_tokens=f"; {train_tokens:,} training tokens" if train_tokens else "",
         tokens_seen=metrics["tokens_seen"], steps=steps, scheduler=scheduler, warmup=_warmup(training_args.warmup_steps),
@@ -822,6 +827,24 @@ def model_card(*, repo_name: str, config: DDLConfig, num_parameters: int, data_n
         prompt=prompt,
         finetuning=f"- Fine-tuning: {finetuning}.\n" if finetuning else "",
     )
+
+
+def card_metadata(*, license_id: str | None, dataset_name: str | None, base: str | None) -> dict:
+    """The card's metadata of a run: the license the user gave, the Hub dataset it trained on, and the model it
+    started from (`base`) as a Hub id; a local folder names the base its own card names, a local file nothing."""
+    from huggingface_hub import ModelCard
+
+    metadata = {"license": license_id} if license_id else {}
+    if dataset_name and not os.path.exists(dataset_name):
+        metadata["datasets"] = [dataset_name]
+    if base and os.path.isdir(base):
+        card = os.path.join(base, "README.md")
+        base = None
+        with contextlib.suppress(ValueError):  # (a card whose metadata does not parse names no base)
+            base = ModelCard.load(card).data.base_model if os.path.isfile(card) else None
+    if base:
+        metadata.update(base_model=base, base_model_relation="finetune")
+    return metadata
 
 
 def _warmup(warmup_steps: float) -> str:
@@ -1261,6 +1284,14 @@ class TrainingDiverged(UsageError):
     """The loss or the gradient norm stopped being finite: the run stops at that step, saving nothing of it."""
 
 
+def shareable_arguments(args) -> str:
+    """The training arguments as JSON for the output folder, which is published: the output folder named by its own
+    name, not by where it lay on the machine that trained it."""
+    values = args.to_dict()
+    values["output_dir"] = os.path.basename(os.path.abspath(args.output_dir))
+    return json.dumps(values, indent=2, sort_keys=True) + "\n"
+
+
 class DDLTrainer(Trainer):
     """`Trainer` that writes our model card instead of the generic one, pushes to the Hub revisions that load, and
     stops a run that diverges.
@@ -1278,12 +1309,90 @@ class DDLTrainer(Trainer):
     `TrainingDiverged`, leaving the last good checkpoint the newest. Steps that fp16's loss scaler skips (an overflow
     it handles by itself) are not checked. A checkpoint save that fails (a full disk) is one line (`saving_into`;
     `save_failure_note` says what to do, default: how to continue the run).
+
+    Streamed data: each checkpoint records where the stream stood (`ddl_tools.streaming`), and a resume from such a
+    checkpoint starts the stream there instead of drawing and discarding everything consumed before it.
     """
 
     ddl_model_card: str | None = None
     card_inputs: dict | None = None
     save_failure_note: str | None = None
     _losses_finite = None  # whether this optimizer step's raw losses were all finite (a tensor: no synchronisation)
+    _stream: StreamPosition | None = None  # the streamed training set as this train() call draws it
+    _stream_resume: dict | None = None  # where the checkpoint this train() call resumes left its stream
+    _eval_sums: list | None = None  # during an evaluation: (summed token loss, tokens) of every row evaluated
+
+    def _streams(self) -> bool:
+        """Whether the training set is streamed through this process (not worker processes): its position can be
+        kept."""
+        from datasets import IterableDataset
+
+        return isinstance(self.train_dataset, IterableDataset) and self.args.dataloader_num_workers == 0
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        self._stream_resume = None
+        if isinstance(resume_from_checkpoint, str) and self._streams():
+            with open(os.path.join(resume_from_checkpoint, _TRAINER_STATE), encoding="utf-8") as f:
+                step = json.load(f)["global_step"]
+            self._stream_resume = saved_position(resume_from_checkpoint, step, self.args)
+        skip = self.args.ignore_data_skip
+        if self._stream_resume is not None:
+            self.args.ignore_data_skip = True  # the stream starts where the checkpoint stopped: nothing to skip
+            if self.is_world_process_zero():
+                print(f"resuming the stream where {os.path.basename(resume_from_checkpoint)} left it (after "
+                      f"{self._stream_resume['drawn']:,} blocks), without reading them again")
+        try:
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            self.args.ignore_data_skip = skip
+
+    def get_train_dataloader(self):
+        if not self._streams():
+            return super().get_train_dataloader()
+        dataset, resume = self.train_dataset, self._stream_resume
+        if resume is not None:
+            dataset.load_state_dict(resume["state"])
+        self._stream = StreamPosition(dataset, drawn=resume["drawn"] if resume else 0,
+                                      keep=max(1024, 4 * examples_per_step(self.args)))
+        self.train_dataset = self._stream
+        try:
+            return super().get_train_dataloader()
+        finally:
+            self.train_dataset = dataset
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix="eval"):
+        """Trainer's loop, with the loss the mean over every evaluated token. Trainer's own weighs each batch's mean
+        by the full batch size (a shorter last batch counts as a full one) and, over several processes, counts in
+        the rows accelerate repeats to even out the last batch: one process and two gave different losses."""
+        self._eval_sums = []
+        try:
+            output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
+                                             metric_key_prefix)
+            if self._eval_sums:
+                total, tokens = torch.cat(self._eval_sums).double().sum(0).tolist()
+                output.metrics[f"{metric_key_prefix}_loss"] = total / tokens
+        finally:
+            self._eval_sums = None
+        return output
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """A loss-only step also keeps each row's summed token loss and token count, gathered over the processes
+        without the rows repeated to even out the last batch (`evaluation_loop`)."""
+        labels = inputs.get("labels")
+        if self._eval_sums is None or not prediction_loss_only or labels is None or "shift_labels" in inputs:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        inputs = self._prepare_inputs(inputs)
+        labels = inputs["labels"]
+        with torch.no_grad(), self.compute_loss_context_manager():
+            logits = model(**{k: v for k, v in inputs.items() if k != "labels"}).logits
+        loss_function = self.accelerator.unwrap_model(model).loss_function  # transformers' causal LM loss
+        sums = torch.stack([loss_function(logits[i:i + 1], labels[i:i + 1], vocab_size=logits.shape[-1],
+                                          num_items_in_batch=1) for i in range(len(labels))])
+        tokens = (labels[:, 1:] != -100).sum(-1)
+        rows = torch.stack([sums.float(), tokens.float()], -1)
+        self._eval_sums.append(self.accelerator.gather_for_metrics(rows).cpu())
+        return (sums.sum() / tokens.sum()).detach(), None, None
 
     def create_model_card(self, *args, **kwargs):
         if self.ddl_model_card is None:
@@ -1299,7 +1408,7 @@ class DDLTrainer(Trainer):
             pickled = os.path.join(folder, TRAINING_ARGS_NAME)
             if os.path.exists(pickled):
                 os.remove(pickled)
-            write_text(os.path.join(folder, "training_args.json"), self.args.to_json_string())
+            write_text(os.path.join(folder, "training_args.json"), shareable_arguments(self.args))
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
@@ -1338,6 +1447,12 @@ class DDLTrainer(Trainer):
         with saving_into(self.args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}",
                          self.save_failure_note):
             super()._save_checkpoint(model, trial)
+            step = self.state.global_step
+            if self._stream is not None and self.args.should_save:
+                checkpoint = os.path.join(self.args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+                if not save_position(self._stream, checkpoint, step, self.args):
+                    logger.warning("The stream's position at step %d is no longer known: a resume from %s will "
+                                   "read the stream again up to it.", step, checkpoint)
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
         """Trainer's push at each save (`hub_strategy` every_save), as a revision that loads (see `ddl_tools.hub`)."""
@@ -1431,6 +1546,7 @@ __all__ = [
     "load_from_llama",
     "load_pretrained",
     "load_raw_datasets",
+    "card_metadata",
     "make_config",
     "model_card",
     "parse_config_overrides",

@@ -17,6 +17,7 @@ import sys
 
 import pytest
 import torch
+from huggingface_hub import ModelCard
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -159,13 +160,34 @@ def test_fine_tune_from_the_checkpoint(trained, tmp_path, text_file):
     checkpoint, _ = trained
     out = tmp_path / "finetuned"
     run_train("--model_name_or_path", str(checkpoint), "--train_file", str(text_file), "--output_dir", str(out),
-              *TINY_RUN, "--max_steps", "2", "--eval_steps", "2", "--save_steps", "2", "--learning_rate", "0")
+              *TINY_RUN, "--max_steps", "2", "--eval_steps", "2", "--save_steps", "2", "--learning_rate", "0",
+              "--license", "mit")
     loaded, saved = (load_file(str(d / "model.safetensors")) for d in (checkpoint, out))
     assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], saved[k]) for k in loaded)
     before, after = (json.loads((d / "config.json").read_text()) for d in (checkpoint, out))
     assert {k: v for k, v in after.items() if k != "use_cache"} == {k: v for k, v in before.items() if k != "use_cache"}
     assert (out / "tokenizer.json").read_text() == (checkpoint / "tokenizer.json").read_text()
     assert "from the DDL checkpoint" in (out / "README.md").read_text()
+    card = ModelCard.load(out / "README.md").data
+    assert (card.license, card.library_name, card.pipeline_tag) == ("mit", "transformers", "text-generation")
+    assert card.base_model is None  # its base was trained from scratch here: nothing on the Hub to name
+    # the published arguments name the output folder by its name, not by where it lay on this machine
+    assert json.loads((out / "training_args.json").read_text())["output_dir"] == "finetuned"
+    assert str(tmp_path) not in (out / "training_args.json").read_text()
+
+
+def test_card_metadata_names_the_license_hub_dataset_and_base(tmp_path):
+    from ddl_tools.training import card_metadata
+
+    assert card_metadata(license_id=None, dataset_name=None, base=None) == {}
+    hub = card_metadata(license_id="apache-2.0", dataset_name="HuggingFaceFW/fineweb-edu", base="meta-llama/Llama-3.2-1B")
+    assert hub == {"license": "apache-2.0", "datasets": ["HuggingFaceFW/fineweb-edu"], "base_model": "meta-llama/Llama-3.2-1B",
+        "base_model_relation": "finetune"}
+    local = tmp_path / "ddl-from-llama"  # a local fine-tune names its own card's base: the lineage on the Hub
+    local.mkdir()
+    (local / "README.md").write_text("---\nbase_model: meta-llama/Llama-3.2-1B\n---\n# a fine-tune\n")
+    assert card_metadata(license_id=None, dataset_name=str(tmp_path), base=str(local)) == {
+        "base_model": "meta-llama/Llama-3.2-1B", "base_model_relation": "finetune"}
 
 
 def test_streaming_with_gradient_checkpointing(tmp_path, text_file):
@@ -201,6 +223,53 @@ def test_resume_reaches_the_uninterrupted_loss(tmp_path, text_file):
     rate = results["tokens_seen"] / 2 / results["train_runtime"]
     card = (interrupted / "README.md").read_text()
     assert f"({rate:,.0f} tokens/s " in card and f"resumed at step {n}, so for its last {n} steps" in card
+
+
+def test_streamed_resume_starts_the_stream_at_its_checkpoint(tmp_path, text_file):
+    """A streamed run resumed from checkpoint-N goes on from the stream position saved with it (Trainer would read
+    and tokenise again every block consumed before it) and logs the uninterrupted run's losses, with gradient
+    accumulation and under DDP (where one process reads the stream for both: 2 steps x 2 x 2 x 2 blocks)."""
+    n = 2
+    launcher = [shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun"),
+                "--standalone", "--nproc_per_node", "2"]
+    full, interrupted = tmp_path / "full", tmp_path / "interrupted"
+    args = ["--streaming", "--streaming_validation_examples", "200", "--max_steps", str(2 * n), "--save_steps", str(n),
+            "--eval_steps", "100", "--gradient_accumulation_steps", "2", "--per_device_train_batch_size", "2"]
+    run_train(*tiny(full, text_file, *args), launcher=launcher)
+    interrupted.mkdir()
+    shutil.copytree(full / f"checkpoint-{n}", interrupted / f"checkpoint-{n}")
+    proc = run_train(*tiny(interrupted, text_file, *args), "--resume_from_checkpoint", "true", launcher=launcher)
+    assert f"resuming the stream where checkpoint-{n} left it (after {n * 2 * 2 * 2} blocks)" in proc.stdout
+    expected, resumed = logged_losses(full), logged_losses(interrupted)
+    for step in range(n + 1, 2 * n + 1):
+        assert resumed[step] == pytest.approx(expected[step], rel=1e-6, abs=1e-7), step
+    # the streamed evaluation (8 blocks; 2 processes x 8 a batch: accelerate repeats rows to fill it) is one process's
+    alone = tmp_path / "alone"
+    run_train(*tiny(alone, text_file, *args[:-1], "4"))
+    losses = [json.loads((d / "all_results.json").read_text())["eval_loss"] for d in (full, alone)]
+    assert losses[0] == pytest.approx(losses[1], abs=1e-5)
+
+
+def test_evaluation_loss_is_the_mean_over_every_token(tmp_path):
+    """Trainer's evaluation weighs each batch's mean loss by the full batch size: 12 rows in batches of 8 counted
+    the last 4 as 8. Here it is the mean over every evaluated token, rows of different lengths included."""
+    from datasets import Dataset
+    from transformers import TrainingArguments
+    from ddl import DDLForCausalLM
+    from ddl_tools.training import DDLTrainer
+    from conftest import tiny_config, trained_looking
+
+    torch.manual_seed(0)
+    model = trained_looking(DDLForCausalLM(tiny_config()), scale=0.3).eval()
+    ids = torch.randint(3, 90, (12, 10), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[3, 6:] = -100  # rows with fewer targets weigh less
+    rows = Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.tolist()})
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, per_device_eval_batch_size=8, report_to=[])
+    got = DDLTrainer(model=model, args=args, eval_dataset=rows).evaluate()["eval_loss"]
+    with torch.no_grad():
+        expected = model(ids, labels=labels).loss.item()  # one batch: the mean over its targets
+    assert got == pytest.approx(expected, rel=1e-6)
 
 
 def test_card_training_time_counts_only_the_steps_this_run_trained():
