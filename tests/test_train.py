@@ -111,6 +111,7 @@ def test_checkpoint_is_complete(trained):
     config = json.loads((out / "config.json").read_text())
     assert config["auto_map"] == {"AutoConfig": "configuration_ddl.DDLConfig", "AutoModel": "modeling_ddl.DDLModel",
                                   "AutoModelForCausalLM": "modeling_ddl.DDLForCausalLM",
+                                  "AutoModelForDecision": "modeling_ddl.DDLForCausalLM",  # (transformers serve)
                                   "AutoModelForSequenceClassification": "modeling_ddl.DDLForSequenceClassification",
                                   "AutoModelForTokenClassification": "modeling_ddl.DDLForTokenClassification",
                                   "AutoModelForQuestionAnswering": "modeling_ddl.DDLForQuestionAnswering"}
