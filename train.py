@@ -99,6 +99,7 @@ from ddl_tools.training import (
     check_text_column,
     check_training_arguments,
     check_weights,
+    checkpoint_config,
     claim_output_dir,
     config_error_message,
     data_record,
@@ -390,17 +391,8 @@ def check_model_source(model_args):
     if model_args.preset:
         raise UsageError("--preset shapes a fresh model; the checkpoint given sets the sizes. Drop --preset.")
     flag = "--model_name_or_path" if model_args.model_name_or_path else "--init_from_llama"
-    try:
-        config = AutoConfig.from_pretrained(source, trust_remote_code=model_args.trust_remote_code)
-    except (OSError, ValueError) as err:
-        raise UsageError(f"{flag} {source!r}: cannot read a model config there ({err}).") from err
-    if model_args.model_name_or_path and config.model_type != DDLConfig.model_type:
-        hint = f" Build a DDL model from it with --init_from_llama {source}." if config.model_type == "llama" else ""
-        raise UsageError(f"--model_name_or_path {source!r} is a {config.model_type!r} checkpoint, not DDL "
-                         f"(model_type 'ddl').{hint}")
-    if model_args.init_from_llama and config.model_type != "llama":
-        raise UsageError(f"--init_from_llama {source!r} is a {config.model_type!r} checkpoint; it needs a Llama "
-                         "(model_type 'llama').")
+    config = checkpoint_config(source, flag, DDLConfig.model_type if model_args.model_name_or_path else "llama",
+                               model_args.trust_remote_code)
     if model_args.model_name_or_path:
         check_weights(source, DDLForCausalLM, config, flag)
     else:  # (before the tokenizer and the data: from_pretrained's size-mismatch traceback came after them)

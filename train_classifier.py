@@ -24,7 +24,6 @@ import numpy as np
 from datasets import Dataset
 from huggingface_hub.errors import StrictDataclassError
 from transformers import (
-    AutoConfig,
     AutoModelForSequenceClassification,
     AutoTokenizer,
     DataCollatorWithPadding,
@@ -35,7 +34,7 @@ from transformers import (
 from transformers.utils import logging
 
 import ddl  # noqa: F401  (registers the DDL Auto classes and the code files saved with checkpoints)
-from ddl import DDLConfig, DDLForSequenceClassification
+from ddl import DDLForSequenceClassification
 from ddl_tools.outputs import write_json
 from ddl_tools.tasks import GENRE_LABELS, genre_splits
 from ddl_tools.training import (
@@ -45,6 +44,7 @@ from ddl_tools.training import (
     check_ddl_environment,
     check_training_arguments,
     check_weights,
+    checkpoint_config,
     claim_results_dir,
     config_error_message,
     load_pretrained,
@@ -102,13 +102,7 @@ def check_checkpoint(args):
         return
     if args.config_overrides:
         raise UsageError("--config_overrides shapes a fresh model; a checkpoint keeps its own architecture. Drop it.")
-    try:
-        config = AutoConfig.from_pretrained(source)
-    except (OSError, ValueError) as err:
-        raise UsageError(f"--model_name_or_path {source!r}: cannot read a model config there ({err}).") from err
-    if config.model_type != DDLConfig.model_type:
-        raise UsageError(f"--model_name_or_path {source!r} is a {config.model_type!r} checkpoint, not DDL "
-                         "(model_type 'ddl'); train one with train.py.")
+    config = checkpoint_config(source, "--model_name_or_path", fix=" Train a DDL language model with train.py.")
     check_weights(source, DDLForSequenceClassification, config, "--model_name_or_path")
 
 

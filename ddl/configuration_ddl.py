@@ -43,14 +43,12 @@ AUTO_MAP = {
 def conv_state_slots(config) -> dict[tuple[int, str], int]:
     """Where each token-axis convolution keeps its history in the generation cache.
 
-    Returns `{(layer_idx, role): slot}` with role in `"attn"`, `"mlp"` (TC compressors of the two sublayers),
-    `"embed"` (EC, kept in layer 0) and `"readout"` (the final TC readout, kept in the last layer). A
-    convolution of kernel 1 has no history and gets no slot. The config derives `layer_types`,
-    `number_of_conv_states` and `per_layer_config` from this so that `DynamicCache(config=...)` and
-    `generate()` build the right cache on their own; the model reads the same map.
+    Returns `{(layer_idx, role): slot}` with role in `"attn"`, `"mlp"` (TC compressors of the two sublayers), `"embed"`
+    (EC, kept in layer 0) and `"readout"` (the final TC readout, kept in the last layer). A convolution of kernel 1
+    has no history and gets no slot. The config derives `layer_types`, `number_of_conv_states` and `per_layer_config`
+    from this so that `DynamicCache(config=...)` and `generate()` build the right cache; the model reads the same map.
     """
-    slots: dict[tuple[int, str], int] = {}
-    num_layers = config.num_hidden_layers
+    slots, num_layers = {}, config.num_hidden_layers
     tc = config.ddl_value_channels > 1 and config.ddl_compressor == "tc" and config.ddl_state_kernel_size > 1
     ec = config.ddl_embed_conv and config.ddl_embed_kernel_size > 1
     for layer_idx in range(num_layers):
@@ -156,9 +154,11 @@ class DDLConfig(LlamaConfig):
 
     model_type = "ddl"
     keys_to_ignore_at_inference = ["cache"]
-    # Llama's plan, and QK-norm's per-head norms: their heads are split over the ranks, so are their gradients (Qwen3's)
-    base_model_tp_plan = {**LlamaConfig.base_model_tp_plan, **dict.fromkeys(
-        ("layers.*.self_attn.q_norm", "layers.*.self_attn.k_norm"), "replicated_with_grad_allreduce")}
+
+    @property
+    def base_model_tp_plan(self):  # Llama's, and QK-norm's per-head norms: split heads, so all-reduced grads (Qwen3)
+        norms = ("layers.*.self_attn.q_norm", "layers.*.self_attn.k_norm") if self.qk_norm else ()
+        return {**LlamaConfig.base_model_tp_plan, **dict.fromkeys(norms, "replicated_with_grad_allreduce")}
 
     ddl_value_channels: int = 4
     ddl_compressor: str = "cc"

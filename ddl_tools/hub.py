@@ -21,6 +21,8 @@ import sys
 
 from huggingface_hub.utils import filter_repo_objects
 
+from .outputs import UsageError
+
 
 # Glob patterns (fnmatch on paths relative to the folder, as `upload_folder` applies them) of what is never pushed.
 HUB_IGNORE_PATTERNS = [
@@ -62,8 +64,6 @@ def check_hub_strategy(training_args) -> None:
     """`--hub_strategy checkpoint|all_checkpoints` also pushes Trainer's checkpoint folders: optimizer and RNG states
     are pickles, which a revision must not hold."""
     from transformers.trainer_utils import HubStrategy
-
-    from .training import UsageError
 
     if training_args.push_to_hub and training_args.hub_strategy in (HubStrategy.CHECKPOINT,
                                                                     HubStrategy.ALL_CHECKPOINTS):

@@ -20,7 +20,8 @@ import os
 
 import torch
 
-from .training import UsageError, is_ddl_branch_parameter
+from .outputs import UsageError
+from .training import ddl_branch_parameters
 
 
 LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -28,10 +29,10 @@ ADAPTER_FOLDER = "adapter"  # inside the output folder, next to the merged model
 
 
 def ddl_branch_modules(model) -> list[str]:
-    """The modules holding DDL's own parameters (`is_ddl_branch_parameter`), as PEFT's `modules_to_save` matches
+    """The modules holding DDL's own parameters (`ddl_branch_parameters`), as PEFT's `modules_to_save` matches
     them (by the end of a module's name): a module's last name (`attn_delta`) where no other module's name ends the
     same way, else its full name."""
-    owners = sorted({name.rpartition(".")[0] for name, _ in model.named_parameters() if is_ddl_branch_parameter(name)})
+    owners = sorted({name.rpartition(".")[0] for name in ddl_branch_parameters(model)})
     others = [name for name, _ in model.named_modules() if name not in owners]
     names = []
     for owner in owners:

@@ -208,18 +208,28 @@ def ddl_config_from_llama(llama_config, overrides: dict | None = None, **ddl_kwa
     return make_config(**kwargs)
 
 
+def checkpoint_config(path: str, flag: str, model_type: str = DDLConfig.model_type, trust_remote_code: bool = False,
+                      fix: str = ""):
+    """The config of the checkpoint that `flag` names (a folder or a Hub id), which must be a `model_type` one: one
+    line otherwise, saying what it is and `fix`, what to do; a non-DDL Llama where a DDL checkpoint is expected is
+    pointed to --init_from_llama. (`import ddl` registered the DDL config: it needs no remote code.)"""
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise UsageError(f"{flag} {path!r}: cannot read a model config there ({err}).") from err
+    if config.model_type != model_type:
+        if model_type == DDLConfig.model_type and config.model_type == "llama" and not fix:
+            fix = f" Build a DDL model from it with --init_from_llama {path}."
+        name = "DDL" if model_type == DDLConfig.model_type else model_type.capitalize()
+        raise UsageError(f"{flag} {path!r} is a {config.model_type!r} checkpoint, not {name} (model_type "
+                         f"{model_type!r}).{fix}")
+    return config
+
+
 def load_ddl_checkpoint(path: str, **kwargs) -> DDLForCausalLM:
     """Continue from a DDL checkpoint (a folder or a Hub id); a non-DDL checkpoint gets a pointer to the fix, and
     weights that are damaged or do not fit the config one line (`check_weights`)."""
-    try:
-        config = AutoConfig.from_pretrained(path)  # `import ddl` registered the DDL config: no remote code needed
-    except (OSError, ValueError) as err:
-        raise UsageError(f"--model_name_or_path {path!r}: cannot read a model config there ({err}).") from err
-    if config.model_type != DDLConfig.model_type:
-        hint = f" Build a DDL model from it with --init_from_llama {path}." if config.model_type == "llama" else ""
-        raise UsageError(
-            f"--model_name_or_path {path!r} is a {config.model_type!r} checkpoint, not DDL (model_type 'ddl').{hint}"
-        )
+    config = checkpoint_config(path, "--model_name_or_path")
     check_weights(path, DDLForCausalLM, config, "--model_name_or_path")
     return load_pretrained(DDLForCausalLM, path, "--model_name_or_path", **kwargs)
 
@@ -342,7 +352,10 @@ def load_from_llama(path: str, ddl_config: DDLConfig, **kwargs) -> DDLForCausalL
     `ddl_residual="additive"` and `ddl_value_channels=1` the result computes exactly the Llama's function.
     """
     model, info = DDLForCausalLM.from_pretrained(path, config=ddl_config, output_loading_info=True, **kwargs)
-    shared_missing = [k for k in info["missing_keys"] if not _is_ddl_only(k)]
+    # a Llama checkpoint lacks DDL's branch, QK-norm's norms and an LM head tied to the embeddings
+    ddl_only = set(ddl_branch_parameters(model))
+    shared_missing = [k for k in info["missing_keys"] if k not in ddl_only and k != "lm_head.weight"
+                      and ".q_norm." not in k and ".k_norm." not in k]
     if shared_missing or info["unexpected_keys"] or info["mismatched_keys"]:
         raise UsageError(
             f"--init_from_llama {path!r}: the checkpoint does not match a Llama of this shape (missing "
@@ -366,22 +379,17 @@ def check_llama_weights(path: str, llama_config, overrides: dict, ddl_flags: dic
                       fix="a DDL model built from a Llama keeps the Llama's sizes: drop the overrides that change them")
 
 
-# The parameters DDL shares with a Llama of the same shape, by the names of their modules (DDL keeps Llama's names):
-# embeddings, attention (with QK-norm's norms), MLP, the norms, the LM head. Everything else is DDL's own.
-LLAMA_PARAMETER = re.compile(
-    r"(^|\.)(embed_tokens|self_attn|mlp|input_layernorm|post_attention_layernorm|norm|lm_head)\.")
+# DDL's own modules (gates and values, compressors, EC), by class: everything else in a DDL model is a module a Llama
+# of the same shape has (embeddings, attention, MLP, norms, LM head). By the class's name, so that a model loaded as
+# remote code (its classes are copies under transformers_modules) is read the same way.
+DDL_BRANCH_CLASSES = ("DDLDeltaResidual", "DDLCompressor", "DDLEmbedConv")
 
 
-def is_ddl_branch_parameter(name: str) -> bool:
-    """Whether a DDL model's parameter is DDL's own (gates, values, compressors, EC, readout) rather than one a Llama
-    of the same shape has. The one home of that distinction (LoRA trains the branch in full; a model built from a
-    Llama initialises it)."""
-    return LLAMA_PARAMETER.search(name) is None
-
-
-def _is_ddl_only(name: str) -> bool:
-    """Parameters a Llama checkpoint lacks: DDL's branch, QK-norm's norms, and the LM head (tied to the embeddings)."""
-    return is_ddl_branch_parameter(name) or ".q_norm." in name or ".k_norm." in name or name == "lm_head.weight"
+def ddl_branch_parameters(model) -> list[str]:
+    """The names of DDL's own parameters (gates, values, compressors, EC, the readout) in `model`: the one home of
+    that distinction (LoRA trains the branch in full; a model built from a Llama initialises it)."""
+    return [f"{owner}.{name}" if owner else name for owner, module in model.named_modules()
+            if type(module).__name__ in DDL_BRANCH_CLASSES for name, _ in module.named_parameters(recurse=False)]
 
 
 # ----------------------------------------------------------------------------------------------------------- data
@@ -1379,14 +1387,15 @@ class DDLTrainer(Trainer):
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """A loss-only step also keeps each row's summed token loss and token count, gathered over the processes
         without the rows repeated to even out the last batch (`evaluation_loop`)."""
-        labels = inputs.get("labels")
-        if self._eval_sums is None or not prediction_loss_only or labels is None or "shift_labels" in inputs:
+        labels, language_model = inputs.get("labels"), self.accelerator.unwrap_model(model)
+        if (self._eval_sums is None or not prediction_loss_only or labels is None or "shift_labels" in inputs
+                or not language_model.can_generate()):  # (a causal LM's shifted token loss; not a task head's)
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         inputs = self._prepare_inputs(inputs)
         labels = inputs["labels"]
         with torch.no_grad(), self.compute_loss_context_manager():
             logits = model(**{k: v for k, v in inputs.items() if k != "labels"}).logits
-        loss_function = self.accelerator.unwrap_model(model).loss_function  # transformers' causal LM loss
+        loss_function = language_model.loss_function  # transformers' causal LM loss
         sums = torch.stack([loss_function(logits[i:i + 1], labels[i:i + 1], vocab_size=logits.shape[-1],
                                           num_items_in_batch=1) for i in range(len(labels))])
         tokens = (labels[:, 1:] != -100).sum(-1)
@@ -1509,6 +1518,7 @@ class DDLTrainer(Trainer):
 __all__ = [
     "DDLRunRecord",
     "DDLTrainer",
+    "DDL_BRANCH_CLASSES",
     "FOLLOWED_ON_RESUME",
     "KEPT_ON_RESUME",
     "PAPER_RECIPE",
@@ -1532,6 +1542,7 @@ __all__ = [
     "claim_results_dir",
     "config_error_message",
     "data_record",
+    "ddl_branch_parameters",
     "ddl_config_from_llama",
     "describe_variant",
     "ensure_validation_split",
@@ -1540,8 +1551,8 @@ __all__ = [
     "finish_output_dir",
     "interruption_note",
     "is_complete_checkpoint",
-    "is_ddl_branch_parameter",
     "last_complete_checkpoint",
+    "checkpoint_config",
     "load_ddl_checkpoint",
     "load_from_llama",
     "load_pretrained",

@@ -17,22 +17,26 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# DDL_TEST_DEVICE=cuda runs the model and kernel tests (DEVICE_MODULES) on that device: torch's default device is set
-# for each of their tests, so every tensor and model they build lives there. The other tests (scripts, packaging) run on
-# CPU only and are skipped under the switch; without a GPU the device tests are skipped. CI leaves it unset (CPU).
+# DDL_TEST_DEVICE=cuda runs the model and kernel tests (those marked `device`: a module's `pytestmark =
+# pytest.mark.device`) on that device: torch's default device is set for each of them, so every tensor and model they
+# build lives there. The other tests (scripts, packaging) run on CPU only and are skipped under the switch; without a
+# GPU the device tests are skipped. CI leaves it unset (CPU).
 TEST_DEVICE = os.environ.get("DDL_TEST_DEVICE", "cpu").strip().lower() or "cpu"
-DEVICE_MODULES = {"test_delta_update", "test_kernels", "test_modeling_ddl", "test_device"}
 if TEST_DEVICE.startswith("cuda"):
     torch.backends.cuda.matmul.allow_tf32 = False  # the specs are compared in true fp32
     torch.backends.cudnn.allow_tf32 = False
 torch.set_num_threads(1)  # tiny models: threads only add synchronisation (and fight over 2 cores)
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "device: runs on DDL_TEST_DEVICE (model and kernel tests)")
+
 
 def pytest_collection_modifyitems(config, items):
     if TEST_DEVICE == "cpu":
         return
     no_device = TEST_DEVICE.startswith("cuda") and not torch.cuda.is_available()
     for item in items:
-        if item.module.__name__ not in DEVICE_MODULES:
+        if item.get_closest_marker("device") is None:
             item.add_marker(pytest.mark.skip(reason=f"runs on CPU only (DDL_TEST_DEVICE={TEST_DEVICE})"))
         elif no_device:
             item.add_marker(pytest.mark.skip(reason=f"DDL_TEST_DEVICE={TEST_DEVICE} but torch sees no GPU"))
@@ -41,7 +45,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _on_test_device(request):
     """The device tests build their tensors and models on DDL_TEST_DEVICE (the default device while they run)."""
-    if TEST_DEVICE == "cpu" or request.module.__name__ not in DEVICE_MODULES:
+    if TEST_DEVICE == "cpu" or request.node.get_closest_marker("device") is None:
         yield
         return
     torch.set_default_device(TEST_DEVICE)
@@ -79,10 +83,12 @@ def tiny_config(**overrides):
 def trained_looking(model, scale=0.1):
     """Moves every DDL parameter off its (symmetric) initial value, so that tests see gates, values and convolutions
     that vary across tokens and channels (a leak through a token convolution is invisible at identity taps)."""
+    from ddl_tools.training import ddl_branch_parameters
+
+    params = dict(model.named_parameters())
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if any(part in name for part in ("_delta.", "compress.", "embed_conv.", "readout.")):
-                param.add_(scale * torch.randn_like(param))
+        for name in ddl_branch_parameters(model):
+            params[name].add_(scale * torch.randn_like(params[name]))
     return model
 
 

@@ -1,9 +1,13 @@
 """torch.compile(model, fullgraph=True) traces training and cached decoding without graph breaks."""
 
+import pytest
 import torch
 
 from conftest import tiny_config
 from ddl import DDLForCausalLM
+
+
+pytestmark = pytest.mark.device  # (runs on DDL_TEST_DEVICE: see conftest.py)
 
 
 def test_fullgraph_compile_for_training_and_cached_decoding():

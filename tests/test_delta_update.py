@@ -9,6 +9,9 @@ from conftest import seeded
 from ddl.reference import delta_update
 
 
+pytestmark = pytest.mark.device  # (runs on DDL_TEST_DEVICE: see conftest.py)
+
+
 B, T, D = 2, 3, 8
 
 

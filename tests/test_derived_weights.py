@@ -18,6 +18,9 @@ from conftest import ROOT, TINY, seeded, tiny_config, trained_looking
 from ddl import DDLForCausalLM
 
 
+pytestmark = pytest.mark.device  # (runs on DDL_TEST_DEVICE: see conftest.py)
+
+
 VARIANTS = {
     "cc-ec": dict(ddl_value_channels=4, ddl_compressor="cc"),
     "tc-ec": dict(ddl_value_channels=4, ddl_compressor="tc"),
@@ -142,6 +145,7 @@ import os, sys, torch, torch.distributed as dist
 sys.path.insert(0, {root!r}); sys.path.insert(0, os.path.join({root!r}, "tests"))
 from torch.distributed.fsdp import fully_shard
 from test_derived_weights import _model, _assert_reads_current_weights, _train_step
+
 dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:{port}")
 torch.distributed.device_mesh.init_device_mesh("cpu", (1,))
 for variant in ("cc-ec", "tc-ec"):

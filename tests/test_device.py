@@ -9,6 +9,9 @@ from conftest import seeded, tiny_config, trained_looking
 from ddl import DDLForCausalLM
 
 
+pytestmark = pytest.mark.device  # (runs on DDL_TEST_DEVICE: see conftest.py)
+
+
 VARIANTS = {
     "dv1": dict(ddl_value_channels=1),
     "cc-ec": dict(ddl_value_channels=4, ddl_compressor="cc", ddl_embed_conv=True),

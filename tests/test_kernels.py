@@ -13,6 +13,9 @@ from ddl.modeling_ddl import window_history
 from ddl.reference import causal_token_conv, causal_token_readout, delta_update
 
 
+pytestmark = pytest.mark.device  # (runs on DDL_TEST_DEVICE: see conftest.py)
+
+
 def fused_token_readout(x, weight, history=None):
     """The PyTorch readout (`fused.readout`) under the spec's contract, as the dispatcher runs it."""
     return token_readout(x, weight, history, implementation="torch")

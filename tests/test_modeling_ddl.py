@@ -20,6 +20,9 @@ from ddl.fused import as_taps
 from ddl.modeling_ddl import DDLCompressor, DDLDeltaResidual, DDLEmbedConv
 
 
+pytestmark = pytest.mark.device  # (runs on DDL_TEST_DEVICE: see conftest.py)
+
+
 def _variants():
     yield pytest.param({"ddl_value_channels": 1, "ddl_residual": "delta"}, id="dv1-delta")
     yield pytest.param({"ddl_value_channels": 1, "ddl_residual": "write_only"}, id="dv1-write_only")
@@ -539,6 +542,7 @@ import json, os, sys
 import torch
 sys.modules["ddl"] = None  # as for someone who never installed ddl: `import ddl` raises ImportError
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, pipeline
+
 expected = json.load(open(sys.argv[1]))
 for source, logits in expected.items():
     model = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=True).eval()

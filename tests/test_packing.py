@@ -12,6 +12,9 @@ from conftest import TINY, seeded, tiny_config, trained_looking
 from ddl import DDLForCausalLM, kernels
 
 
+pytestmark = pytest.mark.device  # (runs on DDL_TEST_DEVICE: see conftest.py)
+
+
 VARIANTS = [
     pytest.param({"ddl_value_channels": 1}, id="dv1"),
     pytest.param({"ddl_value_channels": 4, "ddl_compressor": "cc", "ddl_embed_conv": True}, id="cc-ec"),

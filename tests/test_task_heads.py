@@ -18,6 +18,9 @@ from conftest import TINY, tiny_config
 from ddl import DDLForCausalLM, DDLForQuestionAnswering, DDLForSequenceClassification, DDLForTokenClassification
 
 
+pytestmark = pytest.mark.device  # (runs on DDL_TEST_DEVICE: see conftest.py)
+
+
 HEADS = {
     DDLForSequenceClassification: AutoModelForSequenceClassification,
     DDLForTokenClassification: AutoModelForTokenClassification,
@@ -148,6 +151,7 @@ import json, sys
 import torch
 sys.modules["ddl"] = None  # as for someone who never installed ddl: `import ddl` raises ImportError
 from transformers import (AutoModelForQuestionAnswering, AutoModelForSequenceClassification,
+
                           AutoModelForTokenClassification, AutoTokenizer, pipeline)
 expected = json.load(open(sys.argv[1]))
 ids = torch.tensor(expected.pop("ids"))
