@@ -128,6 +128,7 @@ from ddl_tools.training import (
     text_batches,
     tokenize_and_pack,
     tokenizer_digest,
+    variant_arguments,
     tokens_seen,
     train_bpe_tokenizer,
     training_record,
@@ -140,7 +141,7 @@ from ddl_tools.training import (
 
 
 @dataclass
-class ModelArguments:
+class ModelArguments(variant_arguments()):  # a --ddl_* flag for every DDLConfig field of the variant, and --qk_norm*
     model_name_or_path: str | None = field(
         default=None, metadata={"help": "Continue from this DDL checkpoint (folder or Hub id): fine-tuning."}
     )
@@ -157,18 +158,6 @@ class ModelArguments:
     config_overrides: str | None = field(
         default=None, metadata={"help": "DDLConfig fields over the preset, e.g. 'hidden_size=256,num_hidden_layers=6'."}
     )
-    ddl_value_channels: int | None = field(default=None, metadata={"help": "d_v (1 = scalar state; paper 4)."})
-    ddl_compressor: str | None = field(default=None, metadata={"help": "cc | tc (d_v > 1)."})
-    ddl_embed_conv: bool | None = field(default=None, metadata={"help": "EC on/off (default: on when d_v > 1)."})
-    ddl_residual: str | None = field(default=None, metadata={"help": "delta | write_only | additive."})
-    ddl_beta_init: float | None = field(default=None, metadata={"help": "Initial gate beta in [0, 2]."})
-    ddl_beta_hidden_size: int | None = field(default=None, metadata={"help": "Two-layer gate hidden size."})
-    ddl_value_input: str | None = field(default=None, metadata={"help": "state | context."})
-    ddl_state_kernel_size: int | None = field(default=None, metadata={"help": "TC kernel size."})
-    ddl_embed_kernel_size: int | None = field(default=None, metadata={"help": "EC kernel size."})
-    ddl_k_eps: float | None = field(default=None, metadata={"help": "eps_k of the direction k."})
-    ddl_v_sigmoid_scale: float | None = field(default=None, metadata={"help": "Bound of the value v."})
-    qk_norm: bool | None = field(default=None, metadata={"help": "QK-norm (presets: on, as in the paper)."})
     tokenizer_name: str | None = field(
         default=None, metadata={"help": "Any 🤗 tokenizer. Default: the checkpoint's, else a BPE trained here."}
     )
@@ -196,7 +185,7 @@ class ModelArguments:
 
     def ddl_flags(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name.startswith("ddl_") or f.name == "qk_norm"}
+                if f.name.startswith(("ddl_", "qk_norm"))}
 
 
 @dataclass

@@ -185,6 +185,24 @@ def check_ddl_environment() -> None:
                        "ignored. For less memory, pass --gradient_checkpointing.")
 
 
+def variant_arguments():
+    """A dataclass of command-line flags (for `HfArgumentParser`), one per DDLConfig field that chooses the variant:
+    every `ddl_*` field and QK-norm's, each unset (None: the preset's or the checkpoint's value) unless given, its
+    help the first sentence of DDLConfig's documentation of the field. Derived from the config, so that every field
+    has its flag and a new one gets it."""
+    entries = re.findall(r"^ {8}(\w+) \(`[^\n]*\):\n((?: {12}.*\n?)+)", DDLConfig.__doc__, re.M)
+    first_sentence = re.compile(r"(?<=\.)\s+(?=[A-Z`\"(])")
+    helps = {name: first_sentence.split(" ".join(text.split()), maxsplit=1)[0] for name, text in entries}
+    flags = []
+    for config_field in dataclasses.fields(DDLConfig):
+        if config_field.name.startswith(("ddl_", "qk_norm")):
+            kind = config_field.type if type(None) in getattr(config_field.type, "__args__", ()) else (
+                config_field.type | None)
+            flags.append((config_field.name, kind, dataclasses.field(
+                default=None, metadata={"help": helps.get(config_field.name, "See DDLConfig.")})))
+    return dataclasses.make_dataclass("VariantArguments", flags)
+
+
 def preset_config(preset: str, vocab_size: int, overrides: dict | None = None, **ddl_kwargs) -> DDLConfig:
     """A fresh `DDLConfig` from a preset, then `--config_overrides`, then the direct `--ddl_*` flags (None = unset)."""
     if preset not in PRESETS:
@@ -1577,6 +1595,7 @@ __all__ = [
     "text_batches",
     "tokenize_and_pack",
     "tokenizer_digest",
+    "variant_arguments",
     "tokens_seen",
     "train_bpe_tokenizer",
     "training_record",

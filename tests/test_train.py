@@ -177,6 +177,26 @@ def test_fine_tune_from_the_checkpoint(trained, tmp_path, text_file):
     assert str(tmp_path) not in (out / "training_args.json").read_text()
 
 
+def test_every_variant_field_of_the_config_is_a_flag():
+    """train.py's --ddl_* flags are DDLConfig's fields (derived from it: 11 hand-written flags covered 18 fields),
+    unset unless given, and reach the model's config."""
+    import dataclasses
+
+    import train
+    from ddl import DDLConfig
+    from ddl_tools.training import preset_config
+
+    fields = {f.name for f in dataclasses.fields(DDLConfig) if f.name.startswith(("ddl_", "qk_norm"))}
+    model_args = train.parse_args(["--output_dir", "unused"])[0]
+    assert set(model_args.ddl_flags()) == fields and set(model_args.ddl_flags().values()) == {None}
+    model_args = train.parse_args(["--ddl_v_constant", "0.5", "--qk_norm_position", "before_rope", "--ddl_cc_form",
+                                   "matrix", "--ddl_shared_compressor", "false", "--ddl_init_std_factor", "0.25"])[0]
+    given = {k: v for k, v in model_args.ddl_flags().items() if v is not None}
+    config = preset_config("tiny", 300, **given)
+    assert (config.ddl_v_constant, config.qk_norm_position, config.ddl_cc_form, config.ddl_shared_compressor,
+            config.ddl_init_std_factor) == (0.5, "before_rope", "matrix", False, 0.25)
+
+
 def test_card_metadata_names_the_license_hub_dataset_and_base(tmp_path):
     from ddl_tools.training import card_metadata
 
