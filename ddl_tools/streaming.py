@@ -7,7 +7,7 @@ tokenising and packing maps have yielded of their current input batch) and start
 (`load_state_dict`), reading only the current map batch again.
 
 The state must be the one after the examples the checkpoint's steps consumed, not after those the data loader has
-drawn ahead: `StreamPosition` keeps the dataset's state after each recent example it handed out, and the checkpoint at
+drawn ahead: `StreamPosition` keeps the dataset's state after each recent step's last example it handed out; the checkpoint at
 step s records the one after s x (examples per step) examples. Saved as `STREAM_POSITION` in the checkpoint; a
 checkpoint without it (an older run, or a data loader in worker processes, where the main process cannot see the
 dataset's state) resumes the slow way, Trainer's.
@@ -25,20 +25,23 @@ STREAM_POSITION = "ddl_stream_position.json"
 
 
 class StreamPosition(torch.utils.data.IterableDataset):
-    """`dataset` (a `datasets.IterableDataset`) as the training loop draws it, with the dataset's state after each of
-    the last `keep` examples: `state_after(n)` is where the dataset stood after its n-th example. `drawn` counts from
-    the run's start, so a resumed stream goes on counting from its checkpoint's."""
+    """`dataset` (a `datasets.IterableDataset`) as the training loop draws it, with the dataset's state after every
+    `every`-th example (a step's worth), for the last `keep` of those: `state_after(n)` is where the dataset stood
+    after its n-th example. `drawn` counts from the run's start, so a resumed stream goes on counting from its
+    checkpoint's. (Only a step's last example can be a checkpoint's: copying the state after every example cost a
+    few percent of drawing it.)"""
 
-    def __init__(self, dataset, drawn: int = 0, keep: int = 1024):
-        self.dataset, self.drawn, self.keep = dataset, drawn, keep
+    def __init__(self, dataset, drawn: int = 0, every: int = 1, keep: int = 8):
+        self.dataset, self.drawn, self.every, self.keep = dataset, drawn, every, keep
         self._states = collections.OrderedDict()
 
     def __iter__(self):
         for example in self.dataset:
             self.drawn += 1
-            self._states[self.drawn] = copy.deepcopy(self.dataset.state_dict())
-            if len(self._states) > self.keep:
-                self._states.popitem(last=False)
+            if self.drawn % self.every == 0:
+                self._states[self.drawn] = copy.deepcopy(self.dataset.state_dict())
+                if len(self._states) > self.keep:
+                    self._states.popitem(last=False)
             yield example
 
     def set_epoch(self, epoch: int) -> None:

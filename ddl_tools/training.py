@@ -1379,7 +1379,7 @@ class DDLTrainer(Trainer):
         if resume is not None:
             dataset.load_state_dict(resume["state"])
         self._stream = StreamPosition(dataset, drawn=resume["drawn"] if resume else 0,
-                                      keep=max(1024, 4 * examples_per_step(self.args)))
+                                      every=examples_per_step(self.args))
         self.train_dataset = self._stream
         try:
             return super().get_train_dataloader()
