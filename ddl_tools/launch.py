@@ -12,8 +12,9 @@ folder's lock: `ddl_tools.training.claim_output_dir`.)
 
 The run's precision has two sources under `accelerate launch`: the launch config's mixed_precision (which accelerate
 autocasts to, and writes into a DeepSpeed config) and Trainer's --bf16 / --fp16. train.py's default follows the
-launcher; flags that contradict it are refused (DeepSpeed would fail at the first step, DDP would quietly autocast to
-the launcher's precision while the run's record said otherwise).
+launcher; flags that contradict it are refused where they would not be followed (DeepSpeed fails at the first step on
+any difference; elsewhere `--bf16 false` quietly autocasts to the launcher's precision while the run's
+record says otherwise). Other launch precisions (fp8) are accelerate's to handle.
 """
 
 import contextlib
@@ -75,7 +76,9 @@ def check_launch(training_args) -> None:
         raise UsageError(f"Started as one of {launched} processes, but they did not form one job{why}, so each would "
                          f"train alone into the same output folder. {fix}")
     launcher, flags = launcher_precision(), "bf16" if training_args.bf16 else "fp16" if training_args.fp16 else "no"
-    if launcher and launcher != flags:
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" or bool(training_args.deepspeed)
+    # (Trainer follows a flag that asks for bf16/fp16, and the launch when none does; DeepSpeed wants them equal)
+    if launcher in ("no", "bf16", "fp16") and launcher != flags and (deepspeed or flags == "no"):
         raise UsageError(
             f"The launch asks for mixed precision {launcher!r} (the accelerate config's mixed_precision, or accelerate "
             f"launch --mixed_precision) but train.py's flags for {flags!r}: make them agree, e.g. accelerate launch "

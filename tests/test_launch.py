@@ -50,3 +50,28 @@ def test_refused_run_leaves_no_folder_behind(tmp_path, capsys):
     status = train.cli(["--output_dir", str(out), "--resume_from_checkpoint", "true", *TINY_RUN])
     assert status == 2 and "checkpoint-* folder" in capsys.readouterr().err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("launch, flags, deepspeed, refused", [
+    ("bf16", "no", False, True),  # accelerate would autocast to bf16 although --bf16 false
+    ("no", "bf16", False, False),  # Trainer follows --bf16 true: the run is what its flags say
+    ("no", "bf16", True, True),  # DeepSpeed's config and Trainer's must agree
+    ("bf16", "bf16", True, False),
+    ("fp8", "no", False, False),  # not a precision Trainer's flags name: accelerate's to handle
+])
+def test_launch_precision_against_the_flags(launch, flags, deepspeed, refused, monkeypatch):
+    from types import SimpleNamespace
+
+    from ddl_tools.launch import check_launch
+    from ddl_tools.outputs import UsageError
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", launch)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", str(deepspeed).lower())
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    args = SimpleNamespace(bf16=flags == "bf16", fp16=False, deepspeed=None, fsdp="", world_size=1,
+                           device=SimpleNamespace(type="cpu"))
+    if refused:
+        with pytest.raises(UsageError, match="mixed precision"):
+            check_launch(args)
+    else:
+        check_launch(args)
