@@ -154,3 +154,15 @@ def run_cli(cli, args, capsys):
     except SystemExit as exit_:
         status = exit_.code
     return status, capsys.readouterr().err
+
+
+def in_hf_cache(folder, hf_home, repo_id, revision="0" * 40):
+    """A copy of `folder` laid out as a Hub download leaves it: hub/models--org--name/{refs/main, snapshots/<rev>/},
+    for loading by Hub id with HF_HUB_OFFLINE=1."""
+    repo = hf_home / "hub" / f"models--{repo_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(revision)
+    snapshot = repo / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    for file in folder.iterdir():
+        (snapshot / file.name).write_bytes(file.read_bytes())

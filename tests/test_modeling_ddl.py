@@ -14,7 +14,7 @@ from transformers import (
     LlamaForCausalLM,
 )
 
-from conftest import TINY, count_calls, seeded, tiny_config, trained_looking
+from conftest import TINY, count_calls, in_hf_cache, seeded, tiny_config, trained_looking
 from ddl import DDLConfig, DDLForCausalLM, DDLModel
 from ddl.fused import as_taps
 from ddl.modeling_ddl import DDLCompressor, DDLDeltaResidual, DDLEmbedConv
@@ -576,15 +576,7 @@ def test_remote_code_loading_in_a_fresh_process(tmp_path, tokenizer):
         with torch.no_grad():
             logits = model(torch.tensor([[5, 6, 7, 8, 9, 10]])).logits[0, -1].tolist()
         expected[str(folder)] = logits
-        # what a Hub download leaves on disk: hub/models--org--name/{refs/main, snapshots/<rev>/...}
-        repo = hf_home / "hub" / f"models--ddl-tests--tiny{i}"
-        revision = f"{i:040x}"
-        (repo / "refs").mkdir(parents=True)
-        (repo / "refs" / "main").write_text(revision)
-        snapshot = repo / "snapshots" / revision
-        snapshot.mkdir(parents=True)
-        for file in folder.iterdir():
-            (snapshot / file.name).write_bytes(file.read_bytes())
+        in_hf_cache(folder, hf_home, f"ddl-tests/tiny{i}", revision=f"{i:040x}")
         expected[f"ddl-tests/tiny{i}"] = logits
     config = json.loads((tmp_path / "model1" / "config.json").read_text())
     assert set(config["auto_map"]) == {

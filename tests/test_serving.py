@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers.utils.import_utils import is_serve_available
 
-from conftest import tiny_config, tiny_tokenizer, trained_looking
+from conftest import in_hf_cache, tiny_config, tiny_tokenizer, trained_looking
 from ddl import DDLForCausalLM
 
 
@@ -62,18 +62,6 @@ def _wait_until_up(process, port, log, deadline):
     pytest.fail(f"transformers serve did not start:\n{log.read_text()[-3000:]}")
 
 
-def _in_hf_cache(folder, hf_home, repo_id):
-    """A copy of `folder` laid out as a Hub download leaves it: hub/models--org--name/{refs/main, snapshots/rev}."""
-    repo = hf_home / "hub" / f"models--{repo_id.replace('/', '--')}"
-    revision = "0" * 40
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(revision)
-    snapshot = repo / "snapshots" / revision
-    snapshot.mkdir(parents=True)
-    for file in folder.iterdir():
-        (snapshot / file.name).write_bytes(file.read_bytes())
-
-
 def test_transformers_serve_answers_a_chat_as_generate(tmp_path):
     tokenizer = tiny_tokenizer()
     torch.manual_seed(0)
@@ -83,7 +71,7 @@ def test_transformers_serve_answers_a_chat_as_generate(tmp_path):
     folder = tmp_path / "ddl-tiny"
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    _in_hf_cache(folder, tmp_path / "hf", "ddl-tests/tiny")
+    in_hf_cache(folder, tmp_path / "hf", "ddl-tests/tiny")
 
     inputs = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, return_tensors="pt",
                                            return_dict=True)
