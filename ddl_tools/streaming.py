@@ -7,10 +7,10 @@ tokenising and packing maps have yielded of their current input batch) and start
 (`load_state_dict`), reading only the current map batch again.
 
 The state must be the one after the examples the checkpoint's steps consumed, not after those the data loader has
-drawn ahead: `StreamPosition` keeps the dataset's state after each recent step's last example it handed out; the checkpoint at
-step s records the one after s x (examples per step) examples. Saved as `STREAM_POSITION` in the checkpoint; a
-checkpoint without it (an older run, or a data loader in worker processes, where the main process cannot see the
-dataset's state) resumes the slow way, Trainer's.
+drawn ahead: `StreamPosition` keeps the dataset's state after each recent step's last example it handed out; the
+checkpoint at step s records the one after s x (examples per step) examples. Saved as `STREAM_POSITION` in the
+checkpoint; a checkpoint without it (an older run, or a data loader in worker processes, where the main process cannot
+see the dataset's state) resumes the slow way, Trainer's.
 """
 
 import collections
@@ -51,16 +51,11 @@ class StreamPosition(torch.utils.data.IterableDataset):
         return self._states.get(drawn)
 
 
-def examples_per_step(args) -> int:
-    """Examples the process that reads the stream draws per optimizer step: accelerate has one process read a stream
-    for all (or every process read all of it and keep its share), so all processes' batches."""
-    return args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
-
-
-def save_position(stream: StreamPosition, checkpoint: str, step: int, args) -> bool:
-    """Write where the stream stood after `step` optimizer steps into `checkpoint`; False if that state is no longer
-    kept (then the checkpoint resumes the slow way)."""
-    drawn = step * examples_per_step(args)
+def save_position(stream: StreamPosition, checkpoint: str, step: int, per_step: int) -> bool:
+    """Write where the stream stood after `step` optimizer steps of `per_step` examples into `checkpoint` (the process
+    that reads a stream draws every process's batches: Trainer's total train batch size); False if that state is no
+    longer kept (then the checkpoint resumes the slow way)."""
+    drawn = step * per_step
     state = stream.state_after(drawn)
     if state is None:
         return False
@@ -71,16 +66,18 @@ def save_position(stream: StreamPosition, checkpoint: str, step: int, args) -> b
     return True
 
 
-def saved_position(checkpoint: str, step: int, args) -> dict | None:
-    """The stream's position saved in `checkpoint`, if it is there and is the one of its step and batch layout."""
+def saved_position(checkpoint: str, step: int, per_step: int) -> dict | None:
+    """The stream's position saved in `checkpoint`, if it is there, whole, and the one of its step and batch layout
+    (None: the checkpoint resumes the slow way, Trainer's)."""
     path = os.path.join(checkpoint, STREAM_POSITION)
-    if not os.path.isfile(path):
+    try:
+        with open(path, encoding="utf-8") as f:
+            position = json.load(f)
+    except (OSError, ValueError):  # (absent, or damaged from outside: a save writes it whole or not at all)
         return None
-    with open(path, encoding="utf-8") as f:
-        position = json.load(f)
-    if position.get("step") != step or position.get("drawn") != step * examples_per_step(args):
+    if not isinstance(position, dict) or position.get("step") != step or position.get("drawn") != step * per_step:
         return None
     return position
 
 
-__all__ = ["STREAM_POSITION", "StreamPosition", "examples_per_step", "save_position", "saved_position"]
+__all__ = ["STREAM_POSITION", "StreamPosition", "save_position", "saved_position"]

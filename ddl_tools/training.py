@@ -33,7 +33,7 @@ from transformers.utils import logging
 from ddl import DDLConfig, DDLForCausalLM
 from .outputs import (FolderLock, UsageError, claim_folder, folder_contents, release_folder, save_figure, write_json,
                       write_text)
-from .streaming import StreamPosition, examples_per_step, save_position, saved_position
+from .streaming import StreamPosition, save_position, saved_position
 
 
 logger = logging.get_logger(__name__)
@@ -1360,7 +1360,8 @@ class DDLTrainer(Trainer):
         if isinstance(resume_from_checkpoint, str) and self._streams():
             with open(os.path.join(resume_from_checkpoint, _TRAINER_STATE), encoding="utf-8") as f:
                 step = json.load(f)["global_step"]
-            self._stream_resume = saved_position(resume_from_checkpoint, step, self.args)
+            per_step = self.get_total_train_batch_size(self.args)
+            self._stream_resume = saved_position(resume_from_checkpoint, step, per_step)
         skip = self.args.ignore_data_skip
         if self._stream_resume is not None:
             self.args.ignore_data_skip = True  # the stream starts where the checkpoint stopped: nothing to skip
@@ -1379,7 +1380,7 @@ class DDLTrainer(Trainer):
         if resume is not None:
             dataset.load_state_dict(resume["state"])
         self._stream = StreamPosition(dataset, drawn=resume["drawn"] if resume else 0,
-                                      every=examples_per_step(self.args))
+                                      every=self.get_total_train_batch_size(self.args))
         self.train_dataset = self._stream
         try:
             return super().get_train_dataloader()
@@ -1477,7 +1478,7 @@ class DDLTrainer(Trainer):
             step = self.state.global_step
             if self._stream is not None and self.args.should_save:
                 checkpoint = os.path.join(self.args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
-                if not save_position(self._stream, checkpoint, step, self.args):
+                if not save_position(self._stream, checkpoint, step, self._stream.every):
                     logger.warning("The stream's position at step %d is no longer known: a resume from %s will "
                                    "read the stream again up to it.", step, checkpoint)
 

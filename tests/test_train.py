@@ -271,6 +271,20 @@ def test_streamed_resume_starts_the_stream_at_its_checkpoint(tmp_path, text_file
     assert losses[0] == pytest.approx(losses[1], abs=1e-5)
 
 
+def test_a_damaged_or_foreign_stream_position_resumes_the_slow_way(tmp_path):
+    """A checkpoint's stream position that is cut short, not an object, of another step or of another batch layout
+    is not used (the resume reads the stream again, exactly) rather than a traceback or a wrong position."""
+    from ddl_tools.streaming import STREAM_POSITION, saved_position
+
+    path = tmp_path / STREAM_POSITION
+    assert saved_position(str(tmp_path), 2, 8) is None  # absent
+    for text in ("", '{"step": 2, "dr', "[]", '{"step": 3, "drawn": 24, "state": {}}', '{"step": 2, "drawn": 12}'):
+        path.write_text(text)
+        assert saved_position(str(tmp_path), 2, 8) is None, text
+    path.write_text('{"step": 2, "drawn": 16, "state": {"epoch": 0}}')
+    assert saved_position(str(tmp_path), 2, 8)["state"] == {"epoch": 0}
+
+
 def test_evaluation_loss_is_the_mean_over_every_token(tmp_path):
     """Trainer's evaluation weighs each batch's mean loss by the full batch size: 12 rows in batches of 8 counted
     the last 4 as 8. Here it is the mean over every evaluated token, rows of different lengths included."""
