@@ -55,7 +55,7 @@ from ddl_tools.outputs import (
     folder_contents,
     write_json,
 )
-from ddl_tools.training import PAPER_RECIPE, PRESETS
+from ddl_tools.presets import PAPER_RECIPE, PRESETS
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 import ddl  # noqa: F401 (registers the DDL classes with the Auto classes: DDL checkpoints need no remote code)
 from ddl_tools import evaluation
 from ddl_tools.outputs import FolderLock, UsageError, claim_folder, is_leftover, publish, write_json
-from ddl_tools.training import config_error_message
+from ddl_tools.presets import config_error_message
 
 
 @dataclass

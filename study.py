@@ -62,7 +62,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_BUDGET_HOURS = 3.0  # "a few hours of these 2 cores" for the whole default grid (issue 16)
+DEFAULT_BUDGET_HOURS = 3.0  # "a few hours of these 2 cores" for the whole default grid
 QUICK_STEPS = 16  # --quick: 16 steps of the preset's batch
 CALIBRATION_FILE = "calibration.json"
 
@@ -107,14 +107,24 @@ class StudySettings:
 
 
 def parse_args(argv):
-    from ddl_tools.study import DEFAULT_SEEDS, DEFAULT_VARIANTS, PRIMARY
-    from ddl_tools.training import PRESET_RUN_DEFAULTS, PRESETS
-    from train import ModelArguments
-
+    """(StudySettings, the parsed arguments) from study.py's command line; what follows `--` is passed to every
+    train.py run. A bad combination is one line (argparse's error, exit 2)."""
     train_args = []
     if "--" in argv:
         i = argv.index("--")
         argv, train_args = argv[:i], argv[i + 1 :]
+    parser = study_parser()
+    args = parser.parse_args(argv)
+    fill_defaults(args, argv)
+    check_arguments(args, parser)
+    return study_settings(args, train_args), args
+
+
+def study_parser() -> argparse.ArgumentParser:
+    from ddl_tools.presets import PRESETS
+    from ddl_tools.study import DEFAULT_SEEDS, DEFAULT_VARIANTS, PRIMARY
+    from train import ModelArguments
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS),
                    help="<delta|write_only|additive>-dv<N>[-cc|-tc][-ec]; additive-dv1 is the baseline. Primary "
@@ -153,15 +163,19 @@ def parse_args(argv):
     p.add_argument("--report_dir", default=None, help="report (default docs/study; --quick <study_dir>/report)")
     p.add_argument("--quick", action="store_true", help="5-minute smoke test: all variants, one seed, 16 steps")
     p.add_argument("--report_only", action="store_true", help="only rebuild the report from finished runs")
-    args = p.parse_args(argv)
+    return p
+
+
+def fill_defaults(args, argv) -> None:
+    """The preset's batch and block, --quick's smaller grid (only where not given), the default budget and folders."""
+    from ddl_tools.presets import PRESET_RUN_DEFAULTS
+
     run_defaults = PRESET_RUN_DEFAULTS[args.preset]
     args.per_device_train_batch_size = args.per_device_train_batch_size or run_defaults["per_device_train_batch_size"]
     args.block_size = args.block_size or run_defaults["block_size"]
-    tokens_per_step = (args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
-                       * args.block_size)
-    if args.max_tokens is not None and args.budget_hours is not None:
-        p.error("give --max_tokens or --budget_hours, not both: the budget chooses the tokens per run.")
     if args.quick:
+        tokens_per_step = (args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+                           * args.block_size)
         args.seeds = args.seeds if "--seeds" in argv else [0]
         if args.budget_hours is None:
             args.max_tokens = args.max_tokens or QUICK_STEPS * tokens_per_step
@@ -171,17 +185,26 @@ def parse_args(argv):
         args.curve_eval_blocks = args.curve_eval_blocks if "--curve_eval_blocks" in argv else 8
     if args.max_tokens is None and args.budget_hours is None:
         args.budget_hours = DEFAULT_BUDGET_HOURS
-    for name in ("budget_hours", "calibration_steps", "curve_evals", "curve_eval_blocks"):
-        if getattr(args, name) is not None and getattr(args, name) <= 0:
-            p.error(f"--{name} must be positive, got {getattr(args, name)}.")
-    if not 0 <= args.budget_slack < 1:
-        p.error(f"--budget_slack must be in [0, 1), got {args.budget_slack}.")
     args.study_dir = args.study_dir or os.path.join("outputs", "study-quick" if args.quick else "study")
     args.report_dir = args.report_dir or (os.path.join(args.study_dir, "report") if args.quick
                                           else os.path.join("docs", "study"))
+
+
+def check_arguments(args, parser) -> None:
+    """Refuse what no run could follow (argparse's one-line error)."""
+    if args.max_tokens is not None and args.budget_hours is not None:
+        parser.error("give --max_tokens or --budget_hours, not both: the budget chooses the tokens per run.")
+    for name in ("budget_hours", "calibration_steps", "curve_evals", "curve_eval_blocks"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            parser.error(f"--{name} must be positive, got {getattr(args, name)}.")
+    if not 0 <= args.budget_slack < 1:
+        parser.error(f"--budget_slack must be in [0, 1), got {args.budget_slack}.")
     if args.train_file and not args.validation_file:
-        p.error("--train_file needs --validation_file: every run must be evaluated on the same fixed text.")
-    settings = StudySettings(
+        parser.error("--train_file needs --validation_file: every run must be evaluated on the same fixed text.")
+
+
+def study_settings(args, train_args: list[str]) -> StudySettings:
+    return StudySettings(
         variants=args.variants, seeds=args.seeds, preset=args.preset, max_tokens=args.max_tokens,
         curve_evals=args.curve_evals, curve_eval_blocks=args.curve_eval_blocks, budget_hours=args.budget_hours,
         per_device_train_batch_size=args.per_device_train_batch_size,
@@ -192,7 +215,6 @@ def parse_args(argv):
         vocab_size=args.vocab_size, eval_split=args.eval_split, eval_tokens=args.eval_tokens,
         audit_tokens=args.audit_tokens, launcher=args.launcher, train_args=train_args,
     )
-    return settings, args
 
 
 # ------------------------------------------------------------------------------------------------- one run
@@ -286,7 +308,7 @@ def validation_texts(settings: StudySettings) -> tuple[list[str], str, bool]:
     of --dataset_name (streamed when --streaming, stopping after about --eval_tokens tokens' worth of rows); and
     whether its rows are documents (an EOS after each, as train.py packs them) or the lines of a .txt file (none)."""
     if settings.validation_file:
-        from ddl_tools.training import load_raw_datasets
+        from ddl_tools.data import load_raw_datasets
 
         raw, info = load_raw_datasets(train_file=settings.train_file, validation_file=settings.validation_file)
         return list(raw["validation"]["text"]), settings.validation_file, info["documents"]
@@ -315,8 +337,13 @@ def shared_tokenizer(settings: StudySettings, study_dir: str) -> str:
     path = os.path.join(study_dir, "tokenizer")
     if os.path.isfile(os.path.join(path, "tokenizer.json")):
         return path
-    from ddl_tools.training import (ensure_validation_split, load_raw_datasets, prepare_tokenizer_for_generation,
-                              text_batches, train_bpe_tokenizer)
+    from ddl_tools.data import (
+        ensure_validation_split,
+        load_raw_datasets,
+        prepare_tokenizer_for_generation,
+        text_batches,
+        train_bpe_tokenizer,
+    )
     from train import DataArguments  # train.py's defaults: the same split and tokenizer rows as a training run
 
     raw, info = load_raw_datasets(settings.dataset_name, settings.dataset_config_name, settings.train_file,

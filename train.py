@@ -53,7 +53,7 @@ Many processes (see configs/README.md; every TrainingArguments flag works, e.g. 
 A streamed run resumes where its checkpoint left the stream, without reading again what it consumed.
 
 Defaults: the paper's recipe (AdamW (0.9, 0.95), weight decay 0.1, lr 1e-3 cosine with warm-up, clip 1.0) plus
-per-preset run sizes (ddl_tools/training.py: PAPER_RECIPE, PRESET_RUN_DEFAULTS); any flag you pass wins.
+per-preset run sizes (ddl_tools/presets.py: PAPER_RECIPE, PRESET_RUN_DEFAULTS); any flag you pass wins.
 """
 
 import argparse
@@ -84,56 +84,55 @@ from ddl_tools.hub import check_hub_strategy
 from ddl_tools.launch import check_launch, launcher_precision, outside_zero3
 from ddl_tools.lora import add_lora, check_lora, describe_lora, save_adapter_and_merge
 from ddl_tools.outputs import write_json
-from ddl_tools.training import (
-    PAPER_RECIPE,
-    PRESET_RUN_DEFAULTS,
-    PRESETS,
-    DDLRunRecord,
-    DDLTrainer,
-    UsageError,
-    card_metadata,
-    check_ddl_environment,
-    check_llama_weights,
-    check_resumed_data,
-    check_resumed_model,
+from ddl_tools.card import card_metadata, describe_variant, model_card, plot_loss_curve
+from ddl_tools.data import (
     check_text_column,
-    check_training_arguments,
+    ensure_validation_split,
+    load_raw_datasets,
+    prepare_tokenizer_for_generation,
+    skip_rows_without_text,
+    text_batches,
+    tokenize_and_pack,
+    train_bpe_tokenizer,
+    unigram_loss,
+)
+from ddl_tools.loading import (
+    check_llama_weights,
     check_weights,
     checkpoint_config,
-    claim_output_dir,
-    config_error_message,
-    data_record,
-    ddl_config_from_llama,
-    describe_variant,
-    ensure_validation_split,
-    finish_output_dir,
-    interruption_note,
     load_ddl_checkpoint,
     load_from_llama,
     load_pretrained,
-    load_raw_datasets,
-    model_card,
+)
+from ddl_tools.outputs import UsageError
+from ddl_tools.presets import (
+    PAPER_RECIPE,
+    PRESETS,
+    PRESET_RUN_DEFAULTS,
+    check_ddl_environment,
+    check_training_arguments,
+    config_error_message,
+    ddl_config_from_llama,
     parse_config_overrides,
     parsed_arguments,
-    plot_loss_curve,
-    prepare_tokenizer_for_generation,
     preset_config,
-    release_output_dirs,
+    variant_arguments,
+)
+from ddl_tools.resume import (
+    DDLRunRecord,
+    check_resumed_data,
+    check_resumed_model,
+    data_record,
     resumed_block_size,
     resumed_state,
     resumed_training_arguments,
-    saving_into,
-    skip_rows_without_text,
     steps_left,
-    text_batches,
-    tokenize_and_pack,
     tokenizer_digest,
-    variant_arguments,
     tokens_seen,
-    train_bpe_tokenizer,
     training_record,
-    unigram_loss,
 )
+from ddl_tools.runs import claim_output_dir, finish_output_dir, interruption_note, release_output_dirs, saving_into
+from ddl_tools.training import DDLTrainer
 
 
 
@@ -313,7 +312,7 @@ def check_arguments(data_args, training_args) -> None:
 
 def resolve_resume(training_args: TrainingArguments, run_args: RunArguments) -> str | None:
     """Which checkpoint to resume from (None = start fresh), with the output folder made this run's: never written
-    over without --overwrite_output_dir, one run at a time (ddl_tools.training.claim_output_dir)."""
+    over without --overwrite_output_dir, one run at a time (ddl_tools.runs.claim_output_dir)."""
     return claim_output_dir(training_args.output_dir, training_args.resume_from_checkpoint,
                             run_args.overwrite_output_dir, training_args.do_train, training_args.process_index == 0)
 

@@ -37,25 +37,20 @@ import ddl  # noqa: F401  (registers the DDL Auto classes and the code files sav
 from ddl import DDLForSequenceClassification
 from ddl_tools.outputs import write_json
 from ddl_tools.tasks import GENRE_LABELS, genre_splits
-from ddl_tools.training import (
+from ddl_tools.data import prepare_tokenizer_for_generation, train_bpe_tokenizer
+from ddl_tools.loading import check_weights, checkpoint_config, load_pretrained
+from ddl_tools.outputs import UsageError
+from ddl_tools.presets import (
     PRESETS,
-    DDLTrainer,
-    UsageError,
     check_ddl_environment,
     check_training_arguments,
-    check_weights,
-    checkpoint_config,
-    claim_results_dir,
     config_error_message,
-    load_pretrained,
     parse_config_overrides,
     parsed_arguments,
     preset_config,
-    prepare_tokenizer_for_generation,
-    release_output_dirs,
-    saving_into,
-    train_bpe_tokenizer,
 )
+from ddl_tools.runs import claim_results_dir, release_output_dirs, saving_into
+from ddl_tools.training import DDLTrainer
 
 
 # The metric modules ship with this script (the Hub's would be downloaded): found next to it, whatever the cwd.

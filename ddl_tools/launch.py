@@ -8,7 +8,7 @@ Two launches used to exit 0 while doing something else than asked:
   where no process group forms) starts N processes that each train alone, into the same output folder.
 
 (Two separate runs into one folder, two shells or a rerun while the first still trains, are refused by the output
-folder's lock: `ddl_tools.training.claim_output_dir`.)
+folder's lock: `ddl_tools.runs.claim_output_dir`.)
 
 The run's precision has two sources under `accelerate launch`: the launch config's mixed_precision (which accelerate
 autocasts to, and writes into a DeepSpeed config) and Trainer's --bf16 / --fp16. train.py's default follows the

@@ -21,7 +21,7 @@ import os
 import torch
 
 from .outputs import UsageError
-from .training import ddl_branch_parameters
+from .loading import ddl_branch_parameters
 
 
 LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

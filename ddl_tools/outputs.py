@@ -312,6 +312,12 @@ def die_with_parent():
     return preexec
 
 
+def first_line(err: BaseException) -> str:
+    """An exception's message cut to its first non-blank line (at most 300 characters), for a one-line error."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return (lines[0] if lines else type(err).__name__)[:300]
+
+
 __all__ = [
     "FolderLock",
     "TMP_SUFFIX",
@@ -319,6 +325,7 @@ __all__ = [
     "check_writable_file",
     "claim_folder",
     "die_with_parent",
+    "first_line",
     "folder_contents",
     "is_leftover",
     "make_output_folder",

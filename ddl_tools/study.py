@@ -437,7 +437,7 @@ def plan_scale(step_seconds: dict[str, float], run_seconds: dict[str, float], se
 # ----------------------------------------------------------------------------------------------- comparisons
 
 
-# The pre-registered primary comparison, named before the runs (issue 16): the paper's default DDL against the Llama
+# The pre-registered primary comparison, named before the runs: the paper's default DDL against the Llama
 # baseline, final validation loss at equal tokens, paired by seed, tested at 5% with a 95% interval, uncorrected.
 # Every other contrast is secondary and Holm-corrected as one family.
 PRIMARY = ("delta-dv4-cc-ec", BASELINE)
@@ -698,13 +698,24 @@ def report_markdown(results: list[dict], settings: dict, plots: list[str], audit
     """The study report: setup, results table, comparisons (primary first), plots, gate audits, conclusion."""
     rows = summary_rows(results, baseline, order)
     comps = comparisons(results, baseline, order)
-    memory_kind = next((r["memory_kind"] for r in rows if r["memory_kind"]), "peak memory")
     n_seeds = max((len(r["seeds"]) for r in rows), default=0)
     lines = [
-        "# Study: does the delta rule help?",
-        "",
-        f"{REPORT_MARK} (do not edit by hand; rerun `study.py --report_only` to refresh).",
-        "",
+        "# Study: does the delta rule help?", "",
+        f"{REPORT_MARK} (do not edit by hand; rerun `study.py --report_only` to refresh).", "",
+        *_setup_section(settings), "",
+        *_results_section(rows, baseline),
+        *_comparisons_section(comps),
+        *_unfinished_section(failed),
+        *_curves_section(plots),
+        *_audits_section(audits),
+        "", "## Conclusion", "", conclusion(comps, n_seeds), "",
+    ]
+    return "\n".join(lines)
+
+
+def _setup_section(settings: dict) -> list[str]:
+    """What was run, and how the comparisons are read: the design fixed before the runs."""
+    return [
         "## Setup",
         "",
         *[f"- {key}: `{value}`" for key, value in settings.items()],
@@ -722,7 +733,13 @@ def report_markdown(results: list[dict], settings: dict, plots: list[str], audit
         "its in-training evaluations (the first validation blocks, the same for every run), linearly interpolated at "
         "the FLOPs the baseline run of the same seed spent in all; a costlier variant is read part-way through its "
         "own learning-rate schedule, not at the end of a schedule of that length, which favours the baseline.",
-        "",
+    ]
+
+
+def _results_section(rows: list[dict], baseline: str) -> list[str]:
+    """One row per variant: the final validation loss over seeds, the loss at equal FLOPs, costs and sizes."""
+    memory_kind = next((r["memory_kind"] for r in rows if r["memory_kind"]), "peak memory")
+    lines = [
         "## Final validation loss",
         "",
         "Mean ± sample std over seeds and the t-based 95% confidence interval of the mean (equal tokens); the loss "
@@ -739,33 +756,47 @@ def report_markdown(results: list[dict], settings: dict, plots: list[str], audit
             f"{_pm(r['val_ppl'], '.2f')} | {_pm(r['val_loss_equal_flops'])} | {_flops(r['flops_per_token'])} | "
             f"{_fmt_int(r['parameters'])} | {_fmt_int(r['tokens'])} | {tps} | {_fmt_int(r['peak_memory_mib'])} |"
         )
-    if comps:
-        lines += ["", "## Comparisons", "",
-                  "Δ = variant − control in validation loss (negative = the variant is better), paired by seed. The "
-                  "primary comparison first, with its 95% interval and p-value; then the secondary family, with "
-                  "simultaneous intervals and Holm-adjusted p-values. Matched controls have the same state (d_v, "
-                  "compressor, EC); only the residual rule differs.", "",
-                  "| | comparison | view | Δ loss | interval | level | p (primary) / Holm-adjusted p | stated |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for c in comps:
-            lines.append(f"| {'**primary**' if c.primary else 'secondary'} | `{c.variant}` − `{c.control}` | "
-                         f"{c.view} | {c.estimate.mean:+.4f} | {_signed_ci(c.estimate)} | {_level(c.estimate)} | "
-                         f"{_p(c.adjusted_p)} | {'yes' if c.claimed else 'no'} |")
-    if failed:
-        lines += ["", "## Unfinished runs", "", *[f"- `{name}`: {err}" for name, err in failed.items()]]
-    if plots:
-        lines += ["", "## Learning curves", "",
-                  "Training loss (running mean of 5 logs; shaded: range over seeds) against tokens, against "
-                  "wall-clock seconds of training on this machine (evaluation pauses excluded) and against "
-                  "cumulative training FLOPs: the two compute-matched views, in which a costlier variant has to win "
-                  "per second or per FLOP, not only per token.", ""]
-        lines += [f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in plots]
-    if audits:
-        lines += ["", "## Gate audits (first seed of each DDL variant)", ""]
-        for variant, text in audits.items():
-            lines += [f"### `{variant}`", "", text, ""]
-    lines += ["", "## Conclusion", "", conclusion(comps, n_seeds), ""]
-    return "\n".join(lines)
+    return lines
+
+
+def _comparisons_section(comps: list) -> list[str]:
+    """The primary comparison, then the Holm family, each with its interval and whether it is stated."""
+    if not comps:
+        return []
+    lines = ["", "## Comparisons", "",
+             "Δ = variant − control in validation loss (negative = the variant is better), paired by seed. The "
+             "primary comparison first, with its 95% interval and p-value; then the secondary family, with "
+             "simultaneous intervals and Holm-adjusted p-values. Matched controls have the same state (d_v, "
+             "compressor, EC); only the residual rule differs.", "",
+             "| | comparison | view | Δ loss | interval | level | p (primary) / Holm-adjusted p | stated |",
+             "|---|---|---|---|---|---|---|---|"]
+    for c in comps:
+        lines.append(f"| {'**primary**' if c.primary else 'secondary'} | `{c.variant}` − `{c.control}` | "
+                     f"{c.view} | {c.estimate.mean:+.4f} | {_signed_ci(c.estimate)} | {_level(c.estimate)} | "
+                     f"{_p(c.adjusted_p)} | {'yes' if c.claimed else 'no'} |")
+    return lines
+
+
+def _unfinished_section(failed: dict | None) -> list[str]:
+    return ["", "## Unfinished runs", "", *[f"- `{name}`: {err}" for name, err in failed.items()]] if failed else []
+
+
+def _curves_section(plots: list[str]) -> list[str]:
+    if not plots:
+        return []
+    return ["", "## Learning curves", "",
+            "Training loss (running mean of 5 logs; shaded: range over seeds) against tokens, against "
+            "wall-clock seconds of training on this machine (evaluation pauses excluded) and against "
+            "cumulative training FLOPs: the two compute-matched views, in which a costlier variant has to win "
+            "per second or per FLOP, not only per token.", "",
+            *[f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in plots]]
+
+
+def _audits_section(audits: dict[str, str]) -> list[str]:
+    lines = ["", "## Gate audits (first seed of each DDL variant)", ""] if audits else []
+    for variant, text in audits.items():
+        lines += [f"### `{variant}`", "", text, ""]
+    return lines
 
 
 def _fmt_int(value) -> str:

@@ -83,7 +83,7 @@ def tiny_config(**overrides):
 def trained_looking(model, scale=0.1):
     """Moves every DDL parameter off its (symmetric) initial value, so that tests see gates, values and convolutions
     that vary across tokens and channels (a leak through a token convolution is invisible at identity taps)."""
-    from ddl_tools.training import ddl_branch_parameters
+    from ddl_tools.loading import ddl_branch_parameters
 
     params = dict(model.named_parameters())
     with torch.no_grad():
@@ -94,7 +94,7 @@ def trained_looking(model, scale=0.1):
 
 def tiny_tokenizer(text=None, vocab_size=300):
     """A byte-level BPE trained in-process (no Hub access) by train.py's own trainer, left padding, as it saves it."""
-    from ddl_tools.training import train_bpe_tokenizer
+    from ddl_tools.data import train_bpe_tokenizer
 
     text = text or ("To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n" * 20)
     return train_bpe_tokenizer([text.splitlines()], vocab_size)

@@ -157,7 +157,7 @@ def test_presets_and_backbone_fields_alone_give_the_authors_parameter_counts(siz
     import torch
 
     from ddl import DDLForCausalLM
-    from ddl_tools.training import preset_config
+    from ddl_tools.presets import preset_config
 
     backbone = {"small": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=6, intermediate_size=2048),
                 "medium": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=8,

@@ -415,7 +415,7 @@ def test_missing_lm_eval_says_how_to_install(checkpoints, tmp_path, capsys, monk
     assert code == 1 and "pip install" in printed and "perplexity on" in printed
 
 
-# ------------------------------------------------------------------------------ issue 14: never lose earlier results
+# ---------------------------------------------------------------------------------------- never lose earlier results
 
 
 def earlier_results(checkpoints, out, capsys):

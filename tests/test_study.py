@@ -309,7 +309,7 @@ def test_conclusion_says_when_the_interval_includes_zero():
     assert "delta-dv1 vs additive-dv1 at equal tokens" in text and "not distinguishable at this scale" in text
 
 
-# ------------------------------------------------------------------------ issue 14: never lose a user's work
+# ---------------------------------------------------------------------------------- never lose a user's work
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -472,7 +472,7 @@ def test_a_study_dir_that_is_a_file_is_one_line(tmp_path):
     assert afile.read_text() == "mine"
 
 
-# ------------------------------------------------------------- issue 16: primary comparison, Holm, FLOPs, scale
+# ----------------------------------------------------------------------- primary comparison, Holm, FLOPs, scale
 
 
 def test_holm_adjust_against_a_hand_worked_example():
@@ -657,7 +657,7 @@ def test_a_text_file_is_scored_on_the_stream_train_py_packs(tmp_path):
     from conftest import tiny_tokenizer
 
     from ddl_tools import evaluation
-    from ddl_tools.training import load_raw_datasets, tokenize_and_pack
+    from ddl_tools.data import load_raw_datasets, tokenize_and_pack
 
     lines = "".join(f"Line {i} of the play, with words.\n" for i in range(40))
     (tmp_path / "train.txt").write_text(lines)

@@ -25,14 +25,14 @@ TRAIN = os.path.join(ROOT, "train.py")
 sys.path.insert(0, ROOT)
 
 from conftest import run_cli as run_script_cli  # noqa: E402
-from ddl_tools.training import (  # noqa: E402
-    ddl_config_from_llama,
+from ddl_tools.data import (  # noqa: E402
     ensure_validation_split,
-    load_from_llama,
     load_raw_datasets,
     tokenize_and_pack,
     train_bpe_tokenizer,
 )
+from ddl_tools.loading import load_from_llama  # noqa: E402
+from ddl_tools.presets import ddl_config_from_llama  # noqa: E402
 
 
 TINY_MODEL = "hidden_size=32,intermediate_size=64,num_hidden_layers=2,num_attention_heads=2,head_dim=16"
@@ -184,7 +184,7 @@ def test_every_variant_field_of_the_config_is_a_flag():
 
     import train
     from ddl import DDLConfig
-    from ddl_tools.training import preset_config
+    from ddl_tools.presets import preset_config
 
     fields = {f.name for f in dataclasses.fields(DDLConfig) if f.name.startswith(("ddl_", "qk_norm"))}
     model_args = train.parse_args(["--output_dir", "unused"])[0]
@@ -198,7 +198,7 @@ def test_every_variant_field_of_the_config_is_a_flag():
 
 
 def test_card_metadata_names_the_license_hub_dataset_and_base(tmp_path):
-    from ddl_tools.training import card_metadata
+    from ddl_tools.card import card_metadata
 
     assert card_metadata(license_id=None, dataset_name=None, base=None) == {}
     hub = card_metadata(license_id="apache-2.0", dataset_name="HuggingFaceFW/fineweb-edu", base="meta-llama/Llama-3.2-1B")
@@ -308,7 +308,7 @@ def test_evaluation_loss_is_the_mean_over_every_token(tmp_path):
 
 
 def test_card_training_time_counts_only_the_steps_this_run_trained():
-    from ddl_tools.training import _training_time
+    from ddl_tools.card import _training_time
 
     fresh = _training_time({"train_runtime": 10.0, "device": "cpu"}, tokens_seen=1000, steps=10, world_size=1)
     assert "(100 tokens/s on 1 process(es), cpu)" in fresh
@@ -396,9 +396,9 @@ BAD_INPUTS = {
     "bad-override": (["--config_overrides", "hiden_size=64"], "not a DDLConfig field"),
     "not-ddl-checkpoint": (["--model_name_or_path", "{llama}"], "--init_from_llama"),
     "non-empty-output": (["--output_dir", "{nonempty}"], "refusing to overwrite"),
-    # issue 14: Trainer reads any max_steps <= 0 as "use --num_train_epochs" (-3 trained 3 epochs)
+    # Trainer reads any max_steps <= 0 as "use --num_train_epochs" (-3 trained 3 epochs)
     "negative-max-steps": (["--max_steps", "-3"], "--max_steps -3: give a positive number"),
-    # issue 14: these were tracebacks (FileExistsError, PermissionError at a save, KeyError)
+    # these were tracebacks (FileExistsError, PermissionError at a save, KeyError)
     "output-is-a-file": (["--output_dir", "{afile}"], "is a file, not a folder"),
     "unwritable-output": (["--output_dir", "/sys/ddl-test-unwritable/run"], "cannot create it"),
     "csv-without-text-column": (["--train_file", "{csv}"], "--text_column 'text' is not a column"),
@@ -429,7 +429,7 @@ def damaged_checkpoints(tmp_path, text_file) -> dict:
     """A DDL checkpoint whose model.safetensors is cut short (a save stopped by a full disk), one whose config.json
     is not its weights' own (hidden size 64, weights of 32), and a run folder whose checkpoint is the latter."""
     from ddl import DDLForCausalLM
-    from ddl_tools.training import preset_config
+    from ddl_tools.presets import preset_config
 
     tokenizer = train_bpe_tokenizer([text_file.read_text().splitlines()[:200]], vocab_size=300)
     sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, head_dim=16)
@@ -497,7 +497,7 @@ def test_bad_input_exits_non_zero_without_traceback(bad_input_args):
     assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
-# ---------------------------------------------------------------------- issue 14: never lose a user's work
+# -------------------------------------------------------------------------------- never lose a user's work
 
 
 def run_cli(args, capsys):
@@ -603,7 +603,7 @@ def test_a_resume_keeps_the_checkpoints_training_arguments_and_follows_the_sched
     resume (the schedule's shape and length, the clipping) is taken as given, in any spelling, and so is a flag that
     repeats the checkpoint's value. A flag Trainer would ignore is refused however it is spelt."""
     import train
-    from ddl_tools.training import UsageError
+    from ddl_tools.outputs import UsageError
 
     checkpoint = str(trained[0] / "checkpoint-3")
     argv = ["--config_overrides", TINY_MODEL, "--learning-rate", "1e-3", "--max_grad_norm=0.5", "--warmup_steps", "2",
@@ -653,14 +653,14 @@ def resolve_in(out, resume=None):
     """`train.py --output_dir OUT [--resume_from_checkpoint RESUME]`'s claim of its folder and choice of checkpoint,
     in process, the folder let go of afterwards."""
     import train
-    from ddl_tools import training
+    from ddl_tools import runs
 
     argv = ["--output_dir", str(out), "--use_cpu", "--report_to", "none"]
     _, _, run_args, training_args = train.parse_args(argv + (["--resume_from_checkpoint", resume] if resume else []))
     try:
         return train.resolve_resume(training_args, run_args)
     finally:
-        training.release_output_dirs()
+        runs.release_output_dirs()
 
 
 
@@ -668,7 +668,7 @@ def test_resume_skips_and_names_an_incomplete_checkpoint(tmp_path, caplog):
     """A kill during a checkpoint save leaves a folder without trainer_state.json: `true` resumes from the newest
     complete checkpoint and says so; naming the incomplete one points to it. (Both used to fail with 'not a Trainer
     checkpoint folder'.)"""
-    from ddl_tools import training
+    from ddl_tools.outputs import UsageError
 
     out = tmp_path / "run"
     (out / "checkpoint-2").mkdir(parents=True)
@@ -680,7 +680,7 @@ def test_resume_skips_and_names_an_incomplete_checkpoint(tmp_path, caplog):
         assert resolve_in(out, "true") == str(out / "checkpoint-2")
     assert "checkpoint-4 is incomplete" in caplog.text
     newest = r"checkpoint-4' is incomplete .* newest complete checkpoint there is .*checkpoint-2"
-    with pytest.raises(training.UsageError, match=newest):
+    with pytest.raises(UsageError, match=newest):
         resolve_in(out, str(out / "checkpoint-4"))
 
 
@@ -688,7 +688,7 @@ def test_card_says_the_remote_code_is_pytorch_and_where_the_kernels_come_from(mo
     """The card tells a Hub user what loading runs (PyTorch only; tests/test_remote_code.py shows it) and that the
     faster kernels are the optional ddl_kernels package, with the real switch (DDL_IMPLEMENTATION=torch)."""
     from ddl import DDLConfig
-    from ddl_tools.training import MODEL_CARD
+    from ddl_tools.card import MODEL_CARD
 
     monkeypatch.setenv("DDL_IMPLEMENTATION", "torch")
     assert DDLConfig().ddl_implementation == "torch"  # the switch named is the code's
@@ -725,7 +725,7 @@ def test_resume_skips_and_names_a_damaged_checkpoint(name, how, trained, tmp_pat
     """A full disk or a power loss while saving checkpoint-6 leaves a 0-byte or truncated file beside a state that
     exists: only the state's existence was checked, so every `--resume_from_checkpoint true` took checkpoint-6 and
     failed with a JSONDecodeError (or safetensors / torch) traceback, although checkpoint-3 was intact."""
-    from ddl_tools import training
+    from ddl_tools.outputs import UsageError
 
     out = tmp_path / "run"
     for step in (3, 6):
@@ -734,7 +734,7 @@ def test_resume_skips_and_names_a_damaged_checkpoint(name, how, trained, tmp_pat
     with caplog.at_level("WARNING"):
         assert resolve_in(out, "true") == str(out / "checkpoint-3")
     assert f"checkpoint-6 is damaged (its {name} " in caplog.text
-    with pytest.raises(training.UsageError, match=r"checkpoint-6' is damaged .* newest complete checkpoint there is "
+    with pytest.raises(UsageError, match=r"checkpoint-6' is damaged .* newest complete checkpoint there is "
                                                   r".*checkpoint-3"):
         resolve_in(out, str(out / "checkpoint-6"))
 
@@ -784,7 +784,7 @@ def test_a_diverging_run_stops_at_that_step_and_keeps_the_last_good_checkpoint(t
 
     from safetensors.torch import load_file
 
-    from ddl_tools.training import last_complete_checkpoint
+    from ddl_tools.runs import last_complete_checkpoint
 
     out = tmp_path / "run"
     status, err = run_cli(tiny(out, text_file, "--max_steps", "12", "--save_steps", "2", "--eval_steps", "100",
