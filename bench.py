@@ -19,7 +19,8 @@ sides of a ratio alike.
   the differences this bench is meant to show. `--train_in_process` times training like the figures below instead
   (for comparison with that figure).
 - prefill tok/s: a no-grad forward of the whole batch that fills the cache,
-- decode tok/s: `generate` of new tokens after a short prompt, batch 1 and batch 8.
+- decode tok/s: `generate` of new tokens after a short prompt, batch 1 and batch 8 (`--compile`: the compiled
+  static-cache path CUDA users get, `cache_implementation="static"` with generate's default `CompileConfig`).
   These two stay in one process, the models interleaved in a balanced order (each repeat runs every model once;
   over the repeats every model runs in every position and right after every other model equally often): inference
   allocates one forward's activations and the cache and frees them again, little beside what training allocates,
@@ -43,7 +44,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM
 
 from ddl import DDLConfig, DDLForCausalLM
 from ddl.configuration_ddl import DDL_IMPLEMENTATIONS
@@ -133,6 +134,14 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+def compiled_decoding() -> CompileConfig:
+    """What `generate` compiles a static-cache decoding step with on CUDA (its default `CompileConfig`), here on any
+    device: transformers compiles automatically only on accelerators."""
+    config = CompileConfig()
+    config._compile_all_devices = True
+    return config
+
+
 class Runner:
     """One model with its optimizer and its timed measurements."""
 
@@ -144,6 +153,7 @@ class Runner:
                                            weight_decay=recipe["weight_decay"])
         self.max_grad_norm = recipe["max_grad_norm"]
         self.step_fn = torch.compile(model) if compile_model else model
+        self.compiled = compile_model
         g = torch.Generator().manual_seed(1)
         self.batch = torch.randint(3, size.vocab_size, (size.batch_size, size.seq_len), generator=g).to(device)
         # the decoding prompts, batch 1 and 8 whatever the training batch (--batch_size 1 still decodes 8 sequences)
@@ -183,6 +193,8 @@ class Runner:
     def time_decode(self, batch_size, new_tokens):
         self.model.eval()
         kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        if self.compiled:
+            kwargs.update(cache_implementation="static", compile_config=compiled_decoding())
         sync(self.device)
         start = time.perf_counter()
         self.model.generate(self.prompts[:batch_size], **kwargs)
@@ -394,7 +406,8 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--implementation", choices=list(DDL_IMPLEMENTATIONS), default="auto",
                         help="DDL's ddl_implementation (see ddl/kernels.py)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model for training and prefill")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model for training and prefill, and "
+                        "decode with generate's compiled static-cache path (cache_implementation='static')")
     parser.add_argument("--repeats", type=int, default=3,
                         help="repeats of each figure; for training, alternations of one process per model")
     parser.add_argument("--train_steps", type=int, default=2, help="timed training (and prefill) steps per repeat")
@@ -530,6 +543,9 @@ def run(args):
     """The measurements, the table, and the files asked for (--memory_timeline: its folder claimed by `main`)."""
     device, dtype, size = torch.device(args.device), getattr(torch, args.dtype), bench_size(args)
     records = {v: Record(v, parameter_count(v, size)) for v in args.variants}
+    if args.compile:  # every model's forward is one code object to dynamo (transformers' wrapper): a graph per model,
+        # per call (prefill, decoding step) and per batch size, which its default limit of 8 would cut off (eager)
+        torch._dynamo.config.recompile_limit = 8 * len(args.variants)
 
     # Training speed (per process unless --train_in_process) and peak memory: fresh processes, run first, while
     # this process holds no model.
@@ -559,6 +575,9 @@ def run(args):
             if "train_tok_s" in measurements:
                 runner.train_step()
             runner.time_prefill(1)
+            if args.compile and "decode" not in args.skip:  # each batch size's decoding step compiled once
+                for batch_size in (1, 8):
+                    runner.time_decode(batch_size, args.new_tokens)
         # One measurement at a time (so that decoding never disturbs the allocator state of training), and within
         # it the models interleaved in a balanced order: every model sees the same machine conditions, positions
         # and predecessors.

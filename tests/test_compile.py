@@ -32,3 +32,34 @@ def test_fullgraph_compile_for_training_and_cached_decoding():
         cache = model(ids[:, :-1], use_cache=True).cache
         step = compiled(ids[:, -1:], cache=cache, use_cache=True)
     torch.testing.assert_close(step.logits[:, -1], full, rtol=1e-5, atol=1e-5)
+
+
+def compile_on_any_device():
+    """generate's default `CompileConfig` (what it compiles a static-cache decoding step with on CUDA), on any device:
+    transformers compiles automatically only on accelerators."""
+    from transformers import CompileConfig
+
+    config = CompileConfig()
+    config._compile_all_devices = True
+    return config
+
+
+@pytest.mark.parametrize("overrides", [{"ddl_value_channels": 1}, {}, {"ddl_compressor": "tc"}],
+                         ids=["dv1", "dv4-cc-ec", "dv4-tc-ec"])
+def test_compiled_static_cache_generate_equals_eager(overrides):
+    """`cache_implementation="static"` makes generate compile its decoding step (on CUDA by default): the tokens are
+    eager generation's, for left-padded prompts of different lengths, with trained-looking weights."""
+    from conftest import trained_looking
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = trained_looking(DDLForCausalLM(tiny_config(num_hidden_layers=1, **overrides))).eval()
+    ids = torch.randint(3, 99, (2, 7), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # the second prompt is 4 tokens, left-padded
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    eager = model.generate(ids, **kwargs)
+    static = model.generate(ids, cache_implementation="static", disable_compile=True, **kwargs)
+    compiled = model.generate(ids, cache_implementation="static", compile_config=compile_on_any_device(), **kwargs)
+    assert hasattr(model, "_compiled_call")  # generate did compile the step
+    assert torch.equal(static, eager) and torch.equal(compiled, eager)
