@@ -16,13 +16,8 @@ QK_NORM_POSITIONS = ("after_rope", "before_rope")
 # The defaults follow the authors' code (github.com/yifanzhang-pro/deep-delta-learning at d1f76215,
 # docs/faithfulness.md). A config.json saved before these fields existed was trained with ddl's earlier choices: it
 # loads with these values.
-LEGACY_DEFAULTS = {
-    "ddl_shared_compressor": False,
-    "ddl_cc_form": "matrix",
-    "ddl_initialization": "llama",
-    "ddl_beta_hidden_bias": True,
-    "qk_norm_position": "before_rope",
-}
+LEGACY_DEFAULTS = {"ddl_shared_compressor": False, "ddl_cc_form": "matrix", "ddl_initialization": "llama",
+                   "ddl_beta_hidden_bias": True, "qk_norm_position": "before_rope"}
 DDL_IMPLEMENTATIONS = ("auto", "triton", "torch", "reference")  # a runtime choice, never saved (see `ddl.kernels`)
 # A saved folder carries these two files; the map lets the Auto classes load it with trust_remote_code=True for
 # someone who never installed `ddl` (save_pretrained alone would record only the class that was saved). Every
@@ -53,10 +48,7 @@ def conv_state_slots(config) -> dict[tuple[int, str], int]:
     ec = config.ddl_embed_conv and config.ddl_embed_kernel_size > 1
     for layer_idx in range(num_layers):
         roles = ["attn", "mlp"] if tc else []
-        if layer_idx == 0 and ec:
-            roles.append("embed")
-        if layer_idx == num_layers - 1 and tc:
-            roles.append("readout")
+        roles += ["embed"] * (layer_idx == 0 and ec) + ["readout"] * (layer_idx == num_layers - 1 and tc)
         slots.update({(layer_idx, role): slot for slot, role in enumerate(roles)})
     return slots
 

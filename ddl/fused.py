@@ -190,15 +190,17 @@ def conv(x, taps):
     return causal_token_conv(x, taps.transpose(1, 2))
 
 
-def window_readout(window, weight):
-    """`kernels.window_readout` in PyTorch: the window read where the cache keeps it, not copied back into the
-    state's layout, and summed in fp32 like the readout of a whole sequence."""
-    kernel, d, dv = weight.shape
+def window_step(past, x, weight):
+    """`kernels.window_step` in PyTorch: the window (the cached inputs, then x) read where the cache keeps it, not
+    copied back into the state's layout, summed in fp32 like the readout of a whole sequence; then advanced in place."""
+    window = torch.cat([past, x.reshape(x.shape[0], -1, 1).to(past.dtype)], dim=-1)  # (B, d_v*d, K)
+    _, d, dv = weight.shape
     dtype = torch.promote_types(window.dtype, weight.dtype)
     acc = torch.promote_types(dtype, torch.float32)
     products = window.unflatten(1, (dv, d)).to(acc) * weight.permute(2, 1, 0).to(acc)  # (B, d_v, d, K)
+    past.copy_(window[..., 1:])
     return products.sum(-1).sum(1).to(dtype).unsqueeze(1)  # two reductions: faster than one over (1, 3)
 
 
 __all__ = ["as_taps", "conv", "fused_delta_update", "readout", "readout_backward", "readout_forward",
-           "window_readout"]
+           "window_step"]

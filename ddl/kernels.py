@@ -3,7 +3,7 @@ r"""How each DDL operation runs: one registry per operation, and the first imple
     delta_residual   a sublayer's gate, value and update in one fused seam (spec: `reference.delta_residual`)
     delta_update     the update alone                                      (spec: `reference.delta_update`)
     token_readout    a CC/TC compressor or the final readout of the state  (spec: `reference.causal_token_readout`)
-    window_readout   a TC decoding step's readout of its cached window     (the same spec, one token)
+    window_step      a TC decoding step's readout, advancing its window    (the same spec, one token)
     token_conv       EC, the embedding convolution                         (spec: `reference.causal_token_conv`)
 
 Each registry lists its implementations in the order they are tried, each stating next to its code which inputs it
@@ -23,7 +23,7 @@ import torch
 from transformers.utils import logging
 
 from .fused import as_taps, conv, fused_delta_update, readout
-from .fused import window_readout as torch_window_readout
+from .fused import window_step as torch_window_step
 from .reference import causal_token_conv, causal_token_readout
 from .reference import delta_residual as reference_residual
 from .reference import delta_update as reference_update
@@ -32,7 +32,7 @@ from .reference import delta_update as reference_update
 # under transformers' logger, so that its verbosity governs these lines also as remote code (transformers_modules.*)
 logger = logging.get_logger("transformers.ddl")
 
-INTERFACE_VERSION = 1  # the operations' arguments and results, as ddl_kernels implements them
+INTERFACE_VERSION = 2  # the operations' arguments and results, as ddl_kernels implements them
 Implementation = namedtuple("Implementation", "name choices serves run")  # (ddl_kernels declares the same fields)
 _PYTORCH = ("auto", "triton", "torch")
 _any = lambda *args: True  # noqa: E731
@@ -40,7 +40,7 @@ _TORCH = {  # what serves every input of an operation, last in its registry
     "delta_residual": [],  # (no fused seam in PyTorch: the gate and value, then `delta_update`)
     "delta_update": [Implementation("PyTorch delta update", _PYTORCH, _any, fused_delta_update)],
     "token_readout": [Implementation("PyTorch readout", _PYTORCH, _any, readout)],
-    "window_readout": [Implementation("PyTorch window readout", _PYTORCH, _any, torch_window_readout)],
+    "window_step": [Implementation("PyTorch window step", _PYTORCH, _any, torch_window_step)],
     "token_conv": [Implementation("PyTorch EC", _PYTORCH, _any, conv)],
 }
 _registries = None
@@ -119,13 +119,15 @@ def token_readout(x, weight, history=None, implementation="auto"):
     return _with_history("token_readout", implementation, x, weight, history)
 
 
-def window_readout(window, weight, implementation="auto"):
-    r"""The TC readout of one new token from its cached window `(B, d_v*d, K)` (channel j*d + i, time last), read
-    where the cache keeps it (no autograd): `(B, 1, d)`, y[b, i] = sum_s sum_j weight[s, i, j] window[b, j*d + i, s]."""
+def window_step(past, x, weight, implementation="auto"):
+    r"""The TC readout `(B, 1, d)` of a decoding step's state x `(B, 1, d_v, d)` from the K-1 states before it, `past`
+    `(B, d_v*d, K-1)` as the cache keeps them (channel j*d + i, time last; no autograd), then advanced in place."""
     if implementation == "reference":
-        steps = window.transpose(1, 2).unflatten(-1, (weight.shape[2], weight.shape[1]))  # (B, K, d_v, d)
-        return causal_token_readout(steps[:, -1:], weight, steps[:, :-1])
-    return _run("window_readout", implementation, window, weight)
+        steps = past.transpose(1, 2).unflatten(-1, (weight.shape[2], weight.shape[1]))  # (B, K-1, d_v, d)
+        out = causal_token_readout(x, weight, steps)
+        past.copy_(torch.cat([past, x.reshape(x.shape[0], -1, 1)], dim=-1)[..., 1:])
+        return out
+    return _run("window_step", implementation, past, x, weight)
 
 
 def token_conv(x, weight, history=None, implementation="auto"):
@@ -144,4 +146,4 @@ def _with_history(op, implementation, x, weight, history):
 
 
 __all__ = ["INTERFACE_VERSION", "delta_residual", "delta_update", "registries", "token_conv", "token_readout",
-           "window_readout"]
+           "window_step"]

@@ -31,7 +31,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_ddl import DDLConfig, conv_state_slots
-from .kernels import delta_residual, token_conv, token_readout, window_readout
+from .kernels import delta_residual, token_conv, token_readout, window_step
 from .packing import Padding, check_documents_start, find_documents
 from .reference import constant_value, delta_gate, delta_update, delta_value
 
@@ -81,13 +81,21 @@ _DERIVED_PER_CACHE = weakref.WeakKeyDictionary()
 
 def _derived_for_cache(cache, module, make):
     """make() (no autograd), made once for `cache` and `module` and dropped with the cache."""
-    per_module = _DERIVED_PER_CACHE.get(cache)
-    if per_module is None:
-        per_module = _DERIVED_PER_CACHE[cache] = {}
-    weight = per_module.get(module)
-    if weight is None:
-        weight = per_module[module] = make()
-    return weight
+    per_module = _DERIVED_PER_CACHE.setdefault(cache, {})
+    if module not in per_module:
+        per_module[module] = make()
+    return per_module[module]
+
+
+def steppable_window(cache, layer_idx, slot, kernel_size):
+    """The K-1 inputs before a decoding step's `(B, C, K-1)`, as the cache keeps them, for `kernels.window_step` to
+    read and advance in place (what the cache's `update_conv_state` would do, without its copies); None where the cache
+    keeps no earlier inputs or keeps its whole past (assisted decoding, which crops it)."""
+    if cache is None or kernel_size == 1 or not cache.has_previous_state(layer_idx, slot):
+        return None
+    layer = cache.layers[layer_idx]
+    past = None if getattr(layer, "record_past", True) else layer.conv_states[slot]
+    return past if past is not None and past.shape[-1] == kernel_size - 1 and past.is_contiguous() else None
 
 
 def window_history(window, x):
@@ -110,9 +118,11 @@ def convolve_tokens(op, x, weight, cache=None, layer_idx=0, slot=None, padding=N
         if padding.compacts and kernel > 1:
             x, window = padding.compact(x, kernel, cache, layer_idx, slot)
             return padding.restore(op(x, weight, window_history(window, x), implementation), kernel)
+    if op is token_readout and x.shape[1] == 1 and documents is None and not torch.is_grad_enabled():
+        past = steppable_window(cache, layer_idx, slot, kernel)
+        if past is not None:  # a decoding step: read and advanced where the cache keeps it
+            return window_step(past, x, weight, implementation)
     window = cached_window(x, kernel, cache, layer_idx, slot, documents)
-    if op is token_readout and window is not None and x.shape[1] == 1 and not torch.is_grad_enabled():
-        return window_readout(window, weight, implementation)
     history = window_history(window, x)
     if documents is not None:
         return documents.convolve(lambda wide: op(wide, weight, history, implementation), x, kernel)
@@ -282,13 +292,11 @@ class DDLQKNormAttention(LlamaAttention):
             query_states, key_states = self.q_norm(query_states), self.k_norm(key_states)
         if cache is not None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
-        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
-        attn_output, attn_weights = attention_interface(
-            self, query_states, key_states, value_states, attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs,
-        )
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                                    eager_attention_forward)
+        attn_output, attn_weights = attention_interface(self, query_states, key_states, value_states, attention_mask,
+                                                        dropout=0.0 if not self.training else self.attention_dropout,
+                                                        scaling=self.scaling, **kwargs)
         return self.o_proj(attn_output.reshape(*input_shape, -1).contiguous()), attn_weights
 
 
@@ -372,10 +380,8 @@ class DDLPreTrainedModel(PreTrainedModel):
     _supports_attention_backend = True
     _can_compile_fullgraph = True
     _can_record_outputs = {  # (what each records: DDLStateReadout, DDLModelOutputWithPast)
-        "hidden_states": DDLStateReadout,
-        "expanded_states": DDLDecoderLayer,
-        "attentions": OutputRecorder(LlamaAttention, index=1),
-    }
+        "hidden_states": DDLStateReadout, "expanded_states": DDLDecoderLayer,
+        "attentions": OutputRecorder(LlamaAttention, index=1)}
 
     @torch.no_grad()
     def _init_weights(self, module):

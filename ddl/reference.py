@@ -138,7 +138,5 @@ def causal_token_readout(x, weight, history=None):
     return sum((full[:, s : s + seq_len] * weight[s]).sum(-2) for s in range(kernel))
 
 
-__all__ = [
-    "DELTA_MODES", "causal_token_conv", "causal_token_readout", "delta_gate", "delta_residual", "delta_update",
-    "delta_value",
-]
+__all__ = ["DELTA_MODES", "causal_token_conv", "causal_token_readout", "delta_gate", "delta_residual", "delta_update",
+           "delta_value"]

@@ -6,7 +6,7 @@ version the checkpoint's dispatcher (`ddl.kernels`) expects, the dispatcher puts
 front of its own, in this order; each says next to its code which inputs it serves. One folder per operation:
 
     residual/   the residual seam (gate, value and delta update) in C++ for CPU; the delta update in Triton for CUDA
-    readout/    the TC readout of the expanded state (CC: one tap) and a decoding step's window readout: C++; Triton
+    readout/    the TC readout of the expanded state (CC: one tap) and a decoding step's window step: C++; Triton
     conv/       EC, the embedding convolution: C++; Triton (the readout's kernels run the other way)
     build.py    building the C++ kernels once per machine (`python -m ddl_kernels.build`; else on first use)
 
@@ -19,7 +19,7 @@ from collections import namedtuple
 import torch
 
 
-INTERFACE_VERSION = 1  # what the operations take and return (ddl.kernels); raised on any change of a contract
+INTERFACE_VERSION = 2  # what the operations take and return (ddl.kernels); raised on any change of a contract
 
 # name: for messages; choices: the values of `DDLConfig.ddl_implementation` that may use it; serves(*args): whether
 # it computes these inputs (the operation's arguments); run(*args): the result, or None when it cannot run after all
@@ -62,7 +62,7 @@ def implementations():
         "delta_residual": [residual_cpu.SEAM],
         "delta_update": [],
         "token_readout": [readout_cpu.READOUT],
-        "window_readout": [readout_cpu.WINDOW],
+        "window_step": [readout_cpu.STEP],
         "token_conv": [conv_cpu.CONV],
     }
     if torch.cuda.is_available():

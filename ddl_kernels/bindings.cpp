@@ -14,7 +14,7 @@ std::vector<at::Tensor> residual_backward(const at::Tensor& g, const at::Tensor&
                                           int64_t u_kind);
 at::Tensor readout_forward(const at::Tensor& x, const at::Tensor& taps);
 std::vector<at::Tensor> readout_backward(const at::Tensor& g, const at::Tensor& x, const at::Tensor& taps);
-at::Tensor window_readout(const at::Tensor& w, const at::Tensor& taps);
+at::Tensor window_step(at::Tensor& past, const at::Tensor& x, const at::Tensor& taps);
 at::Tensor conv_forward(const at::Tensor& x, const at::Tensor& taps);
 std::vector<at::Tensor> conv_backward(const at::Tensor& g, const at::Tensor& x, const at::Tensor& taps);
 }  // namespace ddl
@@ -24,7 +24,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("residual_backward", &ddl::residual_backward, "the residual seam's gradients");
   m.def("readout_forward", &ddl::readout_forward, "the TC readout (CC: one tap)");
   m.def("readout_backward", &ddl::readout_backward, "the readout's gradients");
-  m.def("window_readout", &ddl::window_readout, "one decoding step's readout of its cached window");
+  m.def("window_step", &ddl::window_step, "one decoding step's readout of the cached window, advanced in place");
   m.def("conv_forward", &ddl::conv_forward, "EC");
   m.def("conv_backward", &ddl::conv_backward, "EC's gradients");
 }

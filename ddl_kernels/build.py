@@ -22,7 +22,7 @@ from transformers.utils import logging
 logger = logging.get_logger(__name__)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-FUNCTIONS = ("residual_forward", "residual_backward", "readout_forward", "readout_backward", "window_readout",
+FUNCTIONS = ("residual_forward", "residual_backward", "readout_forward", "readout_backward", "window_step",
              "conv_forward", "conv_backward")
 _SWITCH_ON, _SWITCH_OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 

@@ -198,16 +198,17 @@ def test_kernel_applies_only_where_it_serves():
     assert seen and not any(seen)
 
 
-def test_window_readout_applies_only_without_autograd_in_one_dtype():
-    serves = readout_cpu.window_serves
-    window, taps = torch.zeros(2, 6, 4), torch.zeros(4, 3, 2)  # (B, d_v*d, K), (K, d, d_v)
+def test_window_step_applies_only_without_autograd_in_one_dtype():
+    serves = readout_cpu.step_serves
+    past, x, taps = torch.zeros(2, 6, 3), torch.zeros(2, 1, 2, 3), torch.zeros(4, 3, 2)  # (B, d_v*d, K-1), (K, d, d_v)
     with torch.no_grad():
-        assert serves(window, taps) and serves(window.double(), taps.double())
-        assert not serves(window, taps.double())
-        assert not serves(window.bfloat16(), taps.bfloat16())
+        assert serves(past, x, taps) and serves(past.double(), x.double(), taps.double())
+        assert not serves(past, x, taps.double()) and not serves(past, x.double(), taps)
+        assert not serves(past.bfloat16(), x.bfloat16(), taps.bfloat16())
+        assert not serves(torch.zeros(2, 3, 6).transpose(1, 2), x, taps)  # it is advanced in place: contiguous only
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            assert not serves(window, taps)
-    assert not serves(window, taps)  # grad enabled: the kernel has no backward
+            assert not serves(past, x, taps)
+    assert not serves(past, x, taps)  # grad enabled: the kernel has no backward
 
 
 @pytest.mark.parametrize("overrides", [{"ddl_value_channels": 1}, {}, {"ddl_compressor": "tc", "ddl_embed_conv": False},

@@ -8,7 +8,7 @@ import torch
 from conftest import assert_same_loss_and_gradients, seeded, tiny_config
 from ddl import DDLForCausalLM, kernels
 from ddl.fused import fused_delta_update
-from ddl.kernels import token_conv, token_readout, window_readout
+from ddl.kernels import token_conv, token_readout, window_step
 from ddl.modeling_ddl import window_history
 from ddl.reference import causal_token_conv, causal_token_readout, delta_update
 
@@ -148,9 +148,13 @@ def _cache_window(history, x):
 
 def _from_window(op, x, weight, window, implementation="auto"):
     """The readout (or EC) of x given its window as the cache holds it, as `modeling_ddl.convolve_tokens` runs it: a
-    decoding step's readout reads the window in place, anything else gets the window's history back."""
+    decoding step's readout reads the K-1 inputs before x in place and advances them (checked: to the window's last
+    K-1), anything else gets the window's history back."""
     if op is token_readout and x.shape[1] == 1 and not torch.is_grad_enabled():
-        return window_readout(window, weight, implementation)
+        past = window[..., :-1].contiguous()
+        out = window_step(past, x, weight, implementation)
+        torch.testing.assert_close(past, window[..., 1:], rtol=0, atol=0)
+        return out
     return op(x, weight, window_history(window, x), implementation)
 
 
@@ -160,8 +164,8 @@ def _from_window(op, x, weight, window, implementation="auto"):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_dispatched_token_convolutions_with_a_cached_window_match_reference(dtype, seq_len, implementation,
                                                                            cpu_kernel_on_or_off):
-    """The readout and EC given their window as the cache holds it (a decoding step reads it in place: the C++
-    window readout or `fused.window_readout`; longer inputs go back to the state layout) equal the specs given the
+    """The readout and EC given their window as the cache holds it (a decoding step reads it in place and advances
+    it: the C++ window step or `fused.window_step`; longer inputs go back to the state layout) equal the specs given the
     same inputs as history; also for a window sliced from a longer cache (assisted decoding's)."""
     g = seeded(0)
     x = torch.randn(3, seq_len, 2, 5, generator=g, dtype=dtype)
@@ -180,13 +184,17 @@ def test_dispatched_token_convolutions_with_a_cached_window_match_reference(dtyp
 
 @torch.no_grad()
 @pytest.mark.parametrize("implementation", ["auto", "torch", "reference"])
-def test_window_readout_equals_the_spec_for_one_token(implementation, cpu_kernel_on_or_off):
+def test_window_step_equals_the_spec_for_one_token(implementation, cpu_kernel_on_or_off):
+    """Token after token from the cache's window (advanced in place by each step) equals the readout of the whole
+    sequence, and the window ends as the last K-1 inputs."""
     g = seeded(1)
-    x, history = torch.randn(2, 1, 3, 4, generator=g, dtype=torch.float64), torch.randn(2, 2, 3, 4, generator=g,
-                                                                                         dtype=torch.float64)
-    weight = torch.randn(3, 4, 3, generator=g, dtype=torch.float64)
-    torch.testing.assert_close(window_readout(_cache_window(history, x), weight, implementation),
-                               causal_token_readout(x, weight, history), rtol=1e-12, atol=1e-12)
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-6)):
+        x, weight = torch.randn(2, 6, 3, 4, generator=g, dtype=dtype), torch.randn(3, 4, 3, generator=g, dtype=dtype)
+        past = torch.zeros(2, 12, 2, dtype=dtype)  # (B, d_v*d, K-1): the start of a sequence
+        steps = torch.cat([window_step(past, x[:, t : t + 1], weight, implementation) for t in range(6)], dim=1)
+        whole = token_readout(x, weight, None, implementation)
+        torch.testing.assert_close(steps, whole, rtol=tol, atol=tol)
+        torch.testing.assert_close(past, _cache_window(x[:, -2:], x[:, :0]), rtol=0, atol=0)
 
 
 @torch.no_grad()

@@ -112,9 +112,9 @@ def test_cached_decoding_equals_full_forward(overrides, implementation):
 
 @pytest.mark.parametrize("batch", [1, 2], ids=["one-sequence", "batch"])
 def test_tc_decoding_steps_read_the_cached_window(batch, cpu_kernel_on_or_off, monkeypatch):
-    """Each decoding step's TC readouts read their window where the cache keeps it (ddl_kernels' C++ window readout,
-    or `fused.window_readout` without the kernels) and give the full forward."""
-    calls = {name: count_calls(monkeypatch, "window_readout", name) for name in ("C++", "PyTorch")}
+    """Each decoding step's TC readouts read their window where the cache keeps it and advance it there (ddl_kernels'
+    C++ window step, or `fused.window_step` without the kernels) and give the full forward."""
+    calls = {name: count_calls(monkeypatch, "window_step", name) for name in ("C++", "PyTorch")}
     model = _model(ddl_value_channels=4, ddl_compressor="tc", ddl_embed_conv=True)
     ids = _ids(batch, 9)
     with torch.no_grad():

@@ -149,7 +149,7 @@ def test_remote_code_runs_the_installed_kernels(tmp_path):
                           os.environ.get("TORCH_EXTENSIONS_DIR") else None)
     assert result["registries"]["delta_residual"] == ["C++ residual seam"]
     assert result["registries"]["token_readout"][0] == "C++ readout"
-    for name in ("C++ residual seam", "C++ readout", "C++ EC", "C++ window readout"):
+    for name in ("C++ residual seam", "C++ readout", "C++ EC", "C++ window step"):
         assert result["calls"].get(name, 0) > 0, (name, result["calls"])
     loss, logits, _ = _in_repo(model, ids)
     assert result["loss"] == pytest.approx(loss, rel=1e-5)

@@ -7,8 +7,9 @@ a state x `(B, T, d_v, d)` and taps `(K, d_v, d)` (the weight in the state's lay
     y[t, i] = sum_s sum_j taps[s, j, i] x[t - (K-1) + s, j, i]
     dx[t, j, i] = sum_s taps[s, j, i] G[t + (K-1) - s, i],   dtaps[s, j, i] = sum_t x[t - (K-1) + s, j, i] G[t, i]
 
-for CPU tensors in fp32 or fp64, eager. The window readout: one new token from its window as the cache holds it,
-`(B, d_v*d, K)` (channel j*d + i, time last), no autograd: y[b, i] = sum_s sum_j weight[s, i, j] window[b, j*d + i, s].
+for CPU tensors in fp32 or fp64, eager. The window step: one new token's readout from the K-1 inputs before it as
+the cache holds them, `(B, d_v*d, K-1)` (channel j*d + i, time last), which it then advances in place (the oldest
+dropped, the new one appended), no autograd: the readout of the window those inputs and the new one make.
 """
 
 import torch
@@ -43,18 +44,19 @@ def run(x, taps):
     return kernels().readout_forward(x.contiguous(), taps.contiguous())  # (a stride-0 repeated state is copied)
 
 
-def window_serves(window, weight):
-    """A decoding step's window `(B, d_v*d, K)` and weight `(K, d, d_v)`: no autograd (no backward here), the same
-    dtype, CPU, eager."""
-    return weight.dtype is window.dtype and weight.is_cpu and not torch.is_grad_enabled() and ready(window)
+def step_serves(past, x, weight):
+    """A decoding step's cached inputs `(B, d_v*d, K-1)` (advanced in place), its state `(B, 1, d_v, d)` and weight
+    `(K, d, d_v)`: no autograd (no backward here), one dtype, CPU, eager."""
+    return (weight.dtype is past.dtype and x.dtype is past.dtype and weight.is_cpu and past.is_contiguous()
+            and not torch.is_grad_enabled() and ready(past))
 
 
-def window_run(window, weight):
+def step_run(past, x, weight):
     taps = weight.permute(2, 1, 0).contiguous()  # (d_v, d, K): the window's layout (no copy when kept so)
-    return kernels().window_readout(window.contiguous(), taps).unsqueeze(1)
+    return kernels().window_step(past, x.reshape(x.shape[0], -1).contiguous(), taps).unsqueeze(1)
 
 
 READOUT = Implementation("C++ readout", ("auto", "triton"), serves, run)
-WINDOW = Implementation("C++ window readout", ("auto", "triton"), window_serves, window_run)
+STEP = Implementation("C++ window step", ("auto", "triton"), step_serves, step_run)
 
-__all__ = ["READOUT", "WINDOW"]
+__all__ = ["READOUT", "STEP"]

@@ -1,5 +1,5 @@
-// The TC readout of the expanded state (CC: one tap), its backward, and a decoding step's readout of its cached window
-// (ddl_kernels/readout).
+// The TC readout of the expanded state (CC: one tap), its backward, and a decoding step's readout of the cache's
+// window, advanced in place (ddl_kernels/readout).
 #include "common.h"
 
 namespace ddl {
@@ -69,35 +69,42 @@ std::vector<at::Tensor> readout_backward(const at::Tensor& g, const at::Tensor& 
   return {gx, gtaps};
 }
 
-// One decoding step of the TC readout from its window where the cache holds it, time last: w (B, d_v*d, K) and
-// taps (d_v, d, K) in the same layout; y[b, i] = sum_j sum_s taps[j, i, s] w[b, j*d + i, s].
+// One decoding step of the TC readout from the cache's window, advanced in place: past (B, d_v*d, K-1) holds the K-1
+// inputs before the new one x (B, d_v*d), channel j*d + i, time last; taps (d_v, d, K) in the same layout.
+// y[b, i] = sum_j (sum_{s < K-1} taps[j, i, s] past[b, j*d + i, s] + taps[j, i, K-1] x[b, j*d + i]), then past drops
+// its oldest input and takes x (the window a full readout would read, summed in its order).
 template <typename T>
-void window_readout_impl(const T* w, const T* taps, int64_t batch, int64_t nv, int64_t d, int64_t k, T* y) {
+void window_step_impl(T* past, const T* x, const T* taps, int64_t batch, int64_t nv, int64_t d, int64_t k, T* y) {
+  const int64_t kp = k - 1;
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
-      const T* wb = w + b * nv * d * k; T* yb = y + b * d;
+      T* pb = past + b * nv * d * kp; const T* xb = x + b * nv * d; T* yb = y + b * d;
       for (int64_t i = 0; i < d; ++i) yb[i] = 0;
-      for (int64_t j = 0; j < nv; ++j) {
-        const T* wj = wb + j * d * k; const T* tj = taps + j * d * k;
-        for (int64_t i = 0; i < d; ++i) {
-          T acc = 0;
-          for (int64_t s = 0; s < k; ++s) acc += wj[i * k + s] * tj[i * k + s];
-          yb[i] += acc;
-        }
+      for (int64_t c = 0; c < nv * d; ++c) {
+        T* p = pb + c * kp; const T* t = taps + c * k; const T xc = xb[c];
+        T acc = 0;
+        for (int64_t s = 0; s < kp; ++s) acc += p[s] * t[s];
+        acc += xc * t[kp];
+        for (int64_t s = 0; s + 1 < kp; ++s) p[s] = p[s + 1];
+        p[kp - 1] = xc;
+        yb[c % d] += acc;
       }
     }
   });
 }
 
-at::Tensor window_readout(const at::Tensor& w, const at::Tensor& taps) {
-  TORCH_CHECK(w.dim() == 3 && taps.dim() == 3 && w.is_contiguous() && taps.is_contiguous(),
-              "ddl window_readout: the window must be (B, d_v*d, K) and the taps (d_v, d, K), both contiguous");
-  const int64_t batch = w.size(0), nv = taps.size(0), d = taps.size(1), k = taps.size(2);
-  TORCH_CHECK(w.size(1) == nv * d && w.size(2) == k, "ddl window_readout: the window must be (B, d_v*d, K)");
-  auto y = at::empty({batch, d}, w.options());
-  AT_DISPATCH_FLOATING_TYPES(w.scalar_type(), "ddl_window_readout", [&] {
-    window_readout_impl<scalar_t>(w.data_ptr<scalar_t>(), taps.data_ptr<scalar_t>(), batch, nv, d, k,
-                                  y.data_ptr<scalar_t>());
+at::Tensor window_step(at::Tensor& past, const at::Tensor& x, const at::Tensor& taps) {
+  TORCH_CHECK(past.dim() == 3 && x.dim() == 2 && taps.dim() == 3 && past.is_contiguous() && x.is_contiguous() &&
+                  taps.is_contiguous(),
+              "ddl window_step: the past must be (B, d_v*d, K-1), the input (B, d_v*d) and the taps (d_v, d, K), "
+              "all contiguous");
+  const int64_t batch = past.size(0), nv = taps.size(0), d = taps.size(1), k = taps.size(2);
+  TORCH_CHECK(k > 1 && past.size(1) == nv * d && past.size(2) == k - 1 && x.size(0) == batch && x.size(1) == nv * d,
+              "ddl window_step: the past must be (B, d_v*d, K-1) and the input (B, d_v*d), K > 1");
+  auto y = at::empty({batch, d}, x.options());
+  AT_DISPATCH_FLOATING_TYPES(past.scalar_type(), "ddl_window_step", [&] {
+    window_step_impl<scalar_t>(past.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), taps.data_ptr<scalar_t>(), batch,
+                               nv, d, k, y.data_ptr<scalar_t>());
   });
   return y;
 }
