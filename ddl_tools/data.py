@@ -149,8 +149,6 @@ def _load_files(train_file, validation_file, streaming, cache_dir):
 def _load_embedded_corpus(streaming):
     from datasets import Dataset, DatasetDict, IterableDatasetDict
 
-    from .data import CORPUS_NAME, VALIDATION_WORKS, shakespeare_splits
-
     raw = DatasetDict({split: Dataset.from_dict({"text": texts}) for split, texts in shakespeare_splits().items()})
     if streaming:
         raw = IterableDatasetDict({split: dataset.to_iterable_dataset() for split, dataset in raw.items()})

@@ -21,17 +21,12 @@ def _relative_imports(path):
     return found
 
 
-def _graph():
-    modules = [f[:-3] for f in os.listdir(PACKAGE) if f.endswith(".py") and f != "__init__.py"]
-    return {m: _relative_imports(os.path.join(PACKAGE, f"{m}.py")) for m in modules}
+def _graph(package=PACKAGE):
+    modules = [f[:-3] for f in os.listdir(package) if f.endswith(".py") and f != "__init__.py"]
+    return {m: _relative_imports(os.path.join(package, f"{m}.py")) for m in modules}
 
 
-def test_imports_run_one_way_without_a_cycle():
-    graph = _graph()
-    assert graph["reference"] == set()  # the specifications import nothing from the package
-    assert graph["configuration_ddl"] == set()
-    assert not graph["fused"] & {"kernels", "modeling_ddl"}  # the PyTorch paths never reach back to dispatch or model
-    assert "modeling_ddl" not in graph["kernels"]
+def _assert_no_cycle(graph):
     done, visiting = set(), []
 
     def visit(module):
@@ -46,6 +41,23 @@ def test_imports_run_one_way_without_a_cycle():
 
     for module in graph:
         visit(module)
+
+
+def test_imports_run_one_way_without_a_cycle():
+    graph = _graph()
+    assert graph["reference"] == set()  # the specifications import nothing from the package
+    assert graph["configuration_ddl"] == set()
+    assert not graph["fused"] & {"kernels", "modeling_ddl"}  # the PyTorch paths never reach back to dispatch or model
+    assert "modeling_ddl" not in graph["kernels"]
+    _assert_no_cycle(graph)
+
+
+def test_the_scripts_helpers_import_one_way_without_a_cycle():
+    """`ddl_tools/`, one module per concern, imports one way too (imports inside functions included): the one-line
+    error and the folder rule live in `outputs`, which imports none of the others."""
+    graph = _graph(os.path.join(ROOT, "ddl_tools"))
+    assert graph["outputs"] == set()
+    _assert_no_cycle(graph)
 
 
 def test_the_package_is_what_a_checkpoint_ships(tmp_path):
