@@ -88,9 +88,9 @@ def _derived_for_cache(cache, module, make):
 
 
 def steppable_window(cache, layer_idx, slot, kernel_size):
-    """The K-1 inputs before a decoding step's `(B, C, K-1)`, as the cache keeps them, for `kernels.window_step` to
-    read and advance in place (what the cache's `update_conv_state` would do, without its copies); None where the cache
-    keeps no earlier inputs or keeps its whole past (assisted decoding, which crops it)."""
+    """The K-1 inputs before a decoding step's token `(B, C, K-1)` where the cache keeps them, which `window_step`
+    reads and advances in place (the cache's `update_conv_state`, without its copies); None where the cache keeps no
+    earlier inputs or its whole past (assisted decoding, which crops it)."""
     if cache is None or kernel_size == 1 or not cache.has_previous_state(layer_idx, slot):
         return None
     layer = cache.layers[layer_idx]
