@@ -194,6 +194,7 @@ def card_metadata(*, license_id: str | None, dataset_name: str | None, base: str
 def _warmup(warmup_steps: float) -> str:
     return f"{warmup_steps:.0%} of the steps" if 0 < warmup_steps < 1 else f"{int(warmup_steps)} steps"
 
+
 def shareable_arguments(args) -> str:
     """The training arguments as JSON for the output folder, which is published: the output folder named by its own
     name, not by where it lay on the machine that trained it."""

@@ -79,6 +79,7 @@ CHAT_TEMPLATE = (
 )
 DATA_EXTENSIONS = {"txt": "text", "text": "text", "json": "json", "jsonl": "json", "csv": "csv"}
 
+
 def load_raw_datasets(
     dataset_name: str | None = None,
     dataset_config_name: str | None = None,

@@ -19,6 +19,7 @@ from .presets import ddl_config_from_llama
 
 logger = logging.get_logger(__name__)
 
+
 def checkpoint_config(path: str, flag: str, model_type: str = DDLConfig.model_type, trust_remote_code: bool = False,
                       fix: str = ""):
     """The config of the checkpoint that `flag` names (a folder or a Hub id), which must be a `model_type` one: one

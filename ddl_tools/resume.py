@@ -21,6 +21,7 @@ from .presets import PRESETS, config_error_message
 
 logger = logging.get_logger(__name__)
 
+
 class DDLRunRecord(TrainerCallback, ExportableState):
     """What a resumed run must keep and `TrainerState` does not record: the block size the data was packed into, the
     data (`data_record`: its source and the content of its local files), the tokenizer (`tokenizer_digest`) and the

@@ -21,6 +21,7 @@ from .streaming import StreamPosition, save_position, saved_position
 
 logger = logging.get_logger(__name__)
 
+
 class TrainingDiverged(UsageError):
     """The loss or the gradient norm stopped being finite: the run stops at that step, saving nothing of it."""
 
