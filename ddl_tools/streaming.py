@@ -14,7 +14,6 @@ see the dataset's state) resumes the slow way, Trainer's.
 """
 
 import collections
-import copy
 import json
 import os
 
@@ -39,7 +38,7 @@ class StreamPosition(torch.utils.data.IterableDataset):
         for example in self.dataset:
             self.drawn += 1
             if self.drawn % self.every == 0:
-                self._states[self.drawn] = copy.deepcopy(self.dataset.state_dict())
+                self._states[self.drawn] = self.dataset.state_dict()  # (a copy: datasets returns one)
                 if len(self._states) > self.keep:
                     self._states.popitem(last=False)
             yield example
@@ -75,7 +74,8 @@ def saved_position(checkpoint: str, step: int, per_step: int) -> dict | None:
             position = json.load(f)
     except (OSError, ValueError):  # (absent, or damaged from outside: a save writes it whole or not at all)
         return None
-    if not isinstance(position, dict) or position.get("step") != step or position.get("drawn") != step * per_step:
+    if (not isinstance(position, dict) or position.get("step") != step or position.get("drawn") != step * per_step
+            or not isinstance(position.get("state"), dict)):
         return None
     return position
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import tiny_config
+from conftest import seeded, tiny_config
 from ddl import DDLForCausalLM
 
 
@@ -14,7 +14,7 @@ def test_fullgraph_compile_for_training_and_cached_decoding():
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = DDLForCausalLM(tiny_config(ddl_compressor="tc"))  # TC + EC: the most state (conv histories) to trace
-    ids = torch.randint(3, 99, (2, 8), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, 99, (2, 8), generator=seeded(1))
     compiled = torch.compile(model, fullgraph=True)  # any graph break raises
     loss = compiled(ids, labels=ids).loss
     loss.backward()
@@ -54,7 +54,7 @@ def test_compiled_static_cache_generate_equals_eager(overrides):
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = trained_looking(DDLForCausalLM(tiny_config(num_hidden_layers=1, **overrides))).eval()
-    ids = torch.randint(3, 99, (2, 7), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, 99, (2, 7), generator=seeded(1))
     mask = torch.ones_like(ids)
     mask[1, :3] = 0  # the second prompt is 4 tokens, left-padded
     kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)

@@ -14,7 +14,7 @@ from transformers import (
     AutoModelForTokenClassification,
 )
 
-from conftest import TINY, tiny_config
+from conftest import TINY, seeded, tiny_config
 from ddl import DDLForCausalLM, DDLForQuestionAnswering, DDLForSequenceClassification, DDLForTokenClassification
 
 
@@ -45,7 +45,7 @@ def _head(head_class, seed=0, **overrides):
 
 
 def _rows():
-    g = torch.Generator().manual_seed(3)
+    g = seeded(3)
     return [torch.randint(3, TINY["vocab_size"], (n,), generator=g) for n in (7, 4, 2)]
 
 
@@ -117,7 +117,7 @@ def test_losses_are_the_standard_ones_and_train_the_whole_model(overrides):
     torch.testing.assert_close(out.loss, torch.nn.functional.mse_loss(out.logits.squeeze(-1), targets))
 
     tok = _head(DDLForTokenClassification, **overrides)
-    token_labels = torch.randint(0, 3, ids.shape, generator=torch.Generator().manual_seed(4))
+    token_labels = torch.randint(0, 3, ids.shape, generator=seeded(4))
     token_labels = token_labels.masked_fill(mask == 0, -100)
     out = tok(ids, attention_mask=mask, labels=token_labels)
     real = mask.bool()

@@ -189,6 +189,8 @@ def test_every_variant_field_of_the_config_is_a_flag():
     fields = {f.name for f in dataclasses.fields(DDLConfig) if f.name.startswith(("ddl_", "qk_norm"))}
     model_args = train.parse_args(["--output_dir", "unused"])[0]
     assert set(model_args.ddl_flags()) == fields and set(model_args.ddl_flags().values()) == {None}
+    helps = {f.name: f.metadata["help"] for f in dataclasses.fields(type(model_args)) if f.name in fields}
+    assert not [name for name, text in helps.items() if text == "See DDLConfig."]  # each read from the docstring
     model_args = train.parse_args(["--ddl_v_constant", "0.5", "--qk_norm_position", "before_rope", "--ddl_cc_form",
                                    "matrix", "--ddl_shared_compressor", "false", "--ddl_init_std_factor", "0.25"])[0]
     given = {k: v for k, v in model_args.ddl_flags().items() if v is not None}
@@ -278,7 +280,8 @@ def test_a_damaged_or_foreign_stream_position_resumes_the_slow_way(tmp_path):
 
     path = tmp_path / STREAM_POSITION
     assert saved_position(str(tmp_path), 2, 8) is None  # absent
-    for text in ("", '{"step": 2, "dr', "[]", '{"step": 3, "drawn": 24, "state": {}}', '{"step": 2, "drawn": 12}'):
+    for text in ("", '{"step": 2, "dr', "[]", '{"step": 3, "drawn": 24, "state": {}}', '{"step": 2, "drawn": 12}',
+                 '{"step": 2, "drawn": 16}', '{"step": 2, "drawn": 16, "state": []}'):  # the last two: no state
         path.write_text(text)
         assert saved_position(str(tmp_path), 2, 8) is None, text
     path.write_text('{"step": 2, "drawn": 16, "state": {"epoch": 0}}')
