@@ -45,14 +45,16 @@ def ddl_branch_modules(model) -> list[str]:
 
 
 def lora_config(model, r: int = 16, alpha: int = 32, dropout: float = 0.0, target_modules=None,
-                train_ddl_branch: bool = True):
+                train_ddl_branch: bool = True, from_llama: bool = False):
     """A causal-LM `LoraConfig` for a DDL model: LoRA on `target_modules` (default `LORA_TARGET_MODULES`), and DDL's
-    own parameters trained in full unless `train_ddl_branch` is False (then they stay frozen)."""
+    own parameters trained in full unless `train_ddl_branch` is False (then they stay frozen). A model just built
+    from a Llama (`from_llama`) also trains its QK-norm weights in full: a Llama has none, so they start at ones."""
     from peft import LoraConfig, TaskType
 
+    fresh = ["q_norm", "k_norm"] if from_llama and model.config.qk_norm else []
     return LoraConfig(task_type=TaskType.CAUSAL_LM, r=r, lora_alpha=alpha, lora_dropout=dropout,
                       target_modules=list(target_modules or LORA_TARGET_MODULES),
-                      modules_to_save=(ddl_branch_modules(model) or None) if train_ddl_branch else None)
+                      modules_to_save=(ddl_branch_modules(model) + fresh or None) if train_ddl_branch else None)
 
 
 def check_lora(model_args) -> None:
@@ -78,7 +80,7 @@ def add_lora(model, model_args, verbose: bool = True):
         raise UsageError(f"--lora_target_modules: this model has no module named {missing}; its linear layers: "
                          f"{linear}.")
     config = lora_config(model, model_args.lora_r, model_args.lora_alpha, model_args.lora_dropout, targets,
-                         model_args.lora_train_ddl_branch)
+                         model_args.lora_train_ddl_branch, from_llama=bool(model_args.init_from_llama))
     try:
         peft_model = get_peft_model(model, config)
     except ValueError as err:  # e.g. a target module the model does not have

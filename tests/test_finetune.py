@@ -78,6 +78,31 @@ def test_lora_config_adapts_the_projections_and_trains_ddl_branch_in_full(varian
     assert all(".lora_" in n for n, p in frozen.named_parameters() if p.requires_grad)
 
 
+def test_lora_on_a_model_built_from_a_llama_trains_its_fresh_qk_norms(tmp_path):
+    """A Llama has no QK-norm: a DDL built from one with qk_norm starts its q_norm/k_norm at ones, so --lora trains
+    them in full with DDL's branch; fine-tuning a DDL checkpoint keeps its trained norms frozen, as Llama's are."""
+    from types import SimpleNamespace
+
+    from peft import get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ddl_tools.loading import load_from_llama
+    from ddl_tools.lora import add_lora
+    from ddl_tools.presets import ddl_config_from_llama
+
+    llama = LlamaConfig(vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    LlamaForCausalLM(llama).save_pretrained(tmp_path)
+    model = load_from_llama(str(tmp_path), ddl_config_from_llama(llama, {"qk_norm": True}))
+    args = SimpleNamespace(lora_target_modules=None, lora_r=4, lora_alpha=8, lora_dropout=0.0,
+                           lora_train_ddl_branch=True, init_from_llama=str(tmp_path))
+    norms, own = {n for n, _ in model.named_parameters() if ".q_norm." in n or ".k_norm." in n}, own_parameters(model)
+    assert norms <= own and trained_in_full(add_lora(model, args, verbose=False)) == own
+    checkpoint = randomised(load_from_llama(str(tmp_path), ddl_config_from_llama(llama, {"qk_norm": True})))
+    args.init_from_llama = None  # (as if it were a DDL checkpoint given by --model_name_or_path)
+    assert not trained_in_full(add_lora(checkpoint, args, verbose=False)) & norms
+
+
 @pytest.mark.parametrize("variant", ["dv4-tc-ec-gate-mlp", "dv1-delta"])
 def test_readme_peft_config_trains_the_ddl_branch(variant):
     """docs/training.md's `LoraConfig` for PEFT users: LoRA on the projections, every DDL parameter trained in full."""
