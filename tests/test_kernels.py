@@ -183,18 +183,20 @@ def test_dispatched_token_convolutions_with_a_cached_window_match_reference(dtyp
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("kernel", [2, 3, 9])  # (the C++ step is compiled for K-1 up to 7, any other at run time)
 @pytest.mark.parametrize("implementation", ["auto", "torch", "reference"])
-def test_window_step_equals_the_spec_for_one_token(implementation, cpu_kernel_on_or_off):
+def test_window_step_equals_the_spec_for_one_token(implementation, kernel, cpu_kernel_on_or_off):
     """Token after token from the cache's window (advanced in place by each step) equals the readout of the whole
     sequence, and the window ends as the last K-1 inputs."""
     g = seeded(1)
     for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-6)):
-        x, weight = torch.randn(2, 6, 3, 4, generator=g, dtype=dtype), torch.randn(3, 4, 3, generator=g, dtype=dtype)
-        past = torch.zeros(2, 12, 2, dtype=dtype)  # (B, d_v*d, K-1): the start of a sequence
-        steps = torch.cat([window_step(past, x[:, t : t + 1], weight, implementation) for t in range(6)], dim=1)
+        x = torch.randn(2, 11, 3, 4, generator=g, dtype=dtype)
+        weight = torch.randn(kernel, 4, 3, generator=g, dtype=dtype)
+        past = torch.zeros(2, 12, kernel - 1, dtype=dtype)  # (B, d_v*d, K-1): the start of a sequence
+        steps = torch.cat([window_step(past, x[:, t : t + 1], weight, implementation) for t in range(11)], dim=1)
         whole = token_readout(x, weight, None, implementation)
         torch.testing.assert_close(steps, whole, rtol=tol, atol=tol)
-        torch.testing.assert_close(past, _cache_window(x[:, -2:], x[:, :0]), rtol=0, atol=0)
+        torch.testing.assert_close(past, _cache_window(x[:, 12 - kernel :], x[:, :0]), rtol=0, atol=0)
 
 
 @torch.no_grad()

@@ -73,21 +73,25 @@ std::vector<at::Tensor> readout_backward(const at::Tensor& g, const at::Tensor& 
 // inputs before the new one x (B, d_v*d), channel j*d + i, time last; taps (d_v, d, K) in the same layout.
 // y[b, i] = sum_j (sum_{s < K-1} taps[j, i, s] past[b, j*d + i, s] + taps[j, i, K-1] x[b, j*d + i]), then past drops
 // its oldest input and takes x (the window a full readout would read, summed in its order).
-template <typename T>
+// KP = K-1 when it is 1-7 (compiled for each: the window's loops unrolled, its rows vectorised), or 0: K-1 at run time.
+template <typename T, int KP>
 void window_step_impl(T* past, const T* x, const T* taps, int64_t batch, int64_t nv, int64_t d, int64_t k, T* y) {
-  const int64_t kp = k - 1;
+  const int64_t kp = KP > 0 ? KP : k - 1;
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       T* pb = past + b * nv * d * kp; const T* xb = x + b * nv * d; T* yb = y + b * d;
       for (int64_t i = 0; i < d; ++i) yb[i] = 0;
-      for (int64_t c = 0; c < nv * d; ++c) {
-        T* p = pb + c * kp; const T* t = taps + c * k; const T xc = xb[c];
-        T acc = 0;
-        for (int64_t s = 0; s < kp; ++s) acc += p[s] * t[s];
-        acc += xc * t[kp];
-        for (int64_t s = 0; s + 1 < kp; ++s) p[s] = p[s + 1];
-        p[kp - 1] = xc;
-        yb[c % d] += acc;
+      for (int64_t j = 0; j < nv; ++j) {
+        T* pj = pb + j * d * kp; const T* tj = taps + j * d * (kp + 1); const T* xj = xb + j * d;
+        for (int64_t i = 0; i < d; ++i) {
+          T* p = pj + i * kp; const T* t = tj + i * (kp + 1); const T xc = xj[i];
+          T acc = 0;
+          for (int64_t s = 0; s < kp; ++s) acc += p[s] * t[s];
+          acc += xc * t[kp];
+          for (int64_t s = 0; s + 1 < kp; ++s) p[s] = p[s + 1];
+          p[kp - 1] = xc;
+          yb[i] += acc;
+        }
       }
     }
   });
@@ -103,8 +107,20 @@ at::Tensor window_step(at::Tensor& past, const at::Tensor& x, const at::Tensor& 
               "ddl window_step: the past must be (B, d_v*d, K-1) and the input (B, d_v*d), K > 1");
   auto y = at::empty({batch, d}, x.options());
   AT_DISPATCH_FLOATING_TYPES(past.scalar_type(), "ddl_window_step", [&] {
-    window_step_impl<scalar_t>(past.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), taps.data_ptr<scalar_t>(), batch,
-                               nv, d, k, y.data_ptr<scalar_t>());
+    auto run = [&](auto kp) {
+      window_step_impl<scalar_t, decltype(kp)::value>(past.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(),
+                                                      taps.data_ptr<scalar_t>(), batch, nv, d, k, y.data_ptr<scalar_t>());
+    };
+    switch (k - 1) {
+      case 1: run(std::integral_constant<int, 1>()); break;
+      case 2: run(std::integral_constant<int, 2>()); break;
+      case 3: run(std::integral_constant<int, 3>()); break;
+      case 4: run(std::integral_constant<int, 4>()); break;
+      case 5: run(std::integral_constant<int, 5>()); break;
+      case 6: run(std::integral_constant<int, 6>()); break;
+      case 7: run(std::integral_constant<int, 7>()); break;
+      default: run(std::integral_constant<int, 0>());
+    }
   });
   return y;
 }
