@@ -19,11 +19,9 @@ QK_NORM_POSITIONS = ("after_rope", "before_rope")
 LEGACY_DEFAULTS = {"ddl_shared_compressor": False, "ddl_cc_form": "matrix", "ddl_initialization": "llama",
                    "ddl_beta_hidden_bias": True, "qk_norm_position": "before_rope"}
 DDL_IMPLEMENTATIONS = ("auto", "triton", "torch", "reference")  # a runtime choice, never saved (see `ddl.kernels`)
-# A saved folder carries these two files; the map lets the Auto classes load it with trust_remote_code=True for
-# someone who never installed `ddl` (save_pretrained alone would record only the class that was saved). Every
-# checkpoint lists the task heads too, so a pretrained causal LM can be fine-tuned as a classifier from its folder.
-# `transformers serve` loads a model by AutoModelForDecision (a decision pipeline scores a causal LM by its logits),
-# else by `getattr(transformers, config.architectures[0])`, where no checkpoint's own class can be found.
+# Lets the Auto classes load a saved folder with trust_remote_code=True without `ddl` installed, the task heads too (a
+# causal LM fine-tuned as a classifier); `transformers serve` loads by AutoModelForDecision (else it looks the class
+# up on the transformers module, where no checkpoint's own class is).
 AUTO_MAP = {
     "AutoConfig": "configuration_ddl.DDLConfig",
     "AutoModel": "modeling_ddl.DDLModel",
@@ -36,13 +34,9 @@ AUTO_MAP = {
 
 
 def conv_state_slots(config) -> dict[tuple[int, str], int]:
-    """Where each token-axis convolution keeps its history in the generation cache.
-
-    Returns `{(layer_idx, role): slot}` with role in `"attn"`, `"mlp"` (TC compressors of the two sublayers), `"embed"`
-    (EC, kept in layer 0) and `"readout"` (the final TC readout, kept in the last layer). A convolution of kernel 1
-    has no history and gets no slot. The config derives `layer_types`, `number_of_conv_states` and `per_layer_config`
-    from this so that `DynamicCache(config=...)` and `generate()` build the right cache; the model reads the same map.
-    """
+    """Where each token-axis convolution keeps its history in the generation cache: `{(layer_idx, role): slot}`, role
+    `"attn"` / `"mlp"` (TC compressors), `"embed"` (EC, in layer 0), `"readout"` (the final TC readout, in the last
+    layer); kernel 1 has no history. The config derives its cache fields from it, the model reads the same map."""
     slots, num_layers = {}, config.num_hidden_layers
     tc = config.ddl_value_channels > 1 and config.ddl_compressor == "tc" and config.ddl_state_kernel_size > 1
     ec = config.ddl_embed_conv and config.ddl_embed_kernel_size > 1
@@ -58,10 +52,8 @@ class DDLConfig(LlamaConfig):
     r"""
     Configuration of a Deep Delta Learning (DDL) language model (Zhang et al., 2026, arXiv 2601.00417).
 
-    Every field of [`LlamaConfig`] keeps Llama's name, default and meaning (hidden_size, intermediate_size,
-    num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, rms_norm_eps, rope_parameters,
-    tie_word_embeddings, ...). With `ddl_residual="additive"` and `ddl_value_channels=1` the model *is* Llama.
-    The DDL fields below replace each residual addition `x + F(norm(x))` by the delta update
+    Every field of [`LlamaConfig`] keeps Llama's name, default and meaning; with `ddl_residual="additive"` and
+    `ddl_value_channels=1` the model *is* Llama. The DDL fields replace each residual `x + F(norm(x))` by
 
         X <- X + beta * k (v^T - k^T X),   k = h / sqrt(|h|^2 + eps_k^2),   beta = 2 sigmoid(w . c + b)
 
@@ -69,42 +61,35 @@ class DDLConfig(LlamaConfig):
 
     Args:
         ddl_value_channels (`int`, *optional*, defaults to 4):
-            d_v, the number of value channels of the residual state `X` (d x d_v per token). 1 = scalar value
-            (the ordinary residual vector, no extra capacity, the cheapest variant); the paper's default "DDL" is 4.
+            d_v, the value channels of the residual state `X` (d x d_v per token): 1 = the ordinary residual vector;
+            the paper's default "DDL" is 4.
         ddl_compressor (`str`, *optional*, defaults to `"cc"`):
-            How a d x d_v state is compressed to the width-d sublayer input when d_v > 1 (and how the final
-            readout is done): `"cc"` channel compression (per-feature weights over the d_v channels) or `"tc"` token
-            compression (causal depthwise conv over tokens, then a read vector).
+            How a d x d_v state is read as a width-d sublayer input (and the final readout): `"cc"` per-feature
+            weights over the d_v channels, or `"tc"` a causal depthwise conv over tokens, then a read vector.
         ddl_shared_compressor (`bool`, *optional*, defaults to True):
-            True: one compressor per block, applied before the attention and again (to the updated state) before
-            the MLP, as in the authors' code. False: one compressor per sublayer (ddl's earlier layout). The final
-            readout is its own compressor either way.
+            True: one compressor per block, before the attention and again before the MLP (the authors' code).
+            False: one per sublayer (ddl's earlier layout). The final readout is its own compressor either way.
         ddl_cc_form (`str`, *optional*, defaults to `"conv"`):
-            How CC is parametrised. `"conv"` (the authors'): a depthwise convolution along the d_v axis of each
-            feature (`ddl_cc_kernel_size` taps per feature, "same" zero padding), then a read vector over d_v:
-            d * K + d_v parameters. `"matrix"`: a free d x d_v weight per feature and channel (ddl's earlier form).
-            Both compute x_in[i] = sum_j w[i, j] X[j, i]; they differ in parameters and training dynamics.
+            `"conv"` (the authors'): a depthwise convolution along each feature's d_v axis (`ddl_cc_kernel_size`
+            taps, "same" zero padding), then a read vector over d_v. `"matrix"`: a free d x d_v weight (ddl's earlier
+            form). Both compute x_in[i] = sum_j w[i, j] X[j, i].
         ddl_cc_kernel_size (`int`, *optional*):
             Taps of the CC convolution along d_v, 1 <= K <= d_v; None = d_v (the authors' default).
         ddl_state_kernel_size (`int`, *optional*, defaults to 4):
             Token-axis kernel of the TC compressor (>= 1; 1 = no token mixing).
         ddl_embed_conv (`bool`, *optional*):
-            EC: build the d x d_v state from a causal depthwise convolution of the token embeddings (identity at
-            initialisation). Defaults to True when d_v > 1; must be False when d_v == 1. Without EC the embedding
-            is repeated over the d_v channels.
+            EC: the d x d_v state from a causal depthwise convolution of the token embeddings (identity at init);
+            default True when d_v > 1, False required when d_v == 1. Without EC the embedding is repeated.
         ddl_embed_kernel_size (`int`, *optional*, defaults to 4):
             Token-axis kernel of EC (>= 1).
         ddl_residual (`str`, *optional*, defaults to `"delta"`):
-            `"delta"`: X + beta k (v^T - k^T X) (the method). `"write_only"`: X + beta k v^T (same branches, no erase
-            term; the control the paper calls decisive). `"additive"`: X + h, the plain residual (exactly Llama when
-            d_v == 1; with d_v > 1, h is added to every value channel, an expanded-state additive control).
+            `"delta"`: X + beta k (v^T - k^T X) (the method). `"write_only"`: X + beta k v^T (no erase term; the
+            control the paper calls decisive). `"additive"`: X + h (Llama when d_v == 1; else h on every channel).
         ddl_beta_init (`float`, *optional*, defaults to 1.0):
-            Initial gate beta in [0, 2]: 0 = identity (skip), 1 = projection (overwrite k^T X with v), 2 =
-            reflection. Sets the gate bias to logit(beta_init / 2) (clamped to |logit| <= 9.21: within 2e-4 of the
-            ends of the range); the gate weights start small (zero with `ddl_initialization="llama"`).
+            Initial gate beta in [0, 2]: 0 = identity, 1 = projection (k^T X overwritten with v), 2 = reflection:
+            the gate bias logit(beta_init / 2) (|logit| <= 9.21), its weights small (zero with "llama" init).
         ddl_beta_hidden_size (`int`, *optional*):
-            None = beta from a single linear gate `w . c + b`; an int = two-layer gate `w2 . tanh(W1 c [+ b1]) + b2`
-            with that hidden size (the reference code uses 128).
+            None = a linear gate `w . c + b`; an int = the width of a gate `w2 . tanh(W1 c [+ b1]) + b2` (128).
         ddl_beta_hidden_bias (`bool`, *optional*, defaults to False):
             Whether the two-layer gate's hidden layer has a bias b1 (the authors' has none).
         ddl_k_eps (`float`, *optional*, defaults to 1e-5):
@@ -112,33 +97,28 @@ class DDLConfig(LlamaConfig):
         ddl_v_sigmoid_scale (`float`, *optional*, defaults to 4.0):
             Bound of the value: v = scale * sigmoid(W_v u + b_v) in (0, scale). None = unbounded linear value.
         ddl_v_constant (`float`, *optional*):
-            A fixed target: v = this constant on every channel, no value projection (the authors' `ddl_v_constant`
-            option uses 2.0). None (the default) = the learned value above.
+            A fixed target v on every channel, no value projection (the authors' option uses 2.0); None = learned.
         ddl_value_input (`str`, *optional*, defaults to `"state"`):
-            What the value projection reads: `"state"` = the un-normalised sublayer input x_in (the residual state for
-            d_v = 1, the compressed state for d_v > 1), as in the authors' reference code that produced the paper's
-            numbers, hence the default; `"context"` = the normalised context c, as written in the paper's text.
+            What the value projection reads: `"state"` = the un-normalised sublayer input x_in (the authors' code,
+            which produced the paper's numbers); `"context"` = the normalised context c (the paper's text).
         qk_norm (`bool`, *optional*, defaults to False):
-            RMSNorm on queries and keys per head (the paper's runs used it; Llama does not; the presets turn it on).
-            Its parameters add `self_attn.q_norm` / `self_attn.k_norm` to Llama's names, as in Qwen3.
+            RMSNorm on queries and keys per head (the paper's runs; the presets): `self_attn.q_norm` / `k_norm`.
         qk_norm_position (`str`, *optional*, defaults to `"after_rope"`):
-            Where QK-norm acts: `"after_rope"` on the rotated queries and keys (the authors' code) or `"before_rope"`
-            (Qwen3's, ddl's earlier choice). They agree at initialisation and differ once the norm weights do.
+            `"after_rope"` on the rotated queries and keys (the authors' code) or `"before_rope"` (Qwen3's).
         ddl_initialization (`str`, *optional*, defaults to `"authors"`):
-            `"authors"`: the authors' spectral initialisation: every matrix ~ N(0, f / sqrt(fan_in) * min(1,
-            sqrt(fan_out / fan_in))) with f = `ddl_init_std_factor`, the attention and MLP output projections
-            divided by the number of layers, embeddings (and an untied LM head) ~ N(0, initializer_range), the gate
-            weight small and random, the value bias as nn.Linear's default, compressors at the neutral average (taps
-            1/K, read vector 1/d_v), EC at identity. `"llama"`: transformers' N(0, initializer_range) for matrices,
-            the gate weight zero (every token starts at exactly beta_init), the value bias zero, CC at the average
-            of the channels, TC and EC at identity (ddl's earlier choice).
+            `"authors"`: their spectral scheme, matrices ~ N(0, f / sqrt(fan_in) * min(1, sqrt(fan_out / fan_in)))
+            (f = `ddl_init_std_factor`; output projections divided by the depth), embeddings ~ N(0,
+            initializer_range), compressors at the average (taps 1/K, read 1/d_v), EC at identity. `"llama"`:
+            transformers' N(0, initializer_range), the gate weight and value bias zero, CC at the channels' average,
+            TC and EC at identity (ddl's earlier choice).
         ddl_init_std_factor (`float`, *optional*, defaults to 0.5):
             f of the authors' initialisation (their `hidden_init_std_factor`).
+        ddl_rebuild_states (`bool`, *optional*, defaults to True):
+            Training with d_v > 1 in fp32/fp64: rebuild each expanded state in backward from the next one instead of
+            keeping it (`modeling_ddl.StateRebuild`: less memory, the same gradients up to rounding). False keeps them.
 
-    Runtime choice, not saved with a checkpoint (like transformers' `attn_implementation`): `ddl_implementation`
-    (`"auto"` | `"triton"` | `"torch"` | `"reference"`, see `ddl.kernels`) chooses how the update, the compressors and
-    EC run on this machine. Set it on the config, pass it to `from_pretrained(..., ddl_implementation="torch")`, or
-    set the environment variable `DDL_IMPLEMENTATION`; default `"auto"`.
+    Runtime choice, not saved (like `attn_implementation`): `ddl_implementation` (`"auto"` | `"triton"` | `"torch"` |
+    `"reference"`, see `ddl.kernels`), on the config, in `from_pretrained(...)` or as `DDL_IMPLEMENTATION`.
 
     Derived fields (do not edit): `layer_types` marks the layers whose cache also holds token-convolution histories
     (`"hybrid"`), `number_of_conv_states` / `per_layer_config` how many, so that `generate()` builds the cache.
@@ -172,6 +152,7 @@ class DDLConfig(LlamaConfig):
     qk_norm_position: str = "after_rope"
     ddl_initialization: str = "authors"
     ddl_init_std_factor: float = 0.5
+    ddl_rebuild_states: bool = True
     layer_types: list[str] | None = None
     number_of_conv_states: int = 0
 
@@ -182,9 +163,6 @@ class DDLConfig(LlamaConfig):
         self._ddl_implementation = None
         if implementation is not None or legacy == "reference":
             self.ddl_implementation = implementation or "reference"
-        if kwargs.pop("ddl_rebuild_states", None) not in (None, "off"):  # (an option of ddl 0.2, removed)
-            raise ValueError("ddl_rebuild_states no longer exists: DDL keeps its expanded states for backward (for "
-                             "less memory, use gradient checkpointing). Drop it.")
         if self.ddl_embed_conv is None:
             self.ddl_embed_conv = self.ddl_value_channels > 1
         # The cache layout is derived, never taken from the caller (a saved config.json carries a copy of it).

@@ -1,11 +1,7 @@
-r"""The PyTorch paths of DDL's operations: the specifications' numbers (`ddl.reference`), as custom autograd functions
-that keep less for backward and write their gradients in place. They run on any device; `ddl.kernels` chooses them
-where no faster implementation serves.
-
-`fused_delta_update` keeps its inputs (X, h, v, beta) and a few numbers per token for backward and recomputes k, k^T X
-and the coefficient there, instead of autograd keeping every intermediate; X is kept alive anyway by the next norm or
-compressor, so a sublayer's extra memory is h alone. `readout` (TC; CC with one tap) accumulates in place along
-contiguous d and has a hand-written backward (autograd would zero-fill and copy a state-sized gradient per lag).
+r"""The PyTorch paths of DDL's operations: the specifications' numbers (`ddl.reference`) as custom autograd functions
+that keep less for backward and write their gradients in place, on any device, where no faster implementation serves.
+`fused_delta_update` keeps X, h, v, beta and a few numbers per token and recomputes k, k^T X and the coefficient in
+backward; `readout` (TC; CC with one tap) accumulates in place along contiguous d, with a hand-written backward.
 """
 
 import torch
@@ -56,8 +52,7 @@ def _rank1_write(h, inv_norm, target, beta, dtype):
     r"""The update's rank-1 write as the factors (a, c) that the forward adds, X_next = X + a (x) c:
 
         fp32/fp64 states:  a = h,            c = beta s t     (1/|h| folded into the per-token scale)
-        bf16/fp16 states:  a = k = s h,      c = beta t       (in the model dtype: fp16 would overflow on s = 1/|h|
-                                                                for tiny h, and |k| < 1)
+        bf16/fp16 states:  a = k = s h,      c = beta t       (fp16 would overflow on s = 1/|h| for tiny h; |k| < 1)
 
     with s = 1/sqrt(|h|^2 + eps^2) and t = v - k^T X (write-only: t = v)."""
     if dtype == target.dtype:
@@ -121,9 +116,8 @@ def fused_delta_update(x, h, v=None, beta=None, mode="delta", k_eps=1e-5):
 
 def readout_forward(x, taps):
     """y[t] = sum_s sum_j taps[s, j] * x[t - (K-1) + s, j] (zero before the first token) for a state `(B, T, d_v, d)`
-    and taps `(K, d_v, d)`: K * d_v fused multiply-adds into one fp32 buffer (bf16 would round K*d_v times), no
-    state-sized temporary. Token t adds into rows t..t+K-1 of a `(B, T+K-1, d)` buffer, whose first T are y: slices of
-    length T at fixed offsets, so a symbolic T (torch.export) needs no guard on T against K."""
+    and taps `(K, d_v, d)`: K * d_v multiply-adds into one fp32 buffer `(B, T+K-1, d)` at fixed offsets, whose first
+    T rows are y (so a symbolic T, torch.export, needs no guard on T against K)."""
     kernel, seq_len = taps.shape[0], x.shape[1]
     dtype = torch.promote_types(x.dtype, taps.dtype)
     out = x.new_zeros(x.shape[0], seq_len + kernel - 1, x.shape[-1], dtype=torch.promote_types(dtype, torch.float32))
@@ -135,10 +129,8 @@ def readout_forward(x, taps):
 
 
 def readout_backward(grad, x, taps, needs_x=True, needs_taps=True):
-    """The gradients of `readout_forward` for the output gradient G `(B, T, d)`:
-        dX[t] = sum_s taps[s] * G[t + (K-1) - s]          (in place into one state-sized tensor)
-        dtaps[s, j] = sum over tokens of X[t, j] * G[t + (K-1) - s]   (fp32, a few sequences at a time)
-    Differentiable itself (a second derivative runs through it)."""
+    """The gradients of `readout_forward` for G `(B, T, d)` (differentiable itself, for second derivatives):
+        dX[t] = sum_s taps[s] * G[t + (K-1) - s],   dtaps[s, j] = sum_t X[t, j] * G[t + (K-1) - s]  (fp32)"""
     kernel, seq_len = taps.shape[0], x.shape[1]
     lags = range(min(kernel, seq_len))
     grad = grad.to(x.dtype)

@@ -6,14 +6,12 @@ r"""How each DDL operation runs: one registry per operation, and the first imple
     window_step      a TC decoding step's readout, advancing its window    (the same spec, one token)
     token_conv       EC, the embedding convolution                         (spec: `reference.causal_token_conv`)
 
-Each registry lists its implementations in the order they are tried, each stating next to its code which inputs it
-serves. The PyTorch ones are `ddl.fused`'s; faster ones (C++ for CPU, Triton for CUDA) come from the `ddl_kernels`
-package when it is installed and declares this `INTERFACE_VERSION`, and go first. Otherwise nothing is compiled or
-imported: a checkpoint's code runs on PyTorch alone. `implementation` (`DDLConfig.ddl_implementation`, a runtime
-choice) says which may run: "auto" (the default: ddl_kernels' C++ on CPU, else PyTorch), "triton" ("auto" plus
-ddl_kernels' Triton on CUDA: opt-in, not yet run on a GPU; a kernel that fails to compile gives way to PyTorch with
-one warning), "torch" (PyTorch only), "reference" (the specifications: plain autograd, slow). Every path computes the
-specification's numbers up to rounding, tested on outputs and gradients.
+Each registry lists its implementations in the order tried, each stating next to its code which inputs it serves:
+`ddl_kernels`' (C++ for CPU, Triton for CUDA; when installed with this `INTERFACE_VERSION`) first, then `ddl.fused`'s
+PyTorch. `implementation` (`DDLConfig.ddl_implementation`) says which may run: "auto" (C++ on CPU, else PyTorch),
+"triton" ("auto" plus Triton on CUDA: opt-in, not yet run on a GPU; a failed compile gives way to PyTorch with one
+warning), "torch" (PyTorch only), "reference" (the specifications, slow). Every path computes the specification's
+numbers up to rounding, tested on outputs and gradients.
 """
 
 from collections import namedtuple
@@ -109,11 +107,8 @@ def delta_update(x, h, v=None, beta=None, *, mode="delta", k_eps=1e-5, implement
 
 
 def token_readout(x, weight, history=None, implementation="auto"):
-    r"""A compressor's readout of the state (`reference.causal_token_readout`; CC is its one-tap case): `(B, T, d)`.
-
-    x: the state `(B, T, d_v, d)`; weight: `(K, d, d_v)`; history: the K-1 states before x `(B, K-1, d_v, d)`, or
-    None (zeros: the start of a sequence). The implementations compute the readout of a window without history, by
-    taps in the state's layout `(K, d_v, d)`; the history is read as its first K-1 tokens, whose outputs are dropped."""
+    r"""A compressor's readout `(B, T, d)` (`reference.causal_token_readout`; CC: one tap) of x `(B, T, d_v, d)` by
+    weight `(K, d, d_v)` after history `(B, K-1, d_v, d)` or None (zeros); implementations get it prepended."""
     if implementation == "reference":
         return causal_token_readout(x, weight, history)
     return _with_history("token_readout", implementation, x, weight, history)
@@ -131,8 +126,7 @@ def window_step(past, x, weight, implementation="auto"):
 
 
 def token_conv(x, weight, history=None, implementation="auto"):
-    r"""EC of the embeddings (`reference.causal_token_conv`): the state `(B, T, d_v, d)`, from x `(B, T, d)`, weight
-    `(K, d, d_v)` and history `(B, K-1, d)` or None, as `token_readout` runs them."""
+    r"""EC (`reference.causal_token_conv`): the state `(B, T, d_v, d)` from x `(B, T, d)`, weight `(K, d, d_v)`."""
     if implementation == "reference":
         return causal_token_conv(x, weight, history)
     return _with_history("token_conv", implementation, x, weight, history)

@@ -1,14 +1,14 @@
 """Deep Delta Learning (DDL) language model (Zhang, Liu, Wang, Gu, 2026, arXiv 2601.00417).
 
-Llama's architecture with one change: each of the two residual additions of a decoder layer becomes a delta update
-of the residual state. Attention, MLP, RMSNorm and rotary embeddings are transformers' own Llama modules (QK-norm:
-Llama's attention plus Qwen3's per-head norms), so parameter names, attention backends and caches are Llama's; the
-defaults follow the authors' code (docs/faithfulness.md). The operations are specified in `ddl.reference` and run
-by `ddl.kernels`; this file reads in Llama's order, the token convolutions' cache windows first.
+Llama's architecture with one change: each residual addition of a decoder layer becomes a delta update of the
+residual state. Attention, MLP, RMSNorm and rotary embeddings are transformers' Llama modules, so parameter names,
+attention backends and caches are Llama's; the defaults follow the authors' code (docs/faithfulness.md). The
+operations are specified in `ddl.reference` and run by `ddl.kernels`; the cache windows come first, then Llama's order.
 """
 
 import math
 import weakref
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +31,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_ddl import DDLConfig, conv_state_slots
+from .fused import _dot_h
 from .kernels import delta_residual, token_conv, token_readout, window_step
 from .packing import Padding, check_documents_start, find_documents
 from .reference import constant_value, delta_gate, delta_update, delta_value
@@ -43,10 +44,9 @@ _MAX_GATE_LOGIT = 9.21
 
 
 def cached_window(x, kernel_size, cache, layer_idx, slot, documents=None):
-    """x's causal window as the cache holds it, time last: the K-1 inputs before x, then x, `(B, C, K-1+T)` (C the
-    flattened feature axes); None when the cache holds no earlier inputs (no cache, or the start of a sequence).
-    Stores x in conv-state `slot` of cache layer `layer_idx`, so decoding, beam search (reorder), static caches and
-    assisted decoding (crop) keep it right; of a packed batch, each row's last document only, after zeros."""
+    """x's causal window as the cache holds it, time last: the K-1 inputs before x, then x, `(B, C, K-1+T)`; None at
+    the start of a sequence. Stores x in conv-state `slot` of layer `layer_idx` (reorder, crop and static caches keep
+    it right); of a packed batch, each row's last document only, after zeros."""
     if cache is None or kernel_size == 1:
         return None
     batch, seq_len = x.shape[:2]
@@ -63,8 +63,8 @@ def cached_window(x, kernel_size, cache, layer_idx, slot, documents=None):
 
 
 def _cached_window_of_documents(flat, kernel_size, cache, layer_idx, slot, had_past, documents):
-    """`cached_window` of a packed batch: the cache gets the last document after K-1 zeros (however short it is),
-    and the window is the cache's earlier inputs (which the row's first document continues) then `flat`."""
+    """`cached_window` of a packed batch: the cache gets the last document after K-1 zeros, the window is the
+    cache's earlier inputs (the row's first document continues them), then `flat`."""
     stored = F.pad(documents.last_document(flat), (kernel_size - 1, 0))
     full = cache.update_conv_state(stored, layer_idx, state_idx=slot, conv_kernel_size=kernel_size - 1)
     if not had_past:
@@ -73,9 +73,8 @@ def _cached_window_of_documents(flat, kernel_size, cache, layer_idx, slot, had_p
     return torch.cat([F.pad(past, (kernel_size - 1 - past.shape[-1], 0)), flat], dim=-1)
 
 
-# Weights derived from parameters for one decoding run (a compressor's readout weight, read 2L + 1 times per token):
-# made once per cache and living as long as it (one `generate` call), whose keys and values are derived from the same
-# weights. Never keyed on a parameter's `_version`: fused AdamW changes weights in place without bumping it.
+# A compressor's readout weight for one decoding run (read 2L + 1 times per token), made once per cache and dropped
+# with it. Never keyed on a parameter's `_version`: fused AdamW changes weights in place without bumping it.
 _DERIVED_PER_CACHE = weakref.WeakKeyDictionary()
 
 
@@ -88,9 +87,8 @@ def _derived_for_cache(cache, module, make):
 
 
 def steppable_window(cache, layer_idx, slot, kernel_size):
-    """The K-1 inputs before a decoding step's token `(B, C, K-1)` where the cache keeps them, which `window_step`
-    reads and advances in place (the cache's `update_conv_state`, without its copies); None where the cache keeps no
-    earlier inputs or its whole past (assisted decoding, which crops it)."""
+    """The K-1 inputs before a decoding step's token `(B, C, K-1)` where the cache keeps them, for `window_step` to
+    read and advance in place; None where it keeps none or its whole past (assisted decoding crops it)."""
     if cache is None or kernel_size == 1 or not cache.has_previous_state(layer_idx, slot):
         return None
     layer = cache.layers[layer_idx]
@@ -99,8 +97,7 @@ def steppable_window(cache, layer_idx, slot, kernel_size):
 
 
 def window_history(window, x):
-    """The inputs before x in a cached window `(B, C, K-1+T)` (time last, as transformers' conv states are), in x's
-    own layout `(B, K-1, ...)`; None stays None (the start of a sequence: zeros)."""
+    """The inputs before x in a cached window `(B, C, K-1+T)`, in x's layout `(B, K-1, ...)`; None stays None."""
     if window is None:
         return None
     past = window[..., : window.shape[-1] - x.shape[1]]
@@ -109,9 +106,8 @@ def window_history(window, x):
 
 def convolve_tokens(op, x, weight, cache=None, layer_idx=0, slot=None, padding=None, documents=None,
                     implementation="auto"):
-    """`op(x, weight, history, implementation)` (`kernels.token_conv`, EC, or `kernels.token_readout`, TC) over x's
-    tokens, with the history from the cache (a decoding step's TC readout reads its window there), padding zeroed
-    or compacted (`packing.Padding`), a packed batch's documents apart (`packing.Documents`)."""
+    """`op(x, weight, history, implementation)` (EC's `token_conv`, TC's `token_readout`) with the cache's history,
+    padding zeroed or compacted (`packing.Padding`), a packed batch's documents apart (`packing.Documents`)."""
     kernel = weight.shape[0]
     if padding is not None:
         x = padding.masked(x)
@@ -129,6 +125,53 @@ def convolve_tokens(op, x, weight, cache=None, layer_idx=0, slot=None, padding=N
     return op(x, weight, history, implementation)
 
 
+class StateRebuild:
+    r"""The expanded states of one training forward, rebuilt in backward instead of kept (`ddl_rebuild_states`).
+
+    Each update writes along its sublayer output h, whatever its mode or implementation: X_{l+1} = X_l + h (x) w,
+    w = h^T (X_{l+1} - X_l) / |h|^2 (d_v numbers per token), so X_l = X_{l+1} - h (x) w. Under `hooks` (around the
+    modules that read a state) a saved tensor that *is* the current state is saved as its place, and backward, which
+    runs the updates in reverse, gets it rebuilt from the state above (the last is kept, h by autograd anyway). One
+    rounding per update: fp32/fp64 only. `hooks` would shadow a caller's own saved-tensor hooks: set it off there."""
+
+    def __init__(self, x0):
+        chain = weakref.ref(self)  # (a bound method would be a cycle: the chain and its last state kept until gc)
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: chain()._pack(t), StateRebuild._unpack)
+        self.states, self.writes = [x0], []
+
+    def push(self, x_next, h):
+        """Records the update X_l -> x_next, written along h, and lets go of X_l."""
+        x = self.states[-1]
+        with torch.no_grad():
+            h = h.to(x.dtype)
+            w = (_dot_h(h, x_next, False) - _dot_h(h, x, False)) / h.square().sum(-1, keepdim=True).clamp_min(1e-30)
+        self.writes.append((h, w))
+        self.states[-1:] = [None, x_next]
+        return x_next
+
+    def _pack(self, tensor):
+        return (self, len(self.states) - 1) if tensor is self.states[-1] else tensor
+
+    @staticmethod
+    def _unpack(saved):
+        return saved[0].state(saved[1]) if isinstance(saved, tuple) else saved
+
+    def state(self, index):
+        """X_index: held, or rebuilt from the nearest held state above (then let go, unless it is the last)."""
+        if torch.is_grad_enabled():
+            raise RuntimeError("DDL: a second derivative (create_graph=True) through states rebuilt in backward is not "
+                               "supported; set model.config.ddl_rebuild_states = False.")
+        above = next(i for i in range(index, len(self.states)) if self.states[i] is not None)
+        x = self.states[above]
+        for h, w in reversed(self.writes[index:above]):
+            x = torch.addcmul(x, h.unsqueeze(-2), w.unsqueeze(-1), value=-1.0)
+        if above > index:
+            self.states[index] = x
+            if above < len(self.states) - 1:
+                self.states[above] = None
+        return x
+
+
 class DDLDeltaResidual(nn.Module):
     r"""One sublayer's residual seam: the gate beta, the target v, and the delta update (`reference.delta_residual`).
 
@@ -137,8 +180,7 @@ class DDLDeltaResidual(nn.Module):
                                                      constant ddl_v_constant, with no value projection)
         X   <- X + beta k (v^T - k^T X),  k = h / sqrt(|h|^2 + eps^2)
 
-    c is the normalised sublayer input and u is the value input (`ddl_value_input`: the un-normalised sublayer
-    input x_in, or c). In `additive` mode the module has no parameters and computes X + h.
+    c is the normalised sublayer input, u the value input (`ddl_value_input`: x_in or c); `additive` computes X + h.
     """
 
     def __init__(self, config: DDLConfig):
@@ -166,8 +208,7 @@ class DDLDeltaResidual(nn.Module):
         if self.mode == "additive":
             return delta_update(x, h, mode="additive")
         u = sublayer_input if self.value_from_state else context
-        constant = self.v_constant is not None
-        value_weight, value_bias = (None, None) if constant else (self.value_weight, self.value_bias)
+        value_weight, value_bias = (None, None) if self.v_constant is not None else (self.value_weight, self.value_bias)
         return delta_residual(x, h, context, u, self.beta_weight, self.beta_bias, value_weight, value_bias,
                               v_scale=self.v_scale, k_eps=self.k_eps, mode=self.mode, gate_hidden=self._gate_hidden(),
                               v_constant=self.v_constant,
@@ -196,9 +237,8 @@ class DDLCompressor(nn.Module):
         CC, matrix:               x_in[i] = sum_j w[i, j] X[j, i]
         TC:                       x_in[t, i] = sum_j r_j sum_s c[s, i, j] X[t - (K-1) + s, j, i]   (causal, tokens)
 
-    Each CC form is a per-feature weight over the d_v channels: `reference.causal_token_readout` with one tap (the
-    conv folded in); TC is its K-tap case. A compressor shared by a block's two sublayers (`ddl_shared_compressor`)
-    is given each call's cache slot: a TC history belongs to the state it reads."""
+    Each CC form is a per-feature weight over the d_v channels, `reference.causal_token_readout` with one tap; TC is
+    its K-tap case. A shared compressor is given each call's cache slot (a TC history belongs to the state it reads)."""
 
     def __init__(self, config: DDLConfig, layer_idx: int):
         super().__init__()
@@ -214,9 +254,8 @@ class DDLCompressor(nn.Module):
         self.read = nn.Parameter(torch.empty(dv))
 
     def derived_weight(self):
-        """The readout's weight `(K, d, d_v)` made from the parameters, with autograd: CC's per-feature weight over
-        the d_v channels (K = 1: the matrix, or the conv and the read vector folded, w[i, j] = sum_o r_o
-        c[i, j + p - o], taps outside [0, K) being the zero padding), or TC's taps times the read vector."""
+        """The readout's weight `(K, d, d_v)`, with autograd: CC's (K = 1: the matrix, or the conv and read vector
+        folded, w[i, j] = sum_o r_o c[i, j + p - o], zero outside [0, K)), or TC's taps times the read vector."""
         if self.kind == "cc_matrix":
             return self.weight.unsqueeze(0)
         if self.kind == "tc":
@@ -224,15 +263,13 @@ class DDLCompressor(nn.Module):
         return self._fold().unsqueeze(0)
 
     def readout_weight(self, cache=None):
-        """`derived_weight()`; in a decoding run (a cache, no autograd) made once for that cache and kept with it
-        (`_derived_for_cache`), in the layout its kernels read without a copy."""
+        """`derived_weight()`; in a decoding run (a cache, no autograd) made once per cache, as its kernels read it."""
         if cache is None or torch.is_grad_enabled() or torch.compiler.is_compiling():
             return self.derived_weight()
         return _derived_for_cache(cache, self, self._kept_layout)
 
     def _kept_layout(self):
-        """`derived_weight()` stored as the kernels read it: CC as `(1, d_v, d)` (the state's layout), TC as
-        `(d_v, d, K)` (a cached window's); the view returned is `(K, d, d_v)` either way."""
+        """`derived_weight()` stored as CC `(1, d_v, d)` / TC `(d_v, d, K)`, returned as a `(K, d, d_v)` view."""
         weight = self.derived_weight()
         layout = (2, 1, 0) if self.kind == "tc" else (0, 2, 1)  # (each its own inverse)
         return weight.permute(layout).contiguous().permute(layout)
@@ -269,9 +306,8 @@ class DDLEmbedConv(nn.Module):
 
 
 class DDLQKNormAttention(LlamaAttention):
-    """Llama's attention with QK-norm: an RMSNorm over each query and key head (`q_norm`, `k_norm`, Qwen3's names),
-    applied after the rotary embedding (`qk_norm_position="after_rope"`, the authors' code) or before it (Qwen3's).
-    RoPE keeps each head's RMS, so the two agree while the norm weights are uniform across a rotary pair."""
+    """Llama's attention with an RMSNorm over each query and key head (`q_norm`, `k_norm`, Qwen3's names), after the
+    rotary embedding (`qk_norm_position="after_rope"`, the authors') or before it (Qwen3's)."""
 
     def __init__(self, config: DDLConfig, layer_idx: int):
         super().__init__(config, layer_idx)
@@ -324,34 +360,41 @@ class DDLDecoderLayer(GradientCheckpointingLayer):
                 self.attn_compress = DDLCompressor(config, layer_idx)
                 self.mlp_compress = DDLCompressor(config, layer_idx)
 
-    def sublayer_input(self, which, hidden_states, cache, padding, documents=None, implementation=None):
+    def sublayer_input(self, which, hidden_states, cache, padding, documents=None, implementation=None, rebuild=None):
         """x_in of sublayer `which` ("attn" or "mlp"): the state compressed (the state itself when d_v = 1)."""
         if hidden_states.dim() == 3:
             return hidden_states
         compressor = getattr(self, "compress", None) or getattr(self, f"{which}_compress")
-        return compressor(hidden_states, cache, padding, self.cache_slots[which], documents, implementation)
+        with rebuild.hooks if rebuild else nullcontext():
+            return compressor(hidden_states, cache, padding, self.cache_slots[which], documents, implementation)
+
+    @staticmethod
+    def update(delta, hidden_states, h, context, x_in, implementation, rebuild=None):
+        """The sublayer's delta update of the state, recorded on `rebuild` (a `StateRebuild`) when there is one."""
+        if rebuild is None:
+            return delta(hidden_states, h, context, x_in, implementation)
+        with rebuild.hooks:
+            return rebuild.push(delta(hidden_states, h, context, x_in, implementation), h)
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(self, hidden_states, attention_mask=None, position_ids=None, cache: Cache | None = None,
                 use_cache: bool | None = False, position_embeddings=None, padding=None, documents=None,
-                implementation=None, **kwargs):
-        x_in = self.sublayer_input("attn", hidden_states, cache, padding, documents, implementation)
+                implementation=None, rebuild=None, **kwargs):
+        x_in = self.sublayer_input("attn", hidden_states, cache, padding, documents, implementation, rebuild)
         context = self.input_layernorm(x_in)
         attn_out, _ = self.self_attn(hidden_states=context, attention_mask=attention_mask, position_ids=position_ids,
                                      cache=cache, use_cache=use_cache, position_embeddings=position_embeddings,
                                      **kwargs)
-        hidden_states = self.attn_delta(hidden_states, attn_out, context, x_in, implementation)
+        hidden_states = self.update(self.attn_delta, hidden_states, attn_out, context, x_in, implementation, rebuild)
 
-        x_in = self.sublayer_input("mlp", hidden_states, cache, padding, documents, implementation)
+        x_in = self.sublayer_input("mlp", hidden_states, cache, padding, documents, implementation, rebuild)
         context = self.post_attention_layernorm(x_in)
-        hidden_states = self.mlp_delta(hidden_states, self.mlp(context), context, x_in, implementation)
-        return hidden_states
+        return self.update(self.mlp_delta, hidden_states, self.mlp(context), context, x_in, implementation, rebuild)
 
 
 class DDLStateReadout(nn.Module):
-    r"""What `output_hidden_states` records after each block: the state read through the final readout, `(B, T, d)`
-    (the state itself when d_v = 1, as Llama's), and the first call's first argument (the embeddings) as entry 0.
-    The intermediate readouts take no cache: ask for the hidden states of full forwards, not of decoding steps."""
+    r"""What `output_hidden_states` records after each block: the state read through the final readout `(B, T, d)`
+    (no cache: full forwards, not decoding steps), and the first call's first argument (the embeddings) as entry 0."""
 
     def forward(self, embeds, state, readout=None, padding=None, documents=None):
         return state if state.dim() == 3 else readout(state, None, padding, None, documents)
@@ -361,8 +404,8 @@ class DDLStateReadout(nn.Module):
 class DDLModelOutputWithPast(BaseModelOutputWithPast):
     r"""
     expanded_states (`tuple(torch.FloatTensor)`, *optional*, returned when `output_expanded_states=True`):
-        The full DDL state after every block, unread: `(B, T, d_v, d)` (`(B, T, d)` when d_v = 1), from `DDLModel`
-        (`model.model(..., output_expanded_states=True)` under a head); `hidden_states` holds their `(B, T, d)` view.
+        The full DDL state after every block, unread, `(B, T, d_v, d)` (`(B, T, d)` when d_v = 1), from `DDLModel`
+        (`model.model(...)` under a head); `hidden_states` holds their `(B, T, d)` readouts.
     """
 
     expanded_states: tuple[torch.FloatTensor, ...] | None = None
@@ -417,8 +460,8 @@ def _spectral_std(fan_in, fan_out, factor):
 
 
 def _authors_std(weight, config, module=None):
-    """The authors' std of a matrix `(fan_out, fan_in)`: spectral, divided by the depth for the projections that
-    write into the residual state; an LM head (tied or not) is drawn like the embeddings."""
+    """The authors' std of a matrix `(fan_out, fan_in)`: spectral, divided by the depth for the projections into the
+    state; an LM head is drawn like the embeddings."""
     if getattr(module, "ddl_lm_head", False):
         return config.initializer_range
     std = _spectral_std(weight[0].numel(), weight.shape[0], config.ddl_init_std_factor)
@@ -550,18 +593,22 @@ class DDLModel(DDLPreTrainedModel):
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
         implementation = self.config.ddl_implementation  # (a runtime choice: read once, passed to every module)
         hidden_states = self.expand(inputs_embeds, cache, padding, documents, implementation)  # X_0: (B, T, [d_v,] d)
+        rebuild = StateRebuild(hidden_states) if (self.config.ddl_rebuild_states and hidden_states.dim() == 4 and (
+            hidden_states.dtype in (torch.float32, torch.float64)) and torch.is_grad_enabled() and not (
+                self.gradient_checkpointing or torch.compiler.is_compiling())) else None  # (see StateRebuild)
         record = kwargs.get("output_hidden_states", self.config.output_hidden_states)
         readout = getattr(self, "readout", None)
         for i, decoder_layer in enumerate(self.layers[: self.config.num_hidden_layers]):
             hidden_states = decoder_layer(hidden_states, attention_mask=causal_mask,
                                           position_embeddings=position_embeddings, position_ids=position_ids,
                                           cache=cache, use_cache=use_cache, padding=padding, documents=documents,
-                                          implementation=implementation, **kwargs)
+                                          implementation=implementation, rebuild=rebuild, **kwargs)
             if record:
                 self.state_readout(inputs_embeds if i == 0 else None, hidden_states, readout, padding, documents)
         if hidden_states.dim() == 4:
-            hidden_states = self.readout(hidden_states, cache, padding, self.readout_slot, documents,
-                                         implementation)  # (B, T, d)
+            with rebuild.hooks if rebuild else nullcontext():
+                hidden_states = self.readout(hidden_states, cache, padding, self.readout_slot, documents,
+                                             implementation)  # (B, T, d)
         hidden_states = self.norm(hidden_states)
         return DDLModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
 

@@ -1,21 +1,15 @@
 r"""Packed and padded batches: where DDL's token convolutions (EC, TC) restart (documents) and what they skip (padding).
 
-**Packed batches** (`Documents`): transformers trains "padding-free" by packing documents into a row with no
-attention mask: position ids that restart at each document (`DataCollatorWithFlattening`, TRL's `packing=True`), or
-flash attention's `cu_seq_lens_q/k`. Attention keeps the documents apart; a causal token convolution would read the
-end of one document into the first K-1 tokens of the next. So the row is spread out, each document after K-1 zeros
-(`(B, T) -> (B, T + (K-1)(n-1))`, n documents), the convolution runs there as on any row, by whichever
-implementation `ddl.kernels` chooses, and each token's output is gathered back: each document sees zeros before its
-first token, as when it runs alone (the row's first keeps the row's own history). Where transformers' causal mask
-would not keep the documents apart (it looks for packing only without a cache and a mask), the model adds
-`Documents.attention_mask_function` to it.
+**Packed batches** (`Documents`: position ids restarting at each document, as `DataCollatorWithFlattening` and TRL's
+`packing=True` make, or flash attention's `cu_seq_lens_q/k`): a causal token convolution would read the end of one
+document into the next. The row is spread out, each document after K-1 zeros, the convolution runs there and each
+token's output is gathered back (the row's first document keeps the row's own history). Where transformers' causal
+mask would not keep the documents apart, the model adds `Documents.attention_mask_function` to it.
 
-**Padded batches** (`Padding`): a token convolution must read each real token's K-1 real predecessors however the
-padding lies. Padding before a row's tokens (`generate`'s left padding) needs nothing but zeroing the padded inputs:
-they are the zeros a sequence starts from. Padding anywhere else (after the tokens, or holes between them) is
-compacted: each row's real tokens are moved together after its history (the cache's last inputs, or zeros) and its
-padding before that, the convolution runs there, and each token's output is read back; the cache then keeps the
-row's last real inputs, so decoding continues them.
+**Padded batches** (`Padding`): padding before a row's tokens (`generate`'s left padding) is zeroed: the zeros a
+sequence starts from. Padding anywhere else is compacted: each row's real tokens are moved together after its
+history (the cache's last inputs, or zeros), the convolution runs there and each output is read back; the cache
+keeps the row's last real inputs, so decoding continues them.
 """
 
 import torch
@@ -76,11 +70,9 @@ class Documents:
 
 
 def find_documents(batch, seq_len, position_ids=None, cu_seq_lens_q=None, cache=None):
-    """The documents of a packed batch of `batch` rows of `seq_len` tokens without padding, or None when every row
-    holds one: from `cu_seq_lens_q` (flash attention's cumulative lengths over the flattened rows), else from position
-    ids that restart inside a row (transformers' `find_packed_sequence_indices`). While tracing, position ids are read
-    only without a cache, as transformers does for attention (a graph break under torch.compile; the numbers stay
-    right, `fullgraph=True` errs)."""
+    """The documents of a packed batch (no padding), or None when every row holds one: from `cu_seq_lens_q` (flash
+    attention's cumulative lengths), else from position ids restarting inside a row (transformers'
+    `find_packed_sequence_indices`; while tracing, only without a cache, as transformers does for attention)."""
     if seq_len < 2:
         return None
     if cu_seq_lens_q is not None:
@@ -159,10 +151,9 @@ class Padding:
         return self._orders[kernel]
 
     def compact(self, x, kernel, cache=None, layer_idx=0, slot=0):
-        """x `(B, T, ...)` (padding zeroed) with each row compacted, and its causal window as `token_readout` and
-        `token_conv` take one (`(B, C, K-1+T)`, time last; None at the start of a sequence). With a cache, the
-        history comes from its conv-state `slot` of layer `layer_idx`, and the cache keeps the compacted row's last
-        K-1 inputs (what decoding continues)."""
+        """x `(B, T, ...)` (padding zeroed) with each row compacted, and its causal window `(B, C, K-1+T)` (None at
+        the start of a sequence); with a cache, the history comes from its conv-state `slot` of layer `layer_idx`,
+        and the cache keeps the compacted row's last K-1 inputs."""
         batch, seq_len = x.shape[:2]
         flat = x.reshape(batch, seq_len, -1).transpose(1, 2)  # (B, C, T)
         had_past = cache is not None and cache.has_previous_state(layer_idx, slot)

@@ -1,14 +1,13 @@
 r"""The specifications: DDL's operations in plain PyTorch, written to read like the paper.
 
-Every faster path (`ddl.fused`, and ddl_kernels' C++ and Triton kernels) is tested against these functions on
-outputs and gradients; `ddl.kernels` chooses among them. This module imports nothing from the package.
+Every faster path (`ddl.fused`, ddl_kernels' C++ and Triton) is tested against these on outputs and gradients.
 
 - `delta_update`: the residual update of one sublayer (paper Eq. 2.1-2.2), with the write-only and additive controls.
 - `delta_gate`, `delta_value`, `delta_residual`: where beta and v come from, and the whole residual seam.
 - `causal_token_conv` (EC), `causal_token_readout` (TC; CC its one-tap case): the expanded state's token convolutions.
 
-The state X is `(B, T, d)` for d_v = 1 and `(B, T, d_v, d)` for the expanded state: its d_v columns of length d
-stored one after another, so that every per-token operation runs along contiguous d.
+The state X is `(B, T, d)` for d_v = 1 and `(B, T, d_v, d)` for the expanded state (its d_v columns one after
+another, so per-token operations run along contiguous d).
 """
 
 import torch
@@ -32,9 +31,8 @@ def delta_update(x, h, v=None, beta=None, mode="delta", k_eps=1e-5):
         h: `(B, T, d)`, the sublayer output F(c) that gives the direction k.
         v: `(B, T, d_v)`, the target value (unused by `additive`).
         beta: `(B, T, 1)`, the gate in [0, 2] (unused by `additive`).
-    Returns X_next, shaped and typed like `x`. k, the readout k^T X and the coefficient beta (v - k^T X) are
-    computed in fp32 (as the reference code does, for stability in bf16/fp16); the state and the rank-1 write
-    stay in the model dtype.
+    Returns X_next like `x`. k, k^T X and beta (v - k^T X) are in fp32 (as the authors' code, for bf16/fp16); the
+    state and the rank-1 write stay in the model dtype.
     """
     scalar_state = x.dim() == h.dim()
     if mode == "additive":

@@ -1,0 +1,126 @@
+"""The expanded states rebuilt in backward (`modeling_ddl.StateRebuild`, `ddl_rebuild_states`, on by default): the
+same loss and gradients as keeping them, on every variant and batch layout, and the states really let go."""
+
+import gc
+import weakref
+
+import pytest
+import torch
+from conftest import seeded, tiny_config, trained_looking
+
+from ddl import DDLForCausalLM
+
+
+VARIANTS = {
+    "cc-ec": {},
+    "tc-ec": {"ddl_compressor": "tc"},
+    "cc-no-ec": {"ddl_embed_conv": False},
+    "tc-unshared": {"ddl_compressor": "tc", "ddl_shared_compressor": False},
+    "write-only": {"ddl_residual": "write_only"},
+    "additive": {"ddl_residual": "additive"},
+    "two-layer-gate": {"ddl_beta_hidden_size": 8, "ddl_v_constant": 2.0},
+}
+
+
+def _model(rebuild, implementation="auto", dtype=torch.float64, **overrides):
+    torch.manual_seed(0)
+    config = tiny_config(ddl_rebuild_states=rebuild, ddl_implementation=implementation, num_hidden_layers=3,
+                         **overrides)
+    return trained_looking(DDLForCausalLM(config), scale=0.3).to(dtype)
+
+
+def _loss_and_grads(model, **batch):
+    labels = batch.pop("labels")
+    loss = model(**batch, labels=labels).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _batches():
+    g = seeded(3)
+    ids = torch.randint(3, 99, (2, 11), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding
+    mask[1, 7:] = 0  # right padding (compacted for TC/EC)
+    positions = torch.cat([torch.arange(5), torch.arange(6)]).unsqueeze(0)  # two documents packed in one row
+    return {
+        "plain": dict(input_ids=ids, labels=ids),
+        "padded": dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)),
+        "packed": dict(input_ids=ids[:1], position_ids=positions, labels=ids[:1]),
+    }
+
+
+@pytest.mark.parametrize("layout", ["plain", "padded", "packed"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_rebuilt_states_give_the_kept_states_gradients(variant, layout, cpu_kernel_on_or_off):
+    """fp64, trained-looking weights: loss and every parameter's gradient equal to rounding (C++ or PyTorch paths)."""
+    batch = _batches()[layout]
+    kept = _loss_and_grads(_model(False, **VARIANTS[variant]), **dict(batch))
+    rebuilt = _loss_and_grads(_model(True, **VARIANTS[variant]), **dict(batch))
+    torch.testing.assert_close(rebuilt[0], kept[0], rtol=0, atol=0)
+    assert rebuilt[1].keys() == kept[1].keys()
+    for name, grad in kept[1].items():
+        torch.testing.assert_close(rebuilt[1][name], grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_fp32_gradients_stay_within_the_models_rounding():
+    kept = _loss_and_grads(_model(False, dtype=torch.float32), **_batches()["plain"])
+    rebuilt = _loss_and_grads(_model(True, dtype=torch.float32), **_batches()["plain"])
+    for name, grad in kept[1].items():
+        torch.testing.assert_close(rebuilt[1][name], grad, rtol=1e-4, atol=1e-5 * grad.abs().max().item(), msg=name)
+
+
+def _live_states(model, **batch):
+    """How many of the states after each block are still alive after forward, while the graph is."""
+    refs = []
+    hooks = [layer.register_forward_hook(lambda module, args, out: refs.append(weakref.ref(out)))
+             for layer in model.model.layers]
+    loss = model(**batch).loss
+    for hook in hooks:
+        hook.remove()
+    gc.collect()
+    alive = sum(ref() is not None for ref in refs)
+    loss.backward()
+    return alive
+
+
+@pytest.mark.parametrize("variant", ["cc-ec", "tc-ec"])
+def test_backward_keeps_only_the_last_state(variant, cpu_kernel_on_or_off):
+    batch = _batches()["plain"]
+    assert _live_states(_model(False, **VARIANTS[variant]), **batch) == 3  # kept for backward
+    assert _live_states(_model(True, **VARIANTS[variant]), **batch) == 1  # the last block's, read by the final readout
+
+
+def test_where_it_does_not_apply_the_states_are_kept():
+    """bf16 states (rounding would compound over depth), gradient checkpointing (its own hooks), flag off."""
+    batch = _batches()["plain"]
+    assert _live_states(_model(True, dtype=torch.bfloat16), **batch) == 3
+    model = _model(True)
+    model.activation_checkpointing_enable({"use_reentrant": False})
+    model.train()
+    _live_states(model, **batch)  # (checkpointing keeps the blocks' inputs, its own way)
+    model.zero_grad(set_to_none=True)
+    kept = _loss_and_grads(_model(False), **batch)
+    torch.testing.assert_close(_loss_and_grads(model, **batch)[1]["model.embed_tokens.weight"],
+                               kept[1]["model.embed_tokens.weight"], rtol=1e-10, atol=1e-12)
+
+
+def test_a_retained_graph_runs_backward_twice_the_same():
+    model = _model(True)
+    batch = _batches()["plain"]
+    loss = model(**batch).loss
+    first = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+    second = torch.autograd.grad(loss, list(model.parameters()))
+    for a, b in zip(first, second):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_a_second_derivative_says_what_to_do():
+    model = _model(True)
+    loss = model(**_batches()["plain"]).loss
+    with pytest.raises(RuntimeError, match="ddl_rebuild_states = False"):
+        torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
+    model.config.ddl_rebuild_states = False
+    loss = model(**_batches()["plain"]).loss
+    grads = torch.autograd.grad(loss, list(model.parameters()), create_graph=True, allow_unused=True)
+    assert any(g is not None and g.requires_grad for g in grads)
