@@ -147,8 +147,8 @@ def check_ddl_environment() -> None:
     except ValueError as err:
         raise UsageError(str(err)) from err
     if os.environ.get("DDL_REBUILD_STATES", "").strip().lower() not in ("", "off"):
-        logger.warning("DDL_REBUILD_STATES is ignored: DDL rebuilds its fp32 expanded states in backward by default "
-                       "(DDLConfig.ddl_rebuild_states; --ddl_rebuild_states False keeps them).")
+        logger.warning("DDL_REBUILD_STATES is ignored: to rebuild the expanded states in backward, pass "
+                       "--ddl_rebuild_states True (DDLConfig.ddl_rebuild_states).")
 
 
 def variant_arguments():

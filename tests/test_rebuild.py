@@ -1,4 +1,4 @@
-"""The expanded states rebuilt in backward (`modeling_ddl.StateRebuild`, `ddl_rebuild_states`, on by default): the
+"""The expanded states rebuilt in backward (`modeling_ddl.StateRebuild`, `ddl_rebuild_states`): the
 same loss and gradients as keeping them, on every variant and batch layout, and the states really let go."""
 
 import gc
