@@ -1,9 +1,8 @@
 """Deep Delta Learning for 🤗 transformers: `import ddl` registers the Auto classes.
 
 What a checkpoint ships: `configuration_ddl` (DDLConfig), `modeling_ddl` (the model), `reference` (the operations'
-specifications), `kernels` (the one place that chooses each operation's implementation), and the fast paths it
-chooses from: `fused` (PyTorch), `cpu_kernels` (C++, source in `cpu_kernels_source`), `triton_kernels` (CUDA);
-`packing` (packed batches) and `rebuild` (the expanded states rebuilt in backward, `ddl_rebuild_states`).
+specifications), `kernels` (the one place that chooses each operation's implementation: `fused`'s PyTorch, or the
+`ddl_kernels` package's C++ and Triton when installed) and `packing` (packed batches).
 """
 
 from transformers import (

@@ -6,12 +6,10 @@ r"""How each DDL operation runs: one registry per operation, and the first imple
     window_step      a TC decoding step's readout, advancing its window    (the same spec, one token)
     token_conv       EC, the embedding convolution                         (spec: `reference.causal_token_conv`)
 
-Each registry lists its implementations in the order tried, each stating next to its code which inputs it serves:
-`ddl_kernels`' (C++ for CPU, Triton for CUDA; when installed with this `INTERFACE_VERSION`) first, then `ddl.fused`'s
-PyTorch. `implementation` (`DDLConfig.ddl_implementation`) says which may run: "auto" (C++ on CPU, else PyTorch),
-"triton" ("auto" plus Triton on CUDA: opt-in, not yet run on a GPU; a failed compile gives way to PyTorch with one
-warning), "torch" (PyTorch only), "reference" (the specifications, slow). Every path computes the specification's
-numbers up to rounding, tested on outputs and gradients.
+Implementations in the order tried, each saying which inputs it serves: `ddl_kernels`' (C++ for CPU, Triton for
+CUDA; installed with this `INTERFACE_VERSION`), then `ddl.fused`'s PyTorch. `implementation` says which may run:
+"auto" (C++ on CPU, else PyTorch), "triton" (plus Triton on CUDA; a failed compile gives way to PyTorch), "torch",
+"reference" (the specifications). Every path is tested against the specification on outputs and gradients.
 """
 
 from collections import namedtuple

@@ -1,10 +1,8 @@
-"""Deep Delta Learning (DDL) language model (Zhang, Liu, Wang, Gu, 2026, arXiv 2601.00417).
-
-Llama's architecture with one change: each residual addition of a decoder layer becomes a delta update of the
-residual state. Attention, MLP, RMSNorm and rotary embeddings are transformers' Llama modules, so parameter names,
-attention backends and caches are Llama's; the defaults follow the authors' code (docs/faithfulness.md). The
-operations are specified in `ddl.reference` and run by `ddl.kernels`; the cache windows come first, then Llama's order.
-"""
+"""Deep Delta Learning (DDL) language model (Zhang, Liu, Wang, Gu, 2026, arXiv 2601.00417): Llama's architecture
+with each residual addition of a decoder layer a delta update of the residual state. Attention, MLP, RMSNorm and
+rotary embeddings are transformers' Llama modules (Llama's parameter names, attention backends and caches); the
+defaults are the authors' (docs/faithfulness.md). The operations are specified in `ddl.reference` and run by
+`ddl.kernels`; the cache windows come first, then Llama's order."""
 
 import math
 import weakref
@@ -128,33 +126,40 @@ def convolve_tokens(op, x, weight, cache=None, layer_idx=0, slot=None, padding=N
 class StateRebuild:
     r"""The expanded states of one training forward, rebuilt in backward instead of kept (`ddl_rebuild_states`).
 
-    Each update writes along its sublayer output h, whatever its mode or implementation: X_{l+1} = X_l + h (x) w,
-    w = h^T (X_{l+1} - X_l) / |h|^2 (d_v numbers per token), so X_l = X_{l+1} - h (x) w. Under `hooks` (around the
-    modules that read a state) a saved tensor that *is* the current state is saved as its place, and backward, which
-    runs the updates in reverse, gets it rebuilt from the state above (the last is kept, h by autograd anyway). One
-    rounding per update: fp32/fp64 only. `hooks` would shadow a caller's own saved-tensor hooks: set it off there."""
+    Every update writes along h: X_{l+1} = X_l + h (x) w, w = h^T (X_{l+1} - X_l) / |h|^2, so X_l = X_{l+1} - h (x) w.
+    Under `hooks`, a saved tensor that *is* the live state is saved as its place and rebuilt in backward. The chain
+    stops where an update reads another tensor (a hook's; a recompute) and raises on a state changed in place. One
+    rounding per update: fp32/fp64. Only detached tensors are held (no cycle through autograd's graph)."""
 
     def __init__(self, x0):
         chain = weakref.ref(self)  # (a bound method would be a cycle: the chain and its last state kept until gc)
         self.hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: chain()._pack(t), StateRebuild._unpack)
-        self.states, self.writes = [x0], []
+        self.states, self.versions, self.writes, self.live = [x0.detach()], [x0._version], [], weakref.ref(x0)
 
-    def push(self, x_next, h):
-        """Records the update X_l -> x_next, written along h, and lets go of X_l."""
-        x = self.states[-1]
-        with torch.no_grad():
-            h = h.to(x.dtype)
+    def push(self, x, x_next, h):
+        """Records the update x -> x_next, written along h, and lets go of x (if x is the live state)."""
+        if self.live is None or x is not self.live() or self._check(len(self.states) - 1):
+            self.live = None  # (the chain stops: the states from here on are kept by autograd)
+            return x_next
+        with torch.no_grad(), torch.autocast(x.device.type, enabled=False):  # (w is a difference: no bf16 matmul)
+            h = h.detach().to(x.dtype)
             w = (_dot_h(h, x_next, False) - _dot_h(h, x, False)) / h.square().sum(-1, keepdim=True).clamp_min(1e-30)
         self.writes.append((h, w))
-        self.states[-1:] = [None, x_next]
+        self.states[-1:], self.live = [None, x_next.detach()], weakref.ref(x_next)
+        self.versions.append(x_next._version)
         return x_next
 
     def _pack(self, tensor):
-        return (self, len(self.states) - 1) if tensor is self.states[-1] else tensor
+        return (self, len(self.states) - 1) if self.live is not None and tensor is self.live() else tensor
 
     @staticmethod
     def _unpack(saved):
         return saved[0].state(saved[1]) if isinstance(saved, tuple) else saved
+
+    def _check(self, index):
+        if self.states[index]._version != self.versions[index]:
+            raise RuntimeError("DDL: an expanded state was changed in place after its update, so backward cannot "
+                               "rebuild the states before it; set model.config.ddl_rebuild_states = False.")
 
     def state(self, index):
         """X_index: held, or rebuilt from the nearest held state above (then let go, unless it is the last)."""
@@ -162,11 +167,12 @@ class StateRebuild:
             raise RuntimeError("DDL: a second derivative (create_graph=True) through states rebuilt in backward is not "
                                "supported; set model.config.ddl_rebuild_states = False.")
         above = next(i for i in range(index, len(self.states)) if self.states[i] is not None)
+        self._check(above)
         x = self.states[above]
         for h, w in reversed(self.writes[index:above]):
             x = torch.addcmul(x, h.unsqueeze(-2), w.unsqueeze(-1), value=-1.0)
         if above > index:
-            self.states[index] = x
+            self.states[index], self.versions[index] = x, x._version
             if above < len(self.states) - 1:
                 self.states[above] = None
         return x
@@ -237,8 +243,7 @@ class DDLCompressor(nn.Module):
         CC, matrix:               x_in[i] = sum_j w[i, j] X[j, i]
         TC:                       x_in[t, i] = sum_j r_j sum_s c[s, i, j] X[t - (K-1) + s, j, i]   (causal, tokens)
 
-    Each CC form is a per-feature weight over the d_v channels, `reference.causal_token_readout` with one tap; TC is
-    its K-tap case. A shared compressor is given each call's cache slot (a TC history belongs to the state it reads)."""
+    CC: `reference.causal_token_readout` with one tap, TC its K-tap case. A shared compressor gets each call's slot."""
 
     def __init__(self, config: DDLConfig, layer_idx: int):
         super().__init__()
@@ -374,7 +379,7 @@ class DDLDecoderLayer(GradientCheckpointingLayer):
         if rebuild is None:
             return delta(hidden_states, h, context, x_in, implementation)
         with rebuild.hooks:
-            return rebuild.push(delta(hidden_states, h, context, x_in, implementation), h)
+            return rebuild.push(hidden_states, delta(hidden_states, h, context, x_in, implementation), h)
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(self, hidden_states, attention_mask=None, position_ids=None, cache: Cache | None = None,
@@ -609,6 +614,8 @@ class DDLModel(DDLPreTrainedModel):
             with rebuild.hooks if rebuild else nullcontext():
                 hidden_states = self.readout(hidden_states, cache, padding, self.readout_slot, documents,
                                              implementation)  # (B, T, d)
+            if rebuild:
+                rebuild.live = None  # the chain ends: a recompute in backward (torch's checkpoint) keeps its states
         hidden_states = self.norm(hidden_states)
         return DDLModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
 

@@ -1,15 +1,12 @@
 r"""Packed and padded batches: where DDL's token convolutions (EC, TC) restart (documents) and what they skip (padding).
 
-**Packed batches** (`Documents`: position ids restarting at each document, as `DataCollatorWithFlattening` and TRL's
-`packing=True` make, or flash attention's `cu_seq_lens_q/k`): a causal token convolution would read the end of one
-document into the next. The row is spread out, each document after K-1 zeros, the convolution runs there and each
-token's output is gathered back (the row's first document keeps the row's own history). Where transformers' causal
-mask would not keep the documents apart, the model adds `Documents.attention_mask_function` to it.
+**Packed batches** (`Documents`: position ids restarting per document, as `DataCollatorWithFlattening` and TRL's
+`packing=True` make, or `cu_seq_lens_q/k`): each document is spread out after K-1 zeros, convolved, and gathered back
+(the row's first keeps the row's history); `Documents.attention_mask_function` keeps attention apart where needed.
 
-**Padded batches** (`Padding`): padding before a row's tokens (`generate`'s left padding) is zeroed: the zeros a
-sequence starts from. Padding anywhere else is compacted: each row's real tokens are moved together after its
-history (the cache's last inputs, or zeros), the convolution runs there and each output is read back; the cache
-keeps the row's last real inputs, so decoding continues them.
+**Padded batches** (`Padding`): left padding (`generate`'s) is zeroed, the zeros a sequence starts from; padding
+elsewhere is compacted (real tokens moved together after the history, convolved, read back; the cache keeps the
+row's last real inputs, so decoding continues them).
 """
 
 import torch

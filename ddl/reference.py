@@ -1,13 +1,11 @@
-r"""The specifications: DDL's operations in plain PyTorch, written to read like the paper.
-
-Every faster path (`ddl.fused`, ddl_kernels' C++ and Triton) is tested against these on outputs and gradients.
+r"""The specifications: DDL's operations in plain PyTorch, written to read like the paper; every faster path
+(`ddl.fused`, ddl_kernels' C++ and Triton) is tested against them on outputs and gradients.
 
 - `delta_update`: the residual update of one sublayer (paper Eq. 2.1-2.2), with the write-only and additive controls.
 - `delta_gate`, `delta_value`, `delta_residual`: where beta and v come from, and the whole residual seam.
 - `causal_token_conv` (EC), `causal_token_readout` (TC; CC its one-tap case): the expanded state's token convolutions.
 
-The state X is `(B, T, d)` for d_v = 1 and `(B, T, d_v, d)` for the expanded state (its d_v columns one after
-another, so per-token operations run along contiguous d).
+The state X is `(B, T, d)` for d_v = 1 and `(B, T, d_v, d)` (d_v rows of contiguous d) for the expanded state.
 """
 
 import torch

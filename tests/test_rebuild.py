@@ -71,9 +71,9 @@ def test_fp32_gradients_stay_within_the_models_rounding():
 
 
 def _live_states(model, **batch):
-    """How many of the states after each block are still alive after forward, while the graph is."""
+    """How many of the states after each block are still alive (their memory) after forward, while the graph is."""
     refs = []
-    hooks = [layer.register_forward_hook(lambda module, args, out: refs.append(weakref.ref(out)))
+    hooks = [layer.register_forward_hook(lambda module, args, out: refs.append(weakref.ref(out.untyped_storage())))
              for layer in model.model.layers]
     loss = model(**batch).loss
     for hook in hooks:
@@ -124,3 +124,77 @@ def test_a_second_derivative_says_what_to_do():
     loss = model(**_batches()["plain"]).loss
     grads = torch.autograd.grad(loss, list(model.parameters()), create_graph=True, allow_unused=True)
     assert any(g is not None and g.requires_grad for g in grads)
+
+
+def _compare(kept, rebuilt, rtol=1e-10):
+    for name, grad in kept[1].items():
+        torch.testing.assert_close(rebuilt[1][name], grad, rtol=rtol, atol=rtol * grad.abs().max().item(), msg=name)
+
+
+@pytest.mark.parametrize("variant", ["cc-ec", "tc-ec"])
+def test_a_hook_that_replaces_a_blocks_output_stops_the_chain(variant):
+    """Activation steering: the next update reads another tensor than the state the chain holds (before, every
+    gradient below it came out hundreds of times too large)."""
+    def run(rebuild):
+        model = _model(rebuild, **VARIANTS[variant])
+        steer = 0.1 * torch.arange(model.config.hidden_size, dtype=torch.float64)
+        model.model.layers[0].register_forward_hook(lambda module, args, out: out + steer)
+        return _loss_and_grads(model, **_batches()["plain"])
+
+    _compare(run(False), run(True))
+
+
+def test_a_state_changed_in_place_raises_instead_of_a_wrong_gradient():
+    model = _model(True)
+    model.model.layers[0].register_forward_hook(lambda module, args, out: out.mul_(1.1))
+    with pytest.raises(RuntimeError, match="changed in place.*ddl_rebuild_states = False"):
+        _loss_and_grads(model, **_batches()["plain"])
+
+
+def test_under_autocast_the_write_is_computed_in_the_states_dtype():
+    """bf16 autocast keeps the fp32 state, so the rebuild runs; w is a difference of two dot products, which a bf16
+    matmul would round away (before: gradients 10-30% off)."""
+    def run(rebuild):
+        model = _model(rebuild, dtype=torch.float32)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(**_batches()["plain"]).loss
+        loss.backward()  # (outside autocast, as PyTorch recommends)
+        return loss, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    _compare(run(False), run(True), rtol=2e-3)
+
+
+def test_the_chain_holds_no_graph_and_is_freed_without_backward():
+    """Forward without backward (an evaluation with grad on, a skipped step), or after retain_graph: the states go
+    with the graph (before, the chain and the graph held each other through autograd, out of gc's reach)."""
+    model = _model(True)
+    refs = []
+    model.model.layers[-1].register_forward_hook(
+        lambda module, args, out: refs.append(weakref.ref(out.untyped_storage())))
+    loss = model(**_batches()["plain"]).loss
+    del loss
+    gc.collect()
+    loss = model(**_batches()["plain"]).loss
+    loss.backward(retain_graph=True)
+    del loss
+    gc.collect()
+    assert [ref() for ref in refs] == [None, None]
+
+
+def test_torch_activation_checkpointing_around_the_layers_gives_the_same_gradients_twice():
+    """torch's own checkpoint wrapper (FSDP/accelerate's `apply_activation_checkpointing`): its recompute in
+    backward runs the updates again; the chain ends with the forward, so they are not recorded twice."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
+
+    from ddl.modeling_ddl import DDLDecoderLayer
+
+    kept = _loss_and_grads(_model(False), **_batches()["plain"])
+    model = _model(True)
+    apply_activation_checkpointing(model, check_fn=lambda module: isinstance(module, DDLDecoderLayer),
+                                   checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(m, CheckpointImpl.NO_REENTRANT))
+    names = [name.replace("._checkpoint_wrapped_module", "") for name, _ in model.named_parameters()]
+    loss = model(**_batches()["plain"]).loss
+    for retain in (True, False):
+        grads = torch.autograd.grad(loss, list(model.parameters()), retain_graph=retain, allow_unused=True)
+        _compare(kept, (loss, {n: g for n, g in zip(names, grads) if g is not None}))
