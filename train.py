@@ -109,6 +109,7 @@ from ddl_tools.presets import (
     PAPER_RECIPE,
     PRESETS,
     PRESET_RUN_DEFAULTS,
+    TRAINING_SWITCHES,
     check_ddl_environment,
     check_training_arguments,
     config_error_message,
@@ -183,8 +184,13 @@ class ModelArguments(variant_arguments()):  # a --ddl_* flag for every DDLConfig
     )
 
     def ddl_flags(self) -> dict:
+        """The flags that shape a fresh model (the `--ddl_*` and QK-norm fields; not the training switches)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name.startswith(("ddl_", "qk_norm"))}
+                if f.name.startswith(("ddl_", "qk_norm")) and f.name not in TRAINING_SWITCHES}
+
+    def ddl_switches(self) -> dict:
+        """The training switches given (`--ddl_rebuild_states`): they apply to any model, fresh or loaded."""
+        return {name: getattr(self, name) for name in TRAINING_SWITCHES if getattr(self, name) is not None}
 
 
 @dataclass
@@ -418,6 +424,8 @@ def build_model(model_args, tokenizer, resume):
     for key, value in ids.items():
         if getattr(model.config, key) is None:
             setattr(model.config, key, value)
+    for key, value in model_args.ddl_switches().items():
+        setattr(model.config, key, value)
     return model
 
 

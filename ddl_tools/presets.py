@@ -151,6 +151,11 @@ def check_ddl_environment() -> None:
                        "--ddl_rebuild_states True (DDLConfig.ddl_rebuild_states).")
 
 
+# DDLConfig fields that switch how training runs, not what the model is: their flags apply to a loaded checkpoint
+# (fine-tuning, resuming) as to a fresh model.
+TRAINING_SWITCHES = ("ddl_rebuild_states",)
+
+
 def variant_arguments():
     """A dataclass of command-line flags (for `HfArgumentParser`), one per DDLConfig field that chooses the variant:
     every `ddl_*` field and QK-norm's, each unset (None: the preset's or the checkpoint's value) unless given, its
@@ -196,6 +201,7 @@ __all__ = [
     "PAPER_RECIPE",
     "PRESETS",
     "PRESET_RUN_DEFAULTS",
+    "TRAINING_SWITCHES",
     "check_ddl_environment",
     "check_training_arguments",
     "config_error_message",

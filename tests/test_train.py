@@ -177,6 +177,16 @@ def test_fine_tune_from_the_checkpoint(trained, tmp_path, text_file):
     assert str(tmp_path) not in (out / "training_args.json").read_text()
 
 
+def test_a_training_switch_applies_to_the_checkpoint_it_fine_tunes(trained, tmp_path, text_file):
+    """--ddl_rebuild_states switches how training runs, not what the model is: with --model_name_or_path it is not
+    refused as the shaping --ddl_* flags are (it was), and the fine-tuned model's config has it."""
+    checkpoint, _ = trained
+    out = tmp_path / "rebuilt"
+    run_train("--model_name_or_path", str(checkpoint), "--train_file", str(text_file), "--output_dir", str(out),
+              *TINY_RUN, "--max_steps", "1", "--eval_steps", "1", "--save_steps", "1", "--ddl_rebuild_states", "True")
+    assert json.loads((out / "config.json").read_text())["ddl_rebuild_states"] is True
+
+
 def test_every_variant_field_of_the_config_is_a_flag():
     """train.py's --ddl_* flags are DDLConfig's fields (derived from it: 11 hand-written flags covered 18 fields),
     unset unless given, and reach the model's config."""
@@ -188,7 +198,8 @@ def test_every_variant_field_of_the_config_is_a_flag():
 
     fields = {f.name for f in dataclasses.fields(DDLConfig) if f.name.startswith(("ddl_", "qk_norm"))}
     model_args = train.parse_args(["--output_dir", "unused"])[0]
-    assert set(model_args.ddl_flags()) == fields and set(model_args.ddl_flags().values()) == {None}
+    assert set(model_args.ddl_flags()) | set(train.TRAINING_SWITCHES) == fields
+    assert set(model_args.ddl_flags().values()) == {None} and model_args.ddl_switches() == {}
     helps = {f.name: f.metadata["help"] for f in dataclasses.fields(type(model_args)) if f.name in fields}
     assert not [name for name, text in helps.items() if text == "See DDLConfig."]  # each read from the docstring
     model_args = train.parse_args(["--ddl_v_constant", "0.5", "--qk_norm_position", "before_rope", "--ddl_cc_form",
