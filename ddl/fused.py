@@ -80,27 +80,27 @@ class _DeltaUpdate(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, h, inv_norm, target, beta, h_dot_x = ctx.saved_tensors
-        scalar = ctx.scalar_state
-        acc = target.dtype
-        grad, h_acc = grad_out.to(acc), h.to(acc)
-        state = x.to(acc) if ctx.erase else None  # write-only never reads the state in backward
-        b = _dot_h(h_acc, grad, scalar)  # h^T G: (B, T, d_v)
-        grad_coef = inv_norm * b  # k^T G
-        h_dot_grad_k = (b * target).sum(-1, keepdim=True)
-        if ctx.erase:
-            h_dot_grad_k = h_dot_grad_k - (h_dot_x * grad_coef).sum(-1, keepdim=True)
-        # dh = G (s beta t) - X (s beta c_g) - h s^3 beta (...): one new tensor, the other terms added in place
-        grad_h = _combine(grad, inv_norm * beta * target, scalar)
-        if ctx.erase:
-            _combine(state, inv_norm * beta * grad_coef, scalar, out=grad_h, alpha=-1.0)
-        grad_h.addcmul_(h_acc, -(inv_norm**3) * beta * h_dot_grad_k)
-        grad_x = grad
-        if ctx.erase:
-            grad_x = torch.addcmul(grad, *_rank1(h_acc, -inv_norm * beta * grad_coef, scalar))
-        grad_v = beta * grad_coef
-        grad_beta = (grad_coef * target).sum(-1, keepdim=True)
-        return grad_x.to(x.dtype), grad_h.to(h.dtype), grad_v.to(ctx.v_dtype), grad_beta.to(beta.dtype), None, None
+        with torch.autocast(grad_out.device.type, enabled=False):  # (backward may run under autocast)
+            x, h, inv_norm, target, beta, h_dot_x = ctx.saved_tensors
+            scalar, acc = ctx.scalar_state, target.dtype
+            grad, h_acc = grad_out.to(acc), h.to(acc)
+            state = x.to(acc) if ctx.erase else None  # write-only never reads the state in backward
+            b = _dot_h(h_acc, grad, scalar)  # h^T G: (B, T, d_v)
+            grad_coef = inv_norm * b  # k^T G
+            h_dot_grad_k = (b * target).sum(-1, keepdim=True)
+            if ctx.erase:
+                h_dot_grad_k = h_dot_grad_k - (h_dot_x * grad_coef).sum(-1, keepdim=True)
+            # dh = G (s beta t) - X (s beta c_g) - h s^3 beta (...): one new tensor, the other terms added in place
+            grad_h = _combine(grad, inv_norm * beta * target, scalar)
+            if ctx.erase:
+                _combine(state, inv_norm * beta * grad_coef, scalar, out=grad_h, alpha=-1.0)
+            grad_h.addcmul_(h_acc, -(inv_norm**3) * beta * h_dot_grad_k)
+            grad_x = grad
+            if ctx.erase:
+                grad_x = torch.addcmul(grad, *_rank1(h_acc, -inv_norm * beta * grad_coef, scalar))
+            grad_v = beta * grad_coef
+            grad_beta = (grad_coef * target).sum(-1, keepdim=True)
+            return grad_x.to(x.dtype), grad_h.to(h.dtype), grad_v.to(ctx.v_dtype), grad_beta.to(beta.dtype), None, None
 
 
 def fused_delta_update(x, h, v=None, beta=None, mode="delta", k_eps=1e-5):
@@ -160,8 +160,8 @@ class _TokenReadout(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        x, taps = ctx.saved_tensors
-        return readout_backward(grad, x, taps, *ctx.needs_input_grad)
+        with torch.autocast(grad.device.type, enabled=False):  # (backward may run under autocast: not its matmuls)
+            return readout_backward(grad, *ctx.saved_tensors, *ctx.needs_input_grad)
 
 
 def as_taps(weight):

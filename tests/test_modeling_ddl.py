@@ -146,6 +146,27 @@ def test_batch_1_generation_under_cpu_autocast(overrides):
         torch.testing.assert_close(fused, reference, rtol=0.05, atol=0.05)
 
 
+@pytest.mark.parametrize("overrides", [{}, {"ddl_compressor": "tc"}, {"ddl_residual": "write_only"}],
+                         ids=["cc-ec", "tc-ec", "write-only"])
+def test_backward_inside_cpu_autocast_equals_backward_after_it(overrides, cpu_kernel_on_or_off):
+    """`loss.backward()` written inside the autocast block (PyTorch advises after it; Llama works either way): DDL's
+    own backward functions run with autocast off, so the gradients are the same (it raised on mixed dtypes)."""
+    model = trained_looking(DDLForCausalLM(tiny_config(**overrides)), scale=0.3)
+    ids = _ids(2, 11)
+    grads = []
+    for inside in (False, True):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+            if inside:
+                loss.backward()
+        if not inside:
+            loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=0, atol=0, msg=name)
+
+
 @pytest.mark.parametrize("overrides", VARIANTS)
 def test_greedy_with_cache_equals_without_and_beam_search_runs(overrides):
     model = _model(**overrides)
