@@ -81,7 +81,7 @@ from transformers.utils import logging
 import ddl  # noqa: F401  (registers the DDL Auto classes and the code files saved with checkpoints)
 from ddl import DDLConfig, DDLForCausalLM
 from ddl_tools.hub import check_hub_strategy
-from ddl_tools.launch import check_launch, launcher_precision, outside_zero3
+from ddl_tools.launch import check_launch, end_process_group, launcher_precision, outside_zero3
 from ddl_tools.lora import add_lora, check_lora, describe_lora, save_adapter_and_merge
 from ddl_tools.outputs import write_json
 from ddl_tools.card import card_metadata, describe_variant, model_card, plot_loss_curve
@@ -696,6 +696,7 @@ def cli(argv: list[str]) -> int:
         return 130
     finally:
         release_output_dirs(failed)
+        end_process_group()
     return 0
 
 

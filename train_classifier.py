@@ -35,6 +35,7 @@ from transformers.utils import logging
 
 import ddl  # noqa: F401  (registers the DDL Auto classes and the code files saved with checkpoints)
 from ddl import DDLForSequenceClassification
+from ddl_tools.launch import end_process_group
 from ddl_tools.outputs import write_json
 from ddl_tools.tasks import GENRE_LABELS, genre_splits
 from ddl_tools.data import prepare_tokenizer_for_generation, train_bpe_tokenizer
@@ -221,6 +222,7 @@ def cli(argv) -> int:
         return 2
     finally:
         release_output_dirs(failed)
+        end_process_group()
     return 0
 
 

@@ -53,6 +53,16 @@ def outside_zero3():
         deepspeed.set_hf_deepspeed_config(active)
 
 
+def end_process_group() -> None:
+    """Destroys this process's process group, if one formed, before the interpreter exits (PyTorch asks for it at the
+    end of main): a gloo group left to interpreter teardown can abort the process (SIGABRT, "terminate called without
+    an active exception") after its work is done, failing a finished run under torchrun."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def fsdp_requested(training_args) -> bool:
     """An accelerate FSDP config (`accelerate launch --config_file configs/fsdp.yaml`) or Trainer's `--fsdp`."""
     return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" or bool(training_args.fsdp)
@@ -86,4 +96,4 @@ def check_launch(training_args) -> None:
         )
 
 
-__all__ = ["check_launch", "fsdp_requested", "launched_processes", "launcher_precision", "outside_zero3"]
+__all__ = ["check_launch", "end_process_group", "fsdp_requested", "launched_processes", "launcher_precision", "outside_zero3"]

@@ -75,3 +75,20 @@ def test_launch_precision_against_the_flags(launch, flags, deepspeed, refused, m
             check_launch(args)
     else:
         check_launch(args)
+
+
+def test_a_run_ends_its_process_group_before_the_interpreter_does(tmp_path, capsys):
+    """PyTorch asks each process to destroy its process group at the end of main: a gloo group left to interpreter
+    teardown can abort a finished torchrun worker (SIGABRT, "terminate called without an active exception"), which
+    failed a DDP test once. train.py ends it however the run ends (here, a refused one)."""
+    import torch.distributed as dist
+
+    import train
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        status = train.cli(["--output_dir", str(tmp_path / "never"), "--resume_from_checkpoint", "true", *TINY_RUN])
+        assert status == 2 and not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
