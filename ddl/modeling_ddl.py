@@ -129,18 +129,21 @@ class StateRebuild:
     Every update writes along h: X_{l+1} = X_l + h (x) w, w = h^T (X_{l+1} - X_l) / |h|^2, so X_l = X_{l+1} - h (x) w.
     Under `hooks`, a saved tensor that *is* the live state is saved as its place and rebuilt in backward. The chain
     stops where an update reads another tensor (a hook's; a recompute) and raises on a state changed in place. One
-    rounding per update: fp32/fp64. Only detached tensors are held (no cycle through autograd's graph)."""
+    rounding per update: fp32/fp64. Only detached tensors are held (no cycle through autograd's graph). Inside the
+    modules it wraps, `hooks` takes over from a caller's own (`save_on_cpu` offloads nothing there)."""
 
     def __init__(self, x0):
         chain = weakref.ref(self)  # (a bound method would be a cycle: the chain and its last state kept until gc)
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: chain()._pack(t), StateRebuild._unpack)
+        pack, unpack = lambda t: chain()._pack(t), lambda s: s[0].state(s[1]) if isinstance(s, tuple) else s
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         self.states, self.versions, self.writes, self.live = [x0.detach()], [x0._version], [], weakref.ref(x0)
 
     def push(self, x, x_next, h):
         """Records the update x -> x_next, written along h, and lets go of x (if x is the live state)."""
-        if self.live is None or x is not self.live() or self._check(len(self.states) - 1):
+        if self.live is None or x is not self.live():
             self.live = None  # (the chain stops: the states from here on are kept by autograd)
             return x_next
+        self._check(len(self.states) - 1)
         with torch.no_grad(), torch.autocast(x.device.type, enabled=False):  # (w is a difference: no bf16 matmul)
             h = h.detach().to(x.dtype)
             w = (_dot_h(h, x_next, False) - _dot_h(h, x, False)) / h.square().sum(-1, keepdim=True).clamp_min(1e-30)
@@ -151,10 +154,6 @@ class StateRebuild:
 
     def _pack(self, tensor):
         return (self, len(self.states) - 1) if self.live is not None and tensor is self.live() else tensor
-
-    @staticmethod
-    def _unpack(saved):
-        return saved[0].state(saved[1]) if isinstance(saved, tuple) else saved
 
     def _check(self, index):
         if self.states[index]._version != self.versions[index]:

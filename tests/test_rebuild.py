@@ -198,3 +198,17 @@ def test_torch_activation_checkpointing_around_the_layers_gives_the_same_gradien
     for retain in (True, False):
         grads = torch.autograd.grad(loss, list(model.parameters()), retain_graph=retain, allow_unused=True)
         _compare(kept, (loss, {n: g for n, g in zip(names, grads) if g is not None}))
+
+
+def test_a_lora_wrapped_model_gets_the_kept_states_gradients():
+    """PEFT's LoRA layers inside attention and the MLP (trained-looking adapters, not their zero init)."""
+    from peft import LoraConfig, get_peft_model
+
+    def run(rebuild):
+        torch.manual_seed(1)
+        lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+        return _loss_and_grads(get_peft_model(_model(rebuild), lora), **_batches()["padded"])
+
+    kept, rebuilt = run(False), run(True)
+    assert any("lora" in name for name in kept[1])
+    _compare(kept, rebuilt)
