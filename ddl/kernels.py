@@ -1,6 +1,7 @@
 r"""How each DDL operation runs: one registry per operation, and the first implementation that serves the inputs.
 
     delta_residual   a sublayer's gate, value and update in one fused seam (spec: `reference.delta_residual`)
+    delta_residual_readout   the seam, and the next CC compressor's readout of its new state (the two specs)
     delta_update     the update alone                                      (spec: `reference.delta_update`)
     token_readout    a CC/TC compressor or the final readout of the state  (spec: `reference.causal_token_readout`)
     window_step      a TC decoding step's readout, advancing its window    (the same spec, one token)
@@ -34,6 +35,7 @@ _PYTORCH = ("auto", "triton", "torch")
 _any = lambda *args: True  # noqa: E731
 _TORCH = {  # what serves every input of an operation, last in its registry
     "delta_residual": [],  # (no fused seam in PyTorch: the gate and value, then `delta_update`)
+    "delta_residual_readout": [],  # (in PyTorch: `delta_residual` only; the compressor reads the state)
     "delta_update": [Implementation("PyTorch delta update", _PYTORCH, _any, fused_delta_update)],
     "token_readout": [Implementation("PyTorch readout", _PYTORCH, _any, readout)],
     "window_step": [Implementation("PyTorch window step", _PYTORCH, _any, torch_window_step)],
@@ -94,6 +96,19 @@ def delta_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias,
     return out
 
 
+def delta_residual_readout(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, readout_weight, *, v_scale,
+                           k_eps, mode, gate_hidden=None, v_constant=None, implementation="auto"):
+    r"""(X_next, y): `delta_residual`, and the one-tap `token_readout` y of X_next by `readout_weight` `(1, d, d_v)`
+    (the next CC compressor's) made in the same pass over the state where one serves (ddl_kernels' C++ on CPU); else
+    y is None (the compressor reads X_next itself)."""
+    args = (x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, mode, gate_hidden,
+            v_constant)
+    out = None if implementation == "reference" else _run("delta_residual_readout", implementation, *args,
+                                                          readout_weight)
+    return out or (delta_residual(*args[:8], v_scale=v_scale, k_eps=k_eps, mode=mode, gate_hidden=gate_hidden,
+                                  v_constant=v_constant, implementation=implementation), None)
+
+
 def delta_update(x, h, v=None, beta=None, *, mode="delta", k_eps=1e-5, implementation="auto"):
     """`reference.delta_update`: ddl_kernels' Triton under "triton" on CUDA, else `fused_delta_update`."""
     if implementation == "reference":
@@ -137,5 +152,5 @@ def _with_history(op, implementation, x, weight, history):
     return out if history is None else out[:, weight.shape[0] - 1 :]
 
 
-__all__ = ["INTERFACE_VERSION", "delta_residual", "delta_update", "registries", "token_conv", "token_readout",
-           "window_step"]
+__all__ = ["INTERFACE_VERSION", "delta_residual", "delta_residual_readout", "delta_update", "registries",
+           "token_conv", "token_readout", "window_step"]

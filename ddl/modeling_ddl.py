@@ -8,6 +8,7 @@ import math
 import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +31,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_ddl import DDLConfig, conv_state_slots
 from .fused import _dot_h
-from .kernels import delta_residual, token_conv, token_readout, window_step
+from .kernels import delta_residual, delta_residual_readout, token_conv, token_readout, window_step
 from .packing import Padding, check_documents_start, find_documents
 from .reference import constant_value, delta_gate, delta_update, delta_value
 
@@ -177,6 +178,38 @@ class StateRebuild:
         return x
 
 
+class ReadoutAhead:
+    r"""CC compressors' readouts made by the updates before them, for one forward: a CC readout is per token, so
+    `kernels.delta_residual_readout` makes it in the update's own pass over the state (forward and backward). The
+    compressor is still called (its hooks see every readout) and uses one only for that very state, unchanged in
+    place; given another tensor (a hook's), it reads that one itself."""
+
+    def __init__(self, layers, readout, cache):
+        compressors = [layer.compressor(which) for layer in layers for which in ("attn", "mlp")] + [readout]
+        self.following = dict(zip([delta for layer in layers for delta in (layer.attn_delta, layer.mlp_delta)],
+                                  compressors[1:]))
+        self.cache, self.kept = cache, None
+
+    def weight(self, delta):
+        """The readout weight of the compressor after `delta`, or None: TC (its readout spans tokens), or parameters
+        not here as plain tensors (another block's under FSDP or ZeRO-3; offloaded by accelerate)."""
+        compressor = self.following.get(delta)
+        if compressor is None or compressor.kind == "tc" or not all(
+                type(p) is nn.Parameter and p.numel() and not p.is_meta for p in compressor._parameters.values()):
+            return None
+        self.kept = compressor
+        return compressor.readout_weight(self.cache)
+
+    def keep(self, state, readout):
+        self.kept = (self.kept, state, state._version, readout)
+        return state
+
+    def take(self, compressor, state):
+        """The readout kept for `compressor` of this state, or None (none made, or another tensor); let go."""
+        kept, self.kept = self.kept, None
+        return kept[3] if kept and kept[0] is compressor and kept[1] is state and kept[2] == state._version else None
+
+
 class DDLDeltaResidual(nn.Module):
     r"""One sublayer's residual seam: the gate beta, the target v, and the delta update (`reference.delta_residual`).
 
@@ -208,16 +241,19 @@ class DDLDeltaResidual(nn.Module):
             self.value_weight = nn.Parameter(torch.empty(dv, d))
             self.value_bias = nn.Parameter(torch.empty(dv))
 
-    def forward(self, x, h, context, sublayer_input, implementation=None):
-        """x: state X; h: sublayer output (gives k); context: c = RMSNorm(x_in); sublayer_input: x_in."""
+    def forward(self, x, h, context, sublayer_input, implementation=None, ahead=None):
+        """x: state X; h: sublayer output (gives k); context: c = RMSNorm(x_in); sublayer_input: x_in. With `ahead`
+        (a `ReadoutAhead`), the next compressor's readout of X_next is made here where it can be, and kept there."""
         if self.mode == "additive":
             return delta_update(x, h, mode="additive")
         u = sublayer_input if self.value_from_state else context
         value_weight, value_bias = (None, None) if self.v_constant is not None else (self.value_weight, self.value_bias)
-        return delta_residual(x, h, context, u, self.beta_weight, self.beta_bias, value_weight, value_bias,
-                              v_scale=self.v_scale, k_eps=self.k_eps, mode=self.mode, gate_hidden=self._gate_hidden(),
-                              v_constant=self.v_constant,
-                              implementation=implementation or self.config.ddl_implementation)
+        weight = ahead.weight(self) if ahead is not None else None
+        seam = delta_residual if weight is None else partial(delta_residual_readout, readout_weight=weight)
+        out = seam(x, h, context, u, self.beta_weight, self.beta_bias, value_weight, value_bias, v_scale=self.v_scale,
+                   k_eps=self.k_eps, mode=self.mode, gate_hidden=self._gate_hidden(), v_constant=self.v_constant,
+                   implementation=implementation or self.config.ddl_implementation)
+        return out if weight is None else ahead.keep(*out)
 
     def _gate_hidden(self):
         return (self.beta_hidden_weight, self.beta_hidden_bias) if self.gate_is_mlp else None
@@ -285,7 +321,12 @@ class DDLCompressor(nn.Module):
         # (d_v, K) @ (K, d), returned transposed: w[i, j] = sum_m c[i, m] r[j + p - m]
         return (windows[pad + 1 : pad + kernel + 1].flip(0).t() @ self.conv_weight.t()).t()
 
-    def forward(self, state, cache=None, padding=None, cache_slot=None, documents=None, implementation=None):
+    def forward(self, state, cache=None, padding=None, cache_slot=None, documents=None, implementation=None,
+                ahead=None):
+        """x_in `(B, T, d)`: made with the update of this state where `ahead` (a `ReadoutAhead`) kept it, else read."""
+        made = ahead.take(self, state) if ahead is not None else None
+        if made is not None:
+            return made
         implementation = implementation or self.config.ddl_implementation
         weight = self.readout_weight(cache)  # (K, d, d_v)
         if self.kind != "tc":
@@ -364,36 +405,43 @@ class DDLDecoderLayer(GradientCheckpointingLayer):
                 self.attn_compress = DDLCompressor(config, layer_idx)
                 self.mlp_compress = DDLCompressor(config, layer_idx)
 
-    def sublayer_input(self, which, hidden_states, cache, padding, documents=None, implementation=None, rebuild=None):
+    def compressor(self, which):
+        """The compressor that gives sublayer `which` ("attn" or "mlp") its input; None when d_v = 1."""
+        return getattr(self, "compress", None) or getattr(self, f"{which}_compress", None)
+
+    def sublayer_input(self, which, hidden_states, cache, padding, documents=None, implementation=None, rebuild=None,
+                       ahead=None):
         """x_in of sublayer `which` ("attn" or "mlp"): the state compressed (the state itself when d_v = 1)."""
         if hidden_states.dim() == 3:
             return hidden_states
-        compressor = getattr(self, "compress", None) or getattr(self, f"{which}_compress")
         with rebuild.hooks if rebuild else nullcontext():
-            return compressor(hidden_states, cache, padding, self.cache_slots[which], documents, implementation)
+            return self.compressor(which)(hidden_states, cache, padding, self.cache_slots[which], documents,
+                                          implementation, ahead)
 
     @staticmethod
-    def update(delta, hidden_states, h, context, x_in, implementation, rebuild=None):
+    def update(delta, hidden_states, h, context, x_in, implementation, rebuild=None, ahead=None):
         """The sublayer's delta update of the state, recorded on `rebuild` (a `StateRebuild`) when there is one."""
         if rebuild is None:
-            return delta(hidden_states, h, context, x_in, implementation)
+            return delta(hidden_states, h, context, x_in, implementation, ahead)
         with rebuild.hooks:
-            return rebuild.push(hidden_states, delta(hidden_states, h, context, x_in, implementation), h)
+            return rebuild.push(hidden_states, delta(hidden_states, h, context, x_in, implementation, ahead), h)
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(self, hidden_states, attention_mask=None, position_ids=None, cache: Cache | None = None,
                 use_cache: bool | None = False, position_embeddings=None, padding=None, documents=None,
-                implementation=None, rebuild=None, **kwargs):
-        x_in = self.sublayer_input("attn", hidden_states, cache, padding, documents, implementation, rebuild)
+                implementation=None, rebuild=None, ahead=None, **kwargs):
+        x_in = self.sublayer_input("attn", hidden_states, cache, padding, documents, implementation, rebuild, ahead)
         context = self.input_layernorm(x_in)
         attn_out, _ = self.self_attn(hidden_states=context, attention_mask=attention_mask, position_ids=position_ids,
                                      cache=cache, use_cache=use_cache, position_embeddings=position_embeddings,
                                      **kwargs)
-        hidden_states = self.update(self.attn_delta, hidden_states, attn_out, context, x_in, implementation, rebuild)
+        hidden_states = self.update(self.attn_delta, hidden_states, attn_out, context, x_in, implementation, rebuild,
+                                    ahead)
 
-        x_in = self.sublayer_input("mlp", hidden_states, cache, padding, documents, implementation, rebuild)
+        x_in = self.sublayer_input("mlp", hidden_states, cache, padding, documents, implementation, rebuild, ahead)
         context = self.post_attention_layernorm(x_in)
-        return self.update(self.mlp_delta, hidden_states, self.mlp(context), context, x_in, implementation, rebuild)
+        return self.update(self.mlp_delta, hidden_states, self.mlp(context), context, x_in, implementation, rebuild,
+                           ahead)
 
 
 class DDLStateReadout(nn.Module):
@@ -602,17 +650,21 @@ class DDLModel(DDLPreTrainedModel):
                 self.gradient_checkpointing or torch.compiler.is_compiling())) else None  # (see StateRebuild)
         record = kwargs.get("output_hidden_states", self.config.output_hidden_states)
         readout = getattr(self, "readout", None)
-        for i, decoder_layer in enumerate(self.layers[: self.config.num_hidden_layers]):
+        layers = self.layers[: self.config.num_hidden_layers]
+        ahead = ReadoutAhead(layers, readout, cache) if readout is not None and readout.kind != "tc" and not (
+            self.gradient_checkpointing and self.training or torch.is_inference_mode_enabled()
+            or torch.compiler.is_compiling()) else None  # (a reentrant recompute; no version counters; a trace)
+        for i, decoder_layer in enumerate(layers):
             hidden_states = decoder_layer(hidden_states, attention_mask=causal_mask,
                                           position_embeddings=position_embeddings, position_ids=position_ids,
                                           cache=cache, use_cache=use_cache, padding=padding, documents=documents,
-                                          implementation=implementation, rebuild=rebuild, **kwargs)
+                                          implementation=implementation, rebuild=rebuild, ahead=ahead, **kwargs)
             if record:
                 self.state_readout(inputs_embeds if i == 0 else None, hidden_states, readout, padding, documents)
         if hidden_states.dim() == 4:
             with rebuild.hooks if rebuild else nullcontext():
                 hidden_states = self.readout(hidden_states, cache, padding, self.readout_slot, documents,
-                                             implementation)  # (B, T, d)
+                                             implementation, ahead)  # (B, T, d)
             if rebuild:
                 rebuild.live = None  # the chain ends: a recompute in backward (torch's checkpoint) keeps its states
         hidden_states = self.norm(hidden_states)

@@ -7,11 +7,11 @@ namespace ddl {
 std::vector<at::Tensor> residual_forward(const at::Tensor& x, const at::Tensor& h, const at::Tensor& c,
                                          const at::Tensor& u, const at::Tensor& wb, const at::Tensor& bb,
                                          const at::Tensor& wv, const at::Tensor& bv, double scale, double eps,
-                                         bool erase, bool save);
+                                         bool erase, bool save, const at::Tensor& wr);
 std::vector<at::Tensor> residual_backward(const at::Tensor& g, const at::Tensor& x, const at::Tensor& h,
                                           const at::Tensor& c, const at::Tensor& u, const at::Tensor& wb,
                                           const at::Tensor& wv, const at::Tensor& stats, double scale, bool erase,
-                                          int64_t u_kind);
+                                          int64_t u_kind, const at::Tensor& gy, const at::Tensor& wr);
 at::Tensor readout_forward(const at::Tensor& x, const at::Tensor& taps);
 std::vector<at::Tensor> readout_backward(const at::Tensor& g, const at::Tensor& x, const at::Tensor& taps);
 at::Tensor window_step(at::Tensor& past, const at::Tensor& x, const at::Tensor& taps);
@@ -20,7 +20,7 @@ std::vector<at::Tensor> conv_backward(const at::Tensor& g, const at::Tensor& x, 
 }  // namespace ddl
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("residual_forward", &ddl::residual_forward, "the residual seam: X_next and the numbers backward needs");
+  m.def("residual_forward", &ddl::residual_forward, "the residual seam: X_next, the numbers backward needs, the next readout");
   m.def("residual_backward", &ddl::residual_backward, "the residual seam's gradients");
   m.def("readout_forward", &ddl::readout_forward, "the TC readout (CC: one tap)");
   m.def("readout_backward", &ddl::readout_backward, "the readout's gradients");

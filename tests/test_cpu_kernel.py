@@ -133,6 +133,53 @@ def test_kernel_with_two_threads_equals_spec(dv):
     _assert_same(ours, _run(residual, *inputs, use_kernel=False), 1e-10, relative_to_largest=True)
 
 
+def _run_with_readout(residual, x, h, c, u, weight, use_kernel, used):
+    """`_run` of the seam that also makes a one-tap readout of X_next by `weight` (the next CC compressor's): the
+    outputs in `used` ("state", "readout" or both) get cotangents, and every input and parameter its gradient."""
+    leaves = [t.clone().requires_grad_() for t in (x, h, c, u, weight)]
+    x, h, c, u, weight = leaves
+    u = c if residual.config.ddl_value_input == "context" else u
+    params = (residual.beta_weight, residual.beta_bias, residual.value_weight, residual.value_bias)
+    scale, eps = residual.config.ddl_v_sigmoid_scale, residual.config.ddl_k_eps
+    if use_kernel:
+        out, y = cpu_residual(x, h, c, u, *params, scale, eps, residual.mode, None, None, weight)
+    else:  # the spec: the seam (its gate logit in the inputs' dtype, as in `_run`), then the readout of its state
+        beta = 2 * torch.sigmoid(torch.nn.functional.linear(c, residual.beta_weight.unsqueeze(0), residual.beta_bias))
+        out = delta_update(x, h, residual.value(u), beta, mode=residual.mode, k_eps=eps)
+        y = causal_token_readout(out, weight)
+    outputs = [t for t, name in ((out, "state"), (y, "readout")) if name in used]
+    g = torch.Generator().manual_seed(5)
+    cotangents = [torch.randn(t.shape, generator=g).to(t.dtype) for t in outputs]
+    grads = torch.autograd.grad(outputs, leaves + list(params), cotangents, allow_unused=True)
+    return [out, y] + [torch.zeros_like(t) if gr is None else gr for t, gr in zip(leaves + list(params), grads)]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("used", [("state", "readout"), ("state",), ("readout",)], ids=["both", "state", "readout"])
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.float32, 2e-5)], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("value_input, v_scale", [("state", 4.0), ("context", None)])
+@pytest.mark.parametrize("mode", ["delta", "write_only"])
+@pytest.mark.parametrize("dv", [4, 5])
+def test_kernel_with_the_next_readout_equals_seam_then_readout(dv, mode, value_input, v_scale, dtype, tol, used,
+                                                                threads):
+    """The seam that also makes the next CC compressor's readout (`kernels.delta_residual_readout`): X_next, the
+    readout and every gradient equal the spec's seam followed by `causal_token_readout`, whichever outputs are used
+    (a width of 44 leaves a remainder after the lanes; 3 x 50 tokens on 2 threads add up partial weight sums)."""
+    residual, x, h, c, u = _seam(dv, mode, value_input, v_scale, dtype, batch=3, seq_len=50 if threads == 2 else 4,
+                                 hidden_size=44, head_dim=22)
+    weight = torch.randn(1, 44, dv, generator=torch.Generator().manual_seed(3)).to(dtype)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ours = _run_with_readout(residual, x, h, c, u, weight, True, used)
+    finally:
+        torch.set_num_threads(previous)
+    spec = _run_with_readout(residual, x, h, c, u, weight, False, used)
+    names = "out readout x h c u readout_weight gate_weight gate_bias value_weight value_bias".split()
+    for name, a, b in zip(names, ours, spec):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol * max(1.0, b.abs().max().item()), msg=name)
+
+
 def test_second_derivative_raises():
     residual, x, h, c, u = _seam(1, "delta", "state", 4.0, torch.float64, edge_rows=False)
     h.requires_grad_()
@@ -215,9 +262,13 @@ def test_window_step_applies_only_without_autograd_in_one_dtype():
                                        {"ddl_value_channels": 1, "ddl_value_input": "context"}],
                          ids=["dv1", "dv4-cc-ec", "dv4-tc", "dv1-context"])
 def test_models_take_the_kernel_in_training_and_decoding(overrides, monkeypatch):
-    """Every sublayer of a training forward and of each decoding step goes through the kernel; the loss, every
+    """Every sublayer of a training forward and of each decoding step goes through the kernel (CC: the one that also
+    makes the next compressor's readout, so only the first compressor reads a state itself); the loss, every
     parameter's gradient and greedy generation equal the reference implementation's."""
-    calls = count_calls(monkeypatch, "delta_residual", "C++")
+    seams = count_calls(monkeypatch, "delta_residual", "C++")
+    with_readout = count_calls(monkeypatch, "delta_residual_readout", "C++")
+    readouts = count_calls(monkeypatch, "token_readout", "C++")
+    cc = overrides.get("ddl_value_channels", 4) > 1 and overrides.get("ddl_compressor", "cc") == "cc"
     models = {}
     for name, impl in (("reference", "reference"), ("fused", "auto")):
         torch.manual_seed(0)
@@ -228,12 +279,19 @@ def test_models_take_the_kernel_in_training_and_decoding(overrides, monkeypatch)
                     param.add_(0.1 * torch.randn_like(param))
     layers = models["fused"].config.num_hidden_layers
     ids = torch.randint(3, 99, (2, 8), generator=torch.Generator().manual_seed(1))
+    def assert_every_sublayer_took_it(forwards):
+        expected = (0, 2 * layers * forwards) if cc else (2 * layers * forwards, 0)
+        assert (len(seams), len(with_readout)) == expected
+        if cc:
+            assert len(readouts) == forwards
+        for calls in (seams, with_readout, readouts):
+            calls.clear()
+
     assert_same_loss_and_gradients(models, ids, loss_atol=1e-5, grad_rtol=1e-4, grad_atol=1e-5)
-    assert len(calls) == 2 * layers  # one training forward of the fused model: every sublayer
-    calls.clear()
+    assert_every_sublayer_took_it(1)  # one training forward of the fused model
     kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
     generated = {impl: m.eval().generate(ids[:1, :4], **kwargs) for impl, m in models.items()}
-    assert len(calls) == 5 * 2 * layers  # the prompt's forward, then 4 one-token steps
+    assert_every_sublayer_took_it(5)  # the prompt's forward, then 4 one-token steps
     assert torch.equal(generated["fused"], generated["reference"])
 
 

@@ -1,5 +1,7 @@
 // One sublayer's residual seam (`reference.delta_residual` with a single linear gate and a learned value): the gate,
-// the value and the delta update, forward and backward, in one pass over each token's rows (ddl_kernels/residual).
+// the value and the delta update, forward and backward, in one pass over each token's rows (ddl_kernels/residual);
+// optionally with the next compressor's one-tap readout of the new state, y[i] = sum_j w_r[j, i] X_next[j, i], which
+// then costs no pass of its own over the state (forward or backward).
 #include "common.h"
 
 namespace ddl {
@@ -10,7 +12,7 @@ namespace ddl {
 template <typename T, int NV>
 void seam_forward(const T* x, const T* h, const T* c, const T* u, const T* wb, T bb, const T* wv, const T* bv,
                   double scale, double eps, bool erase, int64_t n, int64_t nv, int64_t d, T* out, T* beta_out,
-                  T* v_out, T* s_out, T* hx_out) {
+                  T* v_out, T* s_out, T* hx_out, const T* wr, T* y) {
   const int64_t rows = NV > 0 ? NV : nv;
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     std::vector<T> coef(rows), ys(rows), hxs(rows, T(0));
@@ -35,6 +37,15 @@ void seam_forward(const T* x, const T* h, const T* c, const T* u, const T* wb, T
         const T* xj = xt + j * d; T* oj = ot + j * d; const T cj = coef[j];
 #pragma omp simd
         for (int64_t i = 0; i < d; ++i) oj[i] = xj[i] + ht[i] * cj;
+        if (!wr) continue;
+        const T* wj = wr + j * d; T* yt = y + t * d;  // the readout, while the row is in L1
+        if (j == 0) {
+#pragma omp simd
+          for (int64_t i = 0; i < d; ++i) yt[i] = wj[i] * oj[i];
+        } else {
+#pragma omp simd
+          for (int64_t i = 0; i < d; ++i) yt[i] += wj[i] * oj[i];
+        }
       }
     }
   });
@@ -43,15 +54,25 @@ void seam_forward(const T* x, const T* h, const T* c, const T* u, const T* wb, T
 template <typename T, int NV>
 void seam_backward(const T* g, const T* x, const T* h, const T* c, const T* u, const T* wb, const T* wv,
                    const T* beta_s, const T* v_s, const T* s_s, const T* hx_s, double scale, bool erase, int64_t u_kind,
-                   int64_t n, int64_t nv, int64_t d, T* gx, T* gh, T* gc, T* gu, T* gwb, T* gbb, T* gwv, T* gbv) {
+                   int64_t n, int64_t nv, int64_t d, T* gx, T* gh, T* gc, T* gu, T* gwb, T* gbb, T* gwv, T* gbv,
+                   const T* gy, const T* wr, T* gwr) {
   const int64_t rows = NV > 0 ? NV : nv;
-  const int64_t width = d + 1 + rows * d + rows;  // the weight gradients: dw, db, dW_v, db_v
+  const int64_t fields = d + 1 + rows * d + rows;  // the weight gradients: dw, db, dW_v, db_v (then dW_r)
+  const int64_t width = fields + (gy ? rows * d : 0);
   const auto total = sum_over_tokens<T>(n, width, [&](int64_t t, T* partial) {
     T* awb = partial; T* awv = awb + d + 1;
     thread_local std::vector<T> scratch;  // per-token numbers of each row (one buffer per thread, kept)
-    scratch.resize(4 * rows);
+    scratch.resize(4 * rows + (gy ? rows * d : 0));
     T* b = scratch.data(); T* a_g = b + rows; T* a_x = a_g + rows; T* dy = a_x + rows;
     const T* gt = g + t * rows * d; const T* xt = x + t * rows * d; const T* ht = h + t * d;
+    const T* gyt = gy ? gy + t * d : nullptr;
+    if (gy) {  // the state's whole gradient: G_j + w_r[j] * g_y (the readout's, never a tensor of its own)
+      T* gsum = dy + rows;
+      for (int64_t j = 0; j < rows * d; j += d)
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) gsum[j + i] = gt[j + i] + wr[j + i] * gyt[i];
+      gt = gsum;
+    }
     const T* ct = c + t * d; const T* ut = u + t * d;
     const T beta = beta_s[t], s = s_s[t];
     row_dots<T, NV>(ht, gt, d, rows, b);
@@ -90,8 +111,16 @@ void seam_backward(const T* g, const T* x, const T* h, const T* c, const T* u, c
     }
     awb[d] += dz;
     for (int64_t j = 0; j < rows; ++j) awv[rows * d + j] += dy[j];
+    if (!gy) return;
+    T* awr = partial + fields;  // dW_r[j] += X_next_j g_y, X_next_j = X_j + h (beta s t_j) recomputed as forward did
+    for (int64_t j = 0; j < rows; ++j) {
+      const T* xj = xt + j * d; T* awj = awr + j * d; const T cj = a_g[j];
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) awj[i] += (xj[i] + ht[i] * cj) * gyt[i];
+    }
   });
-  for (int64_t k = 0; k < width; ++k) {
+  for (int64_t k = fields; k < width; ++k) gwr[k - fields] = T(total[k]);
+  for (int64_t k = 0; k < fields; ++k) {
     T* dst = k < d ? gwb + k
                    : (k == d ? gbb : (k < d + 1 + rows * d ? gwv + (k - d - 1) : gbv + (k - d - 1 - rows * d)));
     *dst = T(total[k]);
@@ -111,11 +140,14 @@ void seam_backward(const T* g, const T* x, const T* h, const T* c, const T* u, c
 std::vector<at::Tensor> residual_forward(const at::Tensor& x, const at::Tensor& h, const at::Tensor& c,
                                          const at::Tensor& u, const at::Tensor& wb, const at::Tensor& bb,
                                          const at::Tensor& wv, const at::Tensor& bv, double scale, double eps,
-                                         bool erase, bool save) {
+                                         bool erase, bool save, const at::Tensor& wr) {
   const int64_t d = h.size(-1), n = h.numel() / d, nv = wv.size(0);
+  const bool read = wr.numel() > 0;  // wr: the next compressor's weight (d_v, d), or empty: no readout
   TORCH_CHECK(x.numel() == n * nv * d && c.numel() == n * d && u.numel() == n * d && wb.numel() == d &&
-              bb.numel() == 1 && wv.size(1) == d && bv.numel() == nv, "ddl residual_forward: mismatched shapes");
+              bb.numel() == 1 && wv.size(1) == d && bv.numel() == nv && (!read || wr.numel() == nv * d),
+              "ddl residual_forward: mismatched shapes");
   auto out = at::empty_like(x);
+  auto y = read ? at::empty_like(h) : at::empty({0}, h.options());
   at::Tensor stats;  // None when nothing is saved (inference)
   if (save) stats = at::empty({n * (2 + 2 * nv)}, h.options());
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "ddl_residual_forward", [&] {
@@ -124,22 +156,25 @@ std::vector<at::Tensor> residual_forward(const at::Tensor& x, const at::Tensor& 
                 u.data_ptr<scalar_t>(), wb.data_ptr<scalar_t>(), *bb.data_ptr<scalar_t>(), wv.data_ptr<scalar_t>(),
                 bv.data_ptr<scalar_t>(), scale, eps, erase, n, nv, d, out.data_ptr<scalar_t>(),
                 save ? st : nullptr, save ? st + 2 * n : nullptr, save ? st + n : nullptr,
-                save ? st + 2 * n + n * nv : nullptr);
+                save ? st + 2 * n + n * nv : nullptr, read ? wr.data_ptr<scalar_t>() : nullptr,
+                read ? y.data_ptr<scalar_t>() : nullptr);
   });
-  return {out, stats};
+  return {out, stats, y};
 }
 
 std::vector<at::Tensor> residual_backward(const at::Tensor& g, const at::Tensor& x, const at::Tensor& h,
                                           const at::Tensor& c, const at::Tensor& u, const at::Tensor& wb,
                                           const at::Tensor& wv, const at::Tensor& stats, double scale, bool erase,
-                                          int64_t u_kind) {
+                                          int64_t u_kind, const at::Tensor& gy, const at::Tensor& wr) {
   const int64_t d = h.size(-1), n = h.numel() / d, nv = wv.size(0);
-  TORCH_CHECK(g.numel() == x.numel() && x.numel() == n * nv * d && stats.numel() == n * (2 + 2 * nv),
-              "ddl residual_backward: mismatched shapes");
+  const bool read = gy.numel() > 0;  // gy: the readout's gradient (B, T, d) with its weight wr, or empty
+  TORCH_CHECK(g.numel() == x.numel() && x.numel() == n * nv * d && stats.numel() == n * (2 + 2 * nv) &&
+              (!read || (gy.numel() == n * d && wr.numel() == nv * d)), "ddl residual_backward: mismatched shapes");
   auto gx = at::empty_like(x), gh = at::empty_like(h), gc = at::empty_like(c);
   auto gu = u_kind == 0 ? at::empty_like(u) : at::empty({0}, u.options());
   auto gwb = at::empty_like(wb), gbb = at::empty({1}, wb.options()), gwv = at::empty_like(wv);
   auto gbv = at::empty({nv}, wv.options());
+  auto gwr = read ? at::empty_like(wr) : at::empty({0}, wv.options());
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "ddl_residual_backward", [&] {
     const scalar_t* st = stats.data_ptr<scalar_t>();
     DDL_BY_ROWS(nv, seam_backward, g.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), h.data_ptr<scalar_t>(),
@@ -147,9 +182,10 @@ std::vector<at::Tensor> residual_backward(const at::Tensor& g, const at::Tensor&
                 st + 2 * n, st + n, st + 2 * n + n * nv, scale, erase, u_kind, n, nv, d, gx.data_ptr<scalar_t>(),
                 gh.data_ptr<scalar_t>(), gc.data_ptr<scalar_t>(), u_kind == 0 ? gu.data_ptr<scalar_t>() : nullptr,
                 gwb.data_ptr<scalar_t>(), gbb.data_ptr<scalar_t>(), gwv.data_ptr<scalar_t>(),
-                gbv.data_ptr<scalar_t>());
+                gbv.data_ptr<scalar_t>(), read ? gy.data_ptr<scalar_t>() : nullptr,
+                read ? wr.data_ptr<scalar_t>() : nullptr, read ? gwr.data_ptr<scalar_t>() : nullptr);
   });
-  return {gx, gh, gc, gu, gwb, gbb, gwv, gbv};
+  return {gx, gh, gc, gu, gwb, gbb, gwv, gbv, gwr};
 }
 
 }  // namespace ddl

@@ -1,0 +1,115 @@
+"""A CC compressor's readout made by the update before it (`modeling_ddl.ReadoutAhead`, the C++ seam with the next
+readout): the model's numbers stay the specification's, the compressors are still called (their hooks see every
+readout), and a state that a hook replaced or changed in place is read again, never served a stale readout."""
+
+import pytest
+import torch
+
+from conftest import assert_same_loss_and_gradients, count_calls, tiny_config, trained_looking
+from ddl import DDLForCausalLM
+from ddl.modeling_ddl import DDLCompressor, ReadoutAhead
+from ddl.reference import causal_token_readout
+from ddl_kernels import build
+
+
+pytestmark = pytest.mark.skipif(build.kernels() is None, reason="the C++ CPU kernels could not be built here")
+
+VARIANTS = {"cc-ec": {}, "cc-matrix-per-sublayer": dict(ddl_cc_form="matrix", ddl_shared_compressor=False,
+                                                        ddl_embed_conv=False)}
+
+
+def _models(overrides, layers=3):
+    """{"reference": the specifications, "fused": the C++ kernels}: the same trained-looking weights."""
+    models = {}
+    for name, implementation in (("reference", "reference"), ("fused", "auto")):
+        torch.manual_seed(0)
+        model = DDLForCausalLM(tiny_config(num_hidden_layers=layers, ddl_implementation=implementation, **overrides))
+        torch.manual_seed(1)
+        models[name] = trained_looking(model)
+    return models
+
+
+def _ids(batch=2, length=9):
+    return torch.randint(3, 99, (batch, length), generator=torch.Generator().manual_seed(2))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_compressor_is_called_and_its_hooks_see_its_readout(variant, monkeypatch):
+    """2L + 1 compressor calls per forward, each output the specification's readout of the state it was given, while
+    all but the first were made by the updates (one C++ readout call per forward, of the embeddings' state)."""
+    model = _models(VARIANTS[variant])["fused"]
+    readouts = count_calls(monkeypatch, "token_readout", "C++")
+    seen = []
+    for module in model.modules():
+        if isinstance(module, DDLCompressor):
+            module.register_forward_hook(lambda module, args, out: seen.append((module, args[0], out)))
+    model(_ids(), labels=_ids()).loss.backward()
+    with torch.no_grad():
+        model.generate(_ids(1, 4), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    layers = model.config.num_hidden_layers
+    assert len(seen) == 3 * (2 * layers + 1) and len(readouts) == 3  # a training forward, a prompt, one step
+    for module, state, out in seen:
+        torch.testing.assert_close(out, causal_token_readout(state, module.derived_weight()), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_hook_that_replaces_a_blocks_output_is_read_again(variant):
+    """The next compressor gets the hook's tensor, not the one the update made a readout of: loss and gradients equal
+    the specification's with the same hook, and so do greedy tokens."""
+    models = _models(VARIANTS[variant])
+    steer = torch.linspace(-1, 1, 32)
+    for model in models.values():
+        model.model.layers[1].register_forward_hook(lambda module, args, out: 1.5 * out + steer)
+    assert_same_loss_and_gradients(models, _ids(), loss_atol=1e-5, grad_rtol=1e-4, grad_atol=1e-5)
+    kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    tokens = [model.generate(_ids(1, 4), **kwargs) for model in models.values()]
+    assert torch.equal(*tokens)
+
+
+def test_a_state_changed_in_place_is_read_again():
+    """A forward hook that changes a block's output in place (no autograd, as steering while decoding does): the
+    readout made before the change is not used; the logits equal the specification's with the same hook."""
+    models = _models({})
+    for model in models.values():
+        model.model.layers[0].register_forward_hook(lambda module, args, out: out.mul_(1.5))
+        model.model.layers[-1].register_forward_hook(lambda module, args, out: out.add_(0.25))  # the final readout's
+    with torch.no_grad():
+        logits = [model(_ids()).logits for model in models.values()]
+    torch.testing.assert_close(*logits, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("absent", ["zero3-partitioned", "offloaded-to-meta"])
+def test_a_compressor_whose_parameters_are_not_here_reads_itself(absent):
+    """A later block's parameters may be empty until its own forward (ZeRO-3), on the meta device (accelerate's
+    offload), or shards (FSDP2's DTensors, tests/test_fsdp2.py): such a compressor's weight is not taken ahead."""
+    model = _models({})["fused"]
+    ahead = ReadoutAhead(model.model.layers, model.model.readout, None)
+    first_update, second_compressor = model.model.layers[0].attn_delta, model.model.layers[0].compressor("mlp")
+    assert ahead.weight(first_update) is not None
+    if absent == "zero3-partitioned":
+        second_compressor.read.data = torch.empty(0)
+    else:
+        second_compressor.read = torch.nn.Parameter(torch.empty(4, device="meta"))
+    assert ahead.weight(first_update) is None
+    assert ahead.weight(model.model.layers[-1].mlp_delta) is not None  # the final readout's are here
+
+
+def test_under_reentrant_gradient_checkpointing_every_compressor_reads_its_state(monkeypatch):
+    """A reentrant recompute runs each block's forward without autograd, so a readout made in one block and read in
+    the next would be cut off its graph: there the updates make none, and the gradients are the specification's."""
+    models = _models({})
+    for model in models.values():
+        model.train().gradient_checkpointing_enable({"use_reentrant": True})
+    readouts = count_calls(monkeypatch, "token_readout", "C++")
+    assert_same_loss_and_gradients(models, _ids(), loss_atol=1e-5, grad_rtol=1e-4, grad_atol=1e-5)
+    assert len(readouts) >= 2 * models["fused"].config.num_hidden_layers + 1
+
+
+def test_in_inference_mode_every_compressor_reads_its_state(monkeypatch):
+    """Inference tensors keep no version counter to show an in-place change: no readouts made ahead there."""
+    models = _models({})
+    readouts = count_calls(monkeypatch, "token_readout", "C++")
+    with torch.inference_mode():
+        logits = [model(_ids()).logits for model in models.values()]
+    torch.testing.assert_close(*logits, rtol=1e-4, atol=1e-5)
+    assert len(readouts) == 2 * models["fused"].config.num_hidden_layers + 1
