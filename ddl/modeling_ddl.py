@@ -182,7 +182,8 @@ class ReadoutAhead:
     r"""CC compressors' readouts made by the updates before them, for one forward: a CC readout is per token, so
     `kernels.delta_residual_readout` makes it in the update's own pass over the state (forward and backward). The
     compressor is still called (its hooks see every readout) and uses one only for that very state, unchanged in
-    place; given another tensor (a hook's), it reads that one itself."""
+    place and in the graph; given another tensor (a hook's), it reads that one itself. Not where a block is recomputed
+    (gradient checkpointing; blocks wrapped by torch's checkpoint_wrapper or FSDP1), in inference mode, or a trace."""
 
     def __init__(self, layers, readout, cache):
         compressors = [layer.compressor(which) for layer in layers for which in ("attn", "mlp")] + [readout]
@@ -191,11 +192,13 @@ class ReadoutAhead:
         self.cache, self.kept = cache, None
 
     def weight(self, delta):
-        """The readout weight of the compressor after `delta`, or None: TC (its readout spans tokens), or parameters
-        not here as plain tensors (another block's under FSDP or ZeRO-3; offloaded by accelerate)."""
+        """The readout weight of the compressor after `delta`, or None: TC (its readout spans tokens), a compressor
+        whose pre-hooks may remake its weight (pruning), parameters not here as plain tensors (another block's under
+        FSDP2 or DeepSpeed; offloaded by accelerate), or inside a trace (regional compile)."""
         compressor = self.following.get(delta)
-        if compressor is None or compressor.kind == "tc" or not all(
-                type(p) is nn.Parameter and p.numel() and not p.is_meta for p in compressor._parameters.values()):
+        if compressor is None or compressor.kind == "tc" or compressor._forward_pre_hooks or not all(
+                type(p) is nn.Parameter and p.numel() and not p.is_meta and not hasattr(p, "ds_id")
+                for p in compressor._parameters.values()) or torch.compiler.is_compiling():
             return None
         self.kept = compressor
         return compressor.readout_weight(self.cache)
@@ -205,9 +208,12 @@ class ReadoutAhead:
         return state
 
     def take(self, compressor, state):
-        """The readout kept for `compressor` of this state, or None (none made, or another tensor); let go."""
+        """The readout kept for `compressor` of this state, or None (none made, another tensor, or made without
+        autograd for a state with it: a reentrant checkpoint's forward); let go."""
         kept, self.kept = self.kept, None
-        return kept[3] if kept and kept[0] is compressor and kept[1] is state and kept[2] == state._version else None
+        if kept and kept[0] is compressor and kept[1] is state and kept[2] == state._version and kept[3] is not None:
+            return kept[3] if kept[3].requires_grad or not state.requires_grad else None
+        return None
 
 
 class DDLDeltaResidual(nn.Module):
@@ -653,7 +659,7 @@ class DDLModel(DDLPreTrainedModel):
         layers = self.layers[: self.config.num_hidden_layers]
         ahead = ReadoutAhead(layers, readout, cache) if readout is not None and readout.kind != "tc" and not (
             self.gradient_checkpointing and self.training or torch.is_inference_mode_enabled()
-            or torch.compiler.is_compiling()) else None  # (a reentrant recompute; no version counters; a trace)
+            or torch.compiler.is_compiling()) and all(isinstance(layer, DDLDecoderLayer) for layer in layers) else None
         for i, decoder_layer in enumerate(layers):
             hidden_states = decoder_layer(hidden_states, attention_mask=causal_mask,
                                           position_embeddings=position_embeddings, position_ids=position_ids,

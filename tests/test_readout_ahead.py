@@ -113,3 +113,49 @@ def test_in_inference_mode_every_compressor_reads_its_state(monkeypatch):
         logits = [model(_ids()).logits for model in models.values()]
     torch.testing.assert_close(*logits, rtol=1e-4, atol=1e-5)
     assert len(readouts) == 2 * models["fused"].config.num_hidden_layers + 1
+
+
+@pytest.mark.parametrize("impl", ["reentrant", "non-reentrant"])
+def test_blocks_wrapped_by_torchs_checkpoint_get_the_specifications_gradients(impl):
+    """torch's own activation checkpointing (`apply_activation_checkpointing`, as FSDP and accelerate apply it)
+    wraps each block: a block's recompute must find the readouts it made in its first forward, so none is made ahead
+    (reentrant: wrong gradients, embeddings' none; non-reentrant: a CheckpointError on different saved tensors)."""
+    from functools import partial
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointImpl,
+                                                                             apply_activation_checkpointing,
+                                                                             checkpoint_wrapper)
+
+    from ddl.modeling_ddl import DDLDecoderLayer
+
+    models = _models({})
+    wrapper = partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.REENTRANT if impl == "reentrant" else
+                      CheckpointImpl.NO_REENTRANT)
+    for model in models.values():
+        apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper,
+                                       check_fn=lambda module: isinstance(module, DDLDecoderLayer))
+        model.train()
+    ids = _ids()
+    losses = {name: model(ids, labels=ids, use_cache=False).loss for name, model in models.items()}
+    for loss in losses.values():
+        loss.backward()
+    torch.testing.assert_close(losses["fused"], losses["reference"], rtol=1e-5, atol=1e-5)
+    reference = dict(models["reference"].named_parameters())
+    for name, param in models["fused"].named_parameters():
+        assert param.grad is not None, name
+        torch.testing.assert_close(param.grad, reference[name].grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_compressor_whose_pre_hooks_remake_its_weight_reads_itself():
+    """Pruning remakes a weight from its `_orig` in a forward pre-hook: the weight the update before would read is
+    the previous forward's, so none is taken ahead (after an in-place step on `_orig`, as an optimizer makes)."""
+    from torch.nn.utils import prune
+
+    models = _models({})
+    for model in models.values():
+        prune.l1_unstructured(model.model.readout, "conv_weight", amount=0.5)
+        model(_ids())  # the pre-hook sets conv_weight from conv_weight_orig
+        with torch.no_grad():
+            model.model.readout.conv_weight_orig.mul_(-2.0)
+    logits = [model(_ids()).logits for model in models.values()]
+    torch.testing.assert_close(*logits, rtol=1e-4, atol=1e-5)
