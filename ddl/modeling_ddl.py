@@ -183,7 +183,8 @@ class ReadoutAhead:
     `kernels.delta_residual_readout` makes it in the update's own pass over the state (forward and backward). The
     compressor is still called (its hooks see every readout) and uses one only for that very state, unchanged in
     place and in the graph; given another tensor (a hook's), it reads that one itself. Not where a block is recomputed
-    (gradient checkpointing; blocks wrapped by torch's checkpoint_wrapper or FSDP1), in inference mode, or a trace."""
+    (gradient checkpointing; blocks wrapped by torch's checkpoint_wrapper or FSDP1), in inference mode, in a trace,
+    or in a one-token decoding step (what it saves there, its own Python steps cost)."""
 
     def __init__(self, layers, readout, cache):
         compressors = [layer.compressor(which) for layer in layers for which in ("attn", "mlp")] + [readout]
@@ -657,7 +658,8 @@ class DDLModel(DDLPreTrainedModel):
         record = kwargs.get("output_hidden_states", self.config.output_hidden_states)
         readout = getattr(self, "readout", None)
         layers = self.layers[: self.config.num_hidden_layers]
-        ahead = ReadoutAhead(layers, readout, cache) if readout is not None and readout.kind != "tc" and not (
+        ahead = ReadoutAhead(layers, readout, cache) if readout is not None and readout.kind != "tc" and (
+            torch.is_grad_enabled() or inputs_embeds.shape[1] > 1) and not (  # (not a decoding step: no gain there)
             self.gradient_checkpointing and self.training or torch.is_inference_mode_enabled()
             or torch.compiler.is_compiling()) and all(isinstance(layer, DDLDecoderLayer) for layer in layers) else None
         for i, decoder_layer in enumerate(layers):

@@ -262,9 +262,9 @@ def test_window_step_applies_only_without_autograd_in_one_dtype():
                                        {"ddl_value_channels": 1, "ddl_value_input": "context"}],
                          ids=["dv1", "dv4-cc-ec", "dv4-tc", "dv1-context"])
 def test_models_take_the_kernel_in_training_and_decoding(overrides, monkeypatch):
-    """Every sublayer of a training forward and of each decoding step goes through the kernel (CC: the one that also
-    makes the next compressor's readout, so only the first compressor reads a state itself); the loss, every
-    parameter's gradient and greedy generation equal the reference implementation's."""
+    """Every sublayer of a training forward and of each decoding step goes through the kernel (CC, but for one-token
+    steps: the one that also makes the next compressor's readout, so only the first compressor reads a state); the
+    loss, every parameter's gradient and greedy generation equal the reference implementation's."""
     seams = count_calls(monkeypatch, "delta_residual", "C++")
     with_readout = count_calls(monkeypatch, "delta_residual_readout", "C++")
     readouts = count_calls(monkeypatch, "token_readout", "C++")
@@ -279,11 +279,12 @@ def test_models_take_the_kernel_in_training_and_decoding(overrides, monkeypatch)
                     param.add_(0.1 * torch.randn_like(param))
     layers = models["fused"].config.num_hidden_layers
     ids = torch.randint(3, 99, (2, 8), generator=torch.Generator().manual_seed(1))
-    def assert_every_sublayer_took_it(forwards):
-        expected = (0, 2 * layers * forwards) if cc else (2 * layers * forwards, 0)
+    def assert_every_sublayer_took_it(forwards, steps=0):
+        """`forwards` of several tokens (CC: the readouts made ahead), then `steps` one-token decoding steps (not)."""
+        expected = (2 * layers * steps, 2 * layers * forwards) if cc else (2 * layers * (forwards + steps), 0)
         assert (len(seams), len(with_readout)) == expected
         if cc:
-            assert len(readouts) == forwards
+            assert len(readouts) == forwards + steps * (2 * layers + 1)
         for calls in (seams, with_readout, readouts):
             calls.clear()
 
@@ -291,7 +292,7 @@ def test_models_take_the_kernel_in_training_and_decoding(overrides, monkeypatch)
     assert_every_sublayer_took_it(1)  # one training forward of the fused model
     kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
     generated = {impl: m.eval().generate(ids[:1, :4], **kwargs) for impl, m in models.items()}
-    assert_every_sublayer_took_it(5)  # the prompt's forward, then 4 one-token steps
+    assert_every_sublayer_took_it(1, 4)  # the prompt's forward, then 4 one-token steps
     assert torch.equal(generated["fused"], generated["reference"])
 
 
