@@ -69,6 +69,11 @@ def _accelerators():
     return ddl_kernels.implementations()
 
 
+def offered(op, implementation):
+    """Whether any implementation of `op` that `implementation` allows is installed (to skip preparing its inputs)."""
+    return any(implementation in impl.choices for impl in registries()[op])
+
+
 def _run(op, implementation, *args):
     """The result of the first implementation of `op` that `implementation` allows and that serves `args`."""
     for impl in registries()[op]:
@@ -152,5 +157,5 @@ def _with_history(op, implementation, x, weight, history):
     return out if history is None else out[:, weight.shape[0] - 1 :]
 
 
-__all__ = ["INTERFACE_VERSION", "delta_residual", "delta_residual_readout", "delta_update", "registries",
+__all__ = ["INTERFACE_VERSION", "delta_residual", "delta_residual_readout", "delta_update", "offered", "registries",
            "token_conv", "token_readout", "window_step"]

@@ -31,7 +31,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_ddl import DDLConfig, conv_state_slots
 from .fused import _dot_h
-from .kernels import delta_residual, delta_residual_readout, token_conv, token_readout, window_step
+from .kernels import delta_residual, delta_residual_readout, offered, token_conv, token_readout, window_step
 from .packing import Padding, check_documents_start, find_documents
 from .reference import constant_value, delta_gate, delta_update, delta_value
 
@@ -659,6 +659,7 @@ class DDLModel(DDLPreTrainedModel):
         readout = getattr(self, "readout", None)
         layers = self.layers[: self.config.num_hidden_layers]
         ahead = ReadoutAhead(layers, readout, cache) if readout is not None and readout.kind != "tc" and (
+            inputs_embeds.is_cpu and offered("delta_residual_readout", implementation)) and (  # (C++ only)
             torch.is_grad_enabled() or inputs_embeds.shape[1] > 1) and not (  # (not a decoding step: no gain there)
             self.gradient_checkpointing and self.training or torch.is_inference_mode_enabled()
             or torch.compiler.is_compiling()) and all(isinstance(layer, DDLDecoderLayer) for layer in layers) else None

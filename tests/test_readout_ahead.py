@@ -160,3 +160,14 @@ def test_a_compressor_whose_pre_hooks_remake_its_weight_reads_itself():
             model.model.readout.conv_weight_orig.mul_(-2.0)
     logits = [model(_ids()).logits for model in models.values()]
     torch.testing.assert_close(*logits, rtol=1e-4, atol=1e-5)
+
+
+def test_where_no_implementation_makes_readouts_ahead_no_weight_is_made_for_one(monkeypatch):
+    """With only the PyTorch paths allowed (as on a GPU), each compressor's weight is made once per forward, by the
+    compressor: not a second time for an update that could not use it."""
+    model = DDLForCausalLM(tiny_config(num_hidden_layers=3, ddl_implementation="torch"))
+    made = []
+    original = DDLCompressor.derived_weight
+    monkeypatch.setattr(DDLCompressor, "derived_weight", lambda self: made.append(self) or original(self))
+    model(_ids(), labels=_ids()).loss.backward()
+    assert len(made) == 2 * model.config.num_hidden_layers + 1
