@@ -56,10 +56,15 @@ def outside_zero3():
 def end_process_group() -> None:
     """Destroys this process's process group, if one formed, before the interpreter exits (PyTorch asks for it at the
     end of main): a gloo group left to interpreter teardown can abort the process (SIGABRT, "terminate called without
-    an active exception") after its work is done, failing a finished run under torchrun."""
+    an active exception") after its work is done, failing a finished run under torchrun. The finished run's Trainer
+    and its DDP-wrapped model are collected first: left in reference cycles, they would hold the group past
+    `destroy_process_group` (which only drops PyTorch's own references) until teardown otherwise."""
+    import gc
+
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
 
 
