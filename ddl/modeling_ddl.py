@@ -205,6 +205,7 @@ class ReadoutAhead:
         return compressor.readout_weight(self.cache)
 
     def keep(self, state, readout):
+        self.following = self.following if readout is not None else {}  # none made (no C++ build): fold no more
         self.kept = (self.kept, state, state._version, readout)
         return state
 

@@ -171,3 +171,17 @@ def test_where_no_implementation_makes_readouts_ahead_no_weight_is_made_for_one(
     monkeypatch.setattr(DDLCompressor, "derived_weight", lambda self: made.append(self) or original(self))
     model(_ids(), labels=_ids()).loss.backward()
     assert len(made) == 2 * model.config.num_hidden_layers + 1
+
+
+def test_where_the_cpu_kernels_are_not_there_one_update_tries_and_the_rest_do_not(monkeypatch):
+    """"auto" on the CPU, ddl_kernels installed, its C++ build switched off or failed (DDL_CPU_KERNEL=0): the first
+    update folds its next compressor's weight, gets no readout, and no later update of that forward folds one."""
+    from ddl_kernels import build
+
+    monkeypatch.setattr(build, "_ops", False)  # what a failed or switched-off build leaves
+    model = DDLForCausalLM(tiny_config(num_hidden_layers=3))
+    made = []
+    original = DDLCompressor.derived_weight
+    monkeypatch.setattr(DDLCompressor, "derived_weight", lambda self: made.append(self) or original(self))
+    model(_ids(), labels=_ids()).loss.backward()
+    assert len(made) == 2 * model.config.num_hidden_layers + 2
