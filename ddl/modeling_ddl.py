@@ -138,6 +138,7 @@ class StateRebuild:
         pack, unpack = lambda t: chain()._pack(t), lambda s: s[0].state(s[1]) if isinstance(s, tuple) else s
         self.hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         self.states, self.versions, self.writes, self.live = [x0.detach()], [x0._version], [], weakref.ref(x0)
+        self.buffer, self.held = None, None  # (backward's rebuilt state, and which one it holds)
 
     def push(self, x, x_next, h):
         """Records the update x -> x_next, written along h, and lets go of x (if x is the live state)."""
@@ -162,20 +163,24 @@ class StateRebuild:
                                "rebuild the states before it; set model.config.ddl_rebuild_states = False.")
 
     def state(self, index):
-        """X_index: held, or rebuilt from the nearest held state above (then let go, unless it is the last)."""
+        """X_index: the last state as the forward left it, or rebuilt downwards in the chain's one buffer, in place
+        (backward asks for the states in reverse; a second backward starts from the last state again)."""
         if torch.is_grad_enabled():
             raise RuntimeError("DDL: a second derivative (create_graph=True) through states rebuilt in backward is not "
                                "supported; set model.config.ddl_rebuild_states = False.")
-        above = next(i for i in range(index, len(self.states)) if self.states[i] is not None)
-        self._check(above)
-        x = self.states[above]
-        for h, w in reversed(self.writes[index:above]):
-            x = torch.addcmul(x, h.unsqueeze(-2), w.unsqueeze(-1), value=-1.0)
-        if above > index:
-            self.states[index], self.versions[index] = x, x._version
-            if above < len(self.states) - 1:
-                self.states[above] = None
-        return x
+        top = len(self.states) - 1
+        self._check(top)
+        if index == top:
+            return self.states[top]
+        if self.held is None or self.held < index:  # (from the last state, into the buffer: no copy of it first)
+            h, w = self.writes[top - 1]
+            self.buffer = torch.addcmul(self.states[top], h.unsqueeze(-2), w.unsqueeze(-1), value=-1.0,
+                                        out=self.buffer)
+            self.held = top - 1
+        for h, w in reversed(self.writes[index:self.held]):
+            self.buffer.addcmul_(h.unsqueeze(-2), w.unsqueeze(-1), value=-1.0)
+        self.held = index
+        return self.buffer
 
 
 class ReadoutAhead:
