@@ -113,9 +113,10 @@ class DDLConfig(LlamaConfig):
             TC and EC at identity (ddl's earlier choice).
         ddl_init_std_factor (`float`, *optional*, defaults to 0.5):
             f of the authors' initialisation (their `hidden_init_std_factor`).
-        ddl_rebuild_states (`bool`, *optional*, defaults to False):
+        ddl_rebuild_states (`bool`, *optional*, defaults to True):
             Training with d_v > 1 in fp32/fp64: rebuild each expanded state in backward from the next one instead of
-            keeping it (`modeling_ddl.StateRebuild`: less memory, the same gradients up to rounding, a few % slower).
+            keeping it (`modeling_ddl.StateRebuild`: less memory, the same gradients up to rounding). False keeps the
+            states, for a second derivative (`create_graph=True`) or code that changes a state in place.
 
     Runtime choice, not saved (like `attn_implementation`): `ddl_implementation` (`"auto"` | `"triton"` | `"torch"` |
     `"reference"`, see `ddl.kernels`), on the config, in `from_pretrained(...)` or as `DDL_IMPLEMENTATION`.
@@ -152,7 +153,7 @@ class DDLConfig(LlamaConfig):
     qk_norm_position: str = "after_rope"
     ddl_initialization: str = "authors"
     ddl_init_std_factor: float = 0.5
-    ddl_rebuild_states: bool = False
+    ddl_rebuild_states: bool = True
     layer_types: list[str] | None = None
     number_of_conv_states: int = 0
 

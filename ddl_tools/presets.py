@@ -147,8 +147,8 @@ def check_ddl_environment() -> None:
     except ValueError as err:
         raise UsageError(str(err)) from err
     if os.environ.get("DDL_REBUILD_STATES", "").strip().lower() not in ("", "off"):
-        logger.warning("DDL_REBUILD_STATES is ignored: to rebuild the expanded states in backward, pass "
-                       "--ddl_rebuild_states True (DDLConfig.ddl_rebuild_states).")
+        logger.warning("DDL_REBUILD_STATES is ignored: the expanded states are rebuilt in backward by default; "
+                       "--ddl_rebuild_states False keeps them (DDLConfig.ddl_rebuild_states).")
 
 
 # DDLConfig fields that switch how training runs, not what the model is: their flags apply to a loaded checkpoint

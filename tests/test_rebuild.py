@@ -93,6 +93,14 @@ def test_backward_keeps_only_the_last_state(variant, cpu_kernel_on_or_off):
     assert _live_states(_model(True, **VARIANTS[variant]), **batch) == 1  # the last block's, read by the final readout
 
 
+def test_a_fresh_model_rebuilds_by_default():
+    """The default config trains with the rebuild (the peak memory the bench reports), in fp32 as users train."""
+    torch.manual_seed(0)
+    model = trained_looking(DDLForCausalLM(tiny_config(num_hidden_layers=3)), scale=0.3)
+    assert model.config.ddl_rebuild_states is True
+    assert _live_states(model, **_batches()["plain"]) == 1
+
+
 def test_where_it_does_not_apply_the_states_are_kept():
     """bf16 states (rounding would compound over depth), gradient checkpointing (its own hooks), flag off."""
     batch = _batches()["plain"]

@@ -181,10 +181,11 @@ def test_a_training_switch_applies_to_the_checkpoint_it_fine_tunes(trained, tmp_
     """--ddl_rebuild_states switches how training runs, not what the model is: with --model_name_or_path it is not
     refused as the shaping --ddl_* flags are (it was), and the fine-tuned model's config has it."""
     checkpoint, _ = trained
-    out = tmp_path / "rebuilt"
+    out = tmp_path / "kept"
     run_train("--model_name_or_path", str(checkpoint), "--train_file", str(text_file), "--output_dir", str(out),
-              *TINY_RUN, "--max_steps", "1", "--eval_steps", "1", "--save_steps", "1", "--ddl_rebuild_states", "True")
-    assert json.loads((out / "config.json").read_text())["ddl_rebuild_states"] is True
+              *TINY_RUN, "--max_steps", "1", "--eval_steps", "1", "--save_steps", "1", "--ddl_rebuild_states", "False")
+    assert json.loads((checkpoint / "config.json").read_text())["ddl_rebuild_states"] is True  # (the default)
+    assert json.loads((out / "config.json").read_text())["ddl_rebuild_states"] is False
 
 
 def test_every_variant_field_of_the_config_is_a_flag():
