@@ -18,6 +18,7 @@ from transformers import (
 from conftest import TINY, count_calls, in_hf_cache, seeded, tiny_config, trained_looking
 from ddl import DDLConfig, DDLForCausalLM, DDLModel
 from ddl.fused import as_taps
+from ddl.configuration_ddl import conv_state_slots
 from ddl.modeling_ddl import DDLCompressor, DDLDeltaResidual, DDLEmbedConv
 
 
@@ -659,3 +660,16 @@ def test_generate_steps_read_the_forward_signature_kept_on_it():
     kept = vars(forward).get("__signature__")
     assert kept is not None and inspect.signature(forward) is kept
     assert kept == inspect.signature(inspect.unwrap(forward)) and DDLForCausalLM.is_remote_code()
+
+
+def test_decoding_steps_do_not_derive_the_conv_state_slots(monkeypatch):
+    """generate() passes position ids on every step; the start-of-sequence check of packed documents that they ask
+    for (EC/TC) is for a forward at the start of the cache only, so a decoding step derives nothing for it."""
+    import ddl.modeling_ddl as modeling
+
+    model = DDLForCausalLM(tiny_config(ddl_value_channels=4, ddl_compressor="tc", ddl_embed_conv=True)).eval()
+    derived = []
+    monkeypatch.setattr(modeling, "conv_state_slots", lambda config: derived.append(1) or conv_state_slots(config))
+    with torch.no_grad():
+        model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert len(derived) == 1  # (the prompt's forward)
