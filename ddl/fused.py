@@ -194,5 +194,13 @@ def window_step(past, x, weight):
     return products.sum(-1).sum(1).to(dtype).unsqueeze(1)  # two reductions: faster than one over (1, 3)
 
 
-__all__ = ["as_taps", "conv", "fused_delta_update", "readout", "readout_backward", "readout_forward",
+def conv_step(past, x, weight):
+    """`kernels.conv_step` in PyTorch: the specification on the window (the cached inputs, then x), so that token by
+    token it gives what `conv` gives for the whole sequence, bit for bit in every dtype; then the window advanced."""
+    out = causal_token_conv(x, weight, past.transpose(1, 2))
+    past.copy_(torch.cat([past, x.reshape(x.shape[0], -1, 1).to(past.dtype)], dim=-1)[..., 1:])
+    return out
+
+
+__all__ = ["as_taps", "conv", "conv_step", "fused_delta_update", "readout", "readout_backward", "readout_forward",
            "window_step"]

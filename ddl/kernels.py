@@ -6,6 +6,7 @@ r"""How each DDL operation runs: one registry per operation, and the first imple
     token_readout    a CC/TC compressor or the final readout of the state  (spec: `reference.causal_token_readout`)
     window_step      a TC decoding step's readout, advancing its window    (the same spec, one token)
     token_conv       EC, the embedding convolution                         (spec: `reference.causal_token_conv`)
+    conv_step        an EC decoding step, advancing its window              (the same spec, one token)
 
 Implementations in the order tried, each saying which inputs it serves: `ddl_kernels`' (C++ for CPU, Triton for
 CUDA; installed with this `INTERFACE_VERSION`), then `ddl.fused`'s PyTorch. `implementation` says which may run:
@@ -20,6 +21,7 @@ import torch
 from transformers.utils import logging
 
 from .fused import as_taps, conv, fused_delta_update, readout
+from .fused import conv_step as torch_conv_step
 from .fused import window_step as torch_window_step
 from .reference import causal_token_conv, causal_token_readout
 from .reference import delta_residual as reference_residual
@@ -40,6 +42,7 @@ _TORCH = {  # what serves every input of an operation, last in its registry
     "token_readout": [Implementation("PyTorch readout", _PYTORCH, _any, readout)],
     "window_step": [Implementation("PyTorch window step", _PYTORCH, _any, torch_window_step)],
     "token_conv": [Implementation("PyTorch EC", _PYTORCH, _any, conv)],
+    "conv_step": [Implementation("PyTorch EC step", _PYTORCH, _any, torch_conv_step)],
 }
 _registries = None
 
@@ -150,6 +153,14 @@ def token_conv(x, weight, history=None, implementation="auto"):
     return _with_history("token_conv", implementation, x, weight, history)
 
 
+def conv_step(past, x, weight, implementation="auto"):
+    r"""EC `(B, 1, d_v, d)` of a decoding step's embedding x `(B, 1, d)` from the K-1 embeddings before it, `past`
+    `(B, d, K-1)` as the cache keeps them (time last; no autograd), then advanced in place."""
+    if implementation == "reference":  # (the PyTorch step is the specification's operations on the window)
+        return torch_conv_step(past, x, weight)
+    return _run("conv_step", implementation, past, x, weight)
+
+
 def _with_history(op, implementation, x, weight, history):
     if history is not None:
         x = torch.cat([history, x], dim=1)
@@ -157,5 +168,5 @@ def _with_history(op, implementation, x, weight, history):
     return out if history is None else out[:, weight.shape[0] - 1 :]
 
 
-__all__ = ["INTERFACE_VERSION", "delta_residual", "delta_residual_readout", "delta_update", "offered", "registries",
-           "token_conv", "token_readout", "window_step"]
+__all__ = ["INTERFACE_VERSION", "conv_step", "delta_residual", "delta_residual_readout", "delta_update", "offered",
+           "registries", "token_conv", "token_readout", "window_step"]

@@ -32,7 +32,8 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_ddl import DDLConfig, conv_state_slots
 from .fused import _dot_h
-from .kernels import delta_residual, delta_residual_readout, offered, token_conv, token_readout, window_step
+from .kernels import conv_step, delta_residual, delta_residual_readout, offered, token_conv, token_readout
+from .kernels import window_step
 from .packing import Padding, check_documents_start, find_documents
 from .reference import constant_value, delta_gate, delta_update, delta_value
 
@@ -87,8 +88,9 @@ def _derived_for_cache(cache, module, make):
 
 
 def steppable_window(cache, layer_idx, slot, kernel_size):
-    """The K-1 inputs before a decoding step's token `(B, C, K-1)` where the cache keeps them, for `window_step` to
-    read and advance in place; None where it keeps none or its whole past (assisted decoding crops it)."""
+    """The K-1 inputs before a decoding step's token `(B, C, K-1)` where the cache keeps them, for its step
+    (`window_step`, `conv_step`) to read and advance in place; None where it keeps none or its whole past (assisted
+    decoding crops it)."""
     if cache is None or kernel_size == 1 or not cache.has_previous_state(layer_idx, slot):
         return None
     layer = cache.layers[layer_idx]
@@ -114,10 +116,10 @@ def convolve_tokens(op, x, weight, cache=None, layer_idx=0, slot=None, padding=N
         if padding.compacts and kernel > 1:
             x, window = padding.compact(x, kernel, cache, layer_idx, slot)
             return padding.restore(op(x, weight, window_history(window, x), implementation), kernel)
-    if op is token_readout and x.shape[1] == 1 and documents is None and not torch.is_grad_enabled():
+    if x.shape[1] == 1 and documents is None and not torch.is_grad_enabled():
         past = steppable_window(cache, layer_idx, slot, kernel)
         if past is not None:  # a decoding step: read and advanced where the cache keeps it
-            return window_step(past, x, weight, implementation)
+            return (window_step if op is token_readout else conv_step)(past, x, weight, implementation)
     window = cached_window(x, kernel, cache, layer_idx, slot, documents)
     history = window_history(window, x)
     if documents is not None:

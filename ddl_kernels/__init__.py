@@ -8,7 +8,8 @@ front of its own, in this order; each says next to its code which inputs it serv
     residual/   the residual seam (gate, value and delta update; with the next CC readout) in C++ for CPU; the
                 delta update in Triton for CUDA
     readout/    the TC readout of the expanded state (CC: one tap) and a decoding step's window step: C++; Triton
-    conv/       EC, the embedding convolution: C++; Triton (the readout's kernels run the other way)
+    conv/       EC, the embedding convolution: C++; Triton (the readout's kernels run the other way); a decoding
+                step's EC from the cached window: C++
     build.py    building the C++ kernels once per machine (`python -m ddl_kernels.build`; else on first use)
 
 Every implementation is tested against the specification on outputs and every gradient (tests/test_cpu_kernel.py,
@@ -66,6 +67,7 @@ def implementations():
         "token_readout": [readout_cpu.READOUT],
         "window_step": [readout_cpu.STEP],
         "token_conv": [conv_cpu.CONV],
+        "conv_step": [conv_cpu.STEP],
     }
     if torch.cuda.is_available():
         from .conv import triton as conv_triton

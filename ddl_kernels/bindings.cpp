@@ -17,6 +17,7 @@ std::vector<at::Tensor> readout_backward(const at::Tensor& g, const at::Tensor& 
 at::Tensor window_step(at::Tensor& past, const at::Tensor& x, const at::Tensor& taps);
 at::Tensor conv_forward(const at::Tensor& x, const at::Tensor& taps);
 std::vector<at::Tensor> conv_backward(const at::Tensor& g, const at::Tensor& x, const at::Tensor& taps);
+at::Tensor conv_step(at::Tensor& past, const at::Tensor& x, const at::Tensor& weight);
 }  // namespace ddl
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -27,4 +28,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("window_step", &ddl::window_step, "one decoding step's readout of the cached window, advanced in place");
   m.def("conv_forward", &ddl::conv_forward, "EC");
   m.def("conv_backward", &ddl::conv_backward, "EC's gradients");
+  m.def("conv_step", &ddl::conv_step, "one decoding step's EC from the cached window, advanced in place");
 }

@@ -258,6 +258,20 @@ def test_window_step_applies_only_without_autograd_in_one_dtype():
     assert not serves(past, x, taps)  # grad enabled: the kernel has no backward
 
 
+def test_ec_step_applies_only_without_autograd_in_one_dtype():
+    serves = conv_cpu.step_serves
+    past, x, weight = torch.zeros(2, 3, 3), torch.zeros(2, 1, 3), torch.zeros(4, 3, 2)  # (B, d, K-1), (K, d, d_v)
+    with torch.no_grad():
+        assert serves(past, x, weight) and serves(past.double(), x.double(), weight.double())
+        assert not serves(past, x, weight.double()) and not serves(past, x.double(), weight)
+        assert not serves(past.bfloat16(), x.bfloat16(), weight.bfloat16())
+        assert not serves(torch.zeros(2, 3, 3).transpose(1, 2), x, weight)  # it is advanced in place: contiguous only
+        assert not serves(past, x, torch.zeros(4, 2, 3).transpose(1, 2))  # read in the model's layout
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert not serves(past, x, weight)
+    assert not serves(past, x, weight)  # grad enabled: the kernel has no backward
+
+
 @pytest.mark.parametrize("overrides", [{"ddl_value_channels": 1}, {}, {"ddl_compressor": "tc", "ddl_embed_conv": False},
                                        {"ddl_value_channels": 1, "ddl_value_input": "context"}],
                          ids=["dv1", "dv4-cc-ec", "dv4-tc", "dv1-context"])

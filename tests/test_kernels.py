@@ -8,7 +8,7 @@ import torch
 from conftest import assert_same_loss_and_gradients, seeded, tiny_config
 from ddl import DDLForCausalLM, kernels
 from ddl.fused import fused_delta_update
-from ddl.kernels import token_conv, token_readout, window_step
+from ddl.kernels import conv_step, token_conv, token_readout, window_step
 from ddl.modeling_ddl import window_history
 from ddl.reference import causal_token_conv, causal_token_readout, delta_update
 
@@ -148,11 +148,11 @@ def _cache_window(history, x):
 
 def _from_window(op, x, weight, window, implementation="auto"):
     """The readout (or EC) of x given its window as the cache holds it, as `modeling_ddl.convolve_tokens` runs it: a
-    decoding step's readout reads the K-1 inputs before x in place and advances them (checked: to the window's last
-    K-1), anything else gets the window's history back."""
-    if op is token_readout and x.shape[1] == 1 and not torch.is_grad_enabled():
+    decoding step reads the K-1 inputs before x in place and advances them (checked: to the window's last K-1),
+    anything else gets the window's history back."""
+    if x.shape[1] == 1 and not torch.is_grad_enabled():
         past = window[..., :-1].contiguous()
-        out = window_step(past, x, weight, implementation)
+        out = (window_step if op is token_readout else conv_step)(past, x, weight, implementation)
         torch.testing.assert_close(past, window[..., 1:], rtol=0, atol=0)
         return out
     return op(x, weight, window_history(window, x), implementation)
@@ -197,6 +197,22 @@ def test_window_step_equals_the_spec_for_one_token(implementation, kernel, cpu_k
         whole = token_readout(x, weight, None, implementation)
         torch.testing.assert_close(steps, whole, rtol=tol, atol=tol)
         torch.testing.assert_close(past, _cache_window(x[:, 12 - kernel :], x[:, :0]), rtol=0, atol=0)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kernel", [2, 4])
+@pytest.mark.parametrize("implementation", ["auto", "torch", "reference"])
+def test_conv_step_equals_the_spec_for_one_token(implementation, kernel, cpu_kernel_on_or_off):
+    """EC token after token from the cache's window (advanced in place by each step) equals EC of the whole sequence,
+    and the window ends as the last K-1 embeddings."""
+    g = seeded(2)
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-6)):
+        x = torch.randn(2, 11, 5, generator=g, dtype=dtype)
+        weight = torch.randn(kernel, 5, 3, generator=g, dtype=dtype)
+        past = torch.zeros(2, 5, kernel - 1, dtype=dtype)  # (B, d, K-1): the start of a sequence
+        steps = torch.cat([conv_step(past, x[:, t : t + 1], weight, implementation) for t in range(11)], dim=1)
+        torch.testing.assert_close(steps, causal_token_conv(x, weight), rtol=tol, atol=tol)
+        torch.testing.assert_close(past, x[:, 12 - kernel :].transpose(1, 2), rtol=0, atol=0)
 
 
 @torch.no_grad()

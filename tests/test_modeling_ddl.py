@@ -132,6 +132,27 @@ def test_tc_decoding_steps_read_the_cached_window(batch, cpu_kernel_on_or_off, m
     torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("compressor", ["cc", "tc"])
+def test_ec_decoding_steps_read_the_cached_window(compressor, cpu_kernel_on_or_off, monkeypatch):
+    """Each decoding step's EC reads its window where the cache keeps it and advances it there (ddl_kernels' C++ EC
+    step, or `fused.conv_step` without the kernels), and the steps give the full forward."""
+    calls = {name: count_calls(monkeypatch, "conv_step", name) for name in ("C++", "PyTorch")}
+    expected, other = ("C++", "PyTorch") if cpu_kernel_on_or_off == "cpu-kernel" else ("PyTorch", "C++")
+    steps = calls[expected]
+    model = _model(ddl_value_channels=4, ddl_compressor=compressor, ddl_embed_conv=True)
+    ids = _ids(2, 9)
+    with torch.no_grad():
+        full = model(ids).logits
+        out = model(ids[:, :5], use_cache=True)
+        pieces = [out.logits]
+        assert not steps  # a prefill takes the general route
+        for t in range(5, 9):
+            out = model(ids[:, t : t + 1], cache=out.cache, use_cache=True)
+            pieces.append(out.logits)
+    assert len(steps) == 4 and not calls[other]
+    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("overrides", [{"ddl_value_channels": 1}, {}], ids=["dv1", "dv4-cc-ec"])
 def test_batch_1_generation_under_cpu_autocast(overrides):
     """Under bf16 autocast the sublayer outputs are bf16 while the state stays fp32: decoding must not take the

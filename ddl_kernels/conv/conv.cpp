@@ -77,4 +77,43 @@ std::vector<at::Tensor> conv_backward(const at::Tensor& g, const at::Tensor& x, 
   return {gx, gtaps};
 }
 
+// One decoding step of EC from the cache's window, advanced in place: past (B, d, K-1) holds the K-1 embeddings
+// before the new one x (B, d), time last; the weight is the model's (K, d, d_v). y[b, j, i] = sum_s w[s, i, j]
+// window[b, i, s] summed as conv_forward sums it, then past drops its oldest embedding and takes x.
+template <typename T>
+void conv_step_impl(T* past, const T* x, const T* w, int64_t batch, int64_t k, int64_t nv, int64_t d, T* y) {
+  const int64_t kp = k - 1;
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      T* pb = past + b * d * kp; const T* xb = x + b * d; T* yb = y + b * nv * d;
+      for (int64_t i = 0; i < d; ++i) {
+        T* p = pb + i * kp;
+        for (int64_t j = 0; j < nv; ++j) {
+          T acc = 0;
+          for (int64_t s = 0; s < kp; ++s) acc += w[(s * d + i) * nv + j] * p[s];
+          yb[j * d + i] = acc + w[(kp * d + i) * nv + j] * xb[i];
+        }
+        for (int64_t s = 0; s + 1 < kp; ++s) p[s] = p[s + 1];
+        p[kp - 1] = xb[i];
+      }
+    }
+  });
+}
+
+at::Tensor conv_step(at::Tensor& past, const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(past.dim() == 3 && x.dim() == 2 && weight.dim() == 3 && past.is_contiguous() && x.is_contiguous() &&
+                  weight.is_contiguous(),
+              "ddl conv_step: the past must be (B, d, K-1), the input (B, d) and the weight (K, d, d_v), all "
+              "contiguous");
+  const int64_t batch = past.size(0), k = weight.size(0), d = weight.size(1), nv = weight.size(2);
+  TORCH_CHECK(k > 1 && past.size(1) == d && past.size(2) == k - 1 && x.size(0) == batch && x.size(1) == d,
+              "ddl conv_step: the past must be (B, d, K-1) and the input (B, d), K > 1");
+  auto y = at::empty({batch, nv, d}, x.options());
+  AT_DISPATCH_FLOATING_TYPES(past.scalar_type(), "ddl_conv_step", [&] {
+    conv_step_impl<scalar_t>(past.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), batch, k,
+                             nv, d, y.data_ptr<scalar_t>());
+  });
+  return y;
+}
+
 }  // namespace ddl

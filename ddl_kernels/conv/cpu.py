@@ -6,7 +6,8 @@ Serves `reference.causal_token_conv` without history, as the dispatcher calls it
     y[t, j, i] = sum_s taps[s, j, i] x[t - (K-1) + s, i]
     dx[t, i] = sum_s sum_j taps[s, j, i] G[t + (K-1) - s, j, i],   dtaps[s, j, i] = sum_t x[t - (K-1) + s, i] G[t, j, i]
 
-for CPU tensors in fp32 or fp64, eager.
+for CPU tensors in fp32 or fp64, eager. The step: one new token's EC from the K-1 embeddings before it as the cache
+holds them, `(B, d, K-1)` (time last), which it then advances in place, no autograd.
 """
 
 import torch
@@ -54,6 +55,18 @@ def run(x, taps):
     return _Conv.apply(x, taps) if torch.is_grad_enabled() else kernels().conv_forward(x, taps)
 
 
-CONV = Implementation("C++ EC", ("auto", "triton"), serves, run)
+def step_serves(past, x, weight):
+    """A decoding step's cached embeddings `(B, d, K-1)` (advanced in place), its embedding `(B, 1, d)` and the weight
+    `(K, d, d_v)` as the model keeps it: no autograd (no backward here), one dtype, CPU, eager."""
+    return (weight.dtype is past.dtype and x.dtype is past.dtype and weight.is_cpu and weight.is_contiguous()
+            and past.is_contiguous() and not torch.is_grad_enabled() and ready(past))
 
-__all__ = ["CONV"]
+
+def step_run(past, x, weight):
+    return kernels().conv_step(past, x.reshape(x.shape[0], -1).contiguous(), weight).unsqueeze(1)
+
+
+CONV = Implementation("C++ EC", ("auto", "triton"), serves, run)
+STEP = Implementation("C++ EC step", ("auto", "triton"), step_serves, step_run)
+
+__all__ = ["CONV", "STEP"]
