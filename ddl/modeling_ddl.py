@@ -650,9 +650,9 @@ class DDLModel(DDLPreTrainedModel):
             pad_mask = create_recurrent_attention_mask(self.config, inputs_embeds, attention_mask, cache)
             documents, packed_attention = self._find_documents(
                 inputs_embeds, attention_mask, pad_mask, given_position_ids, cache, kwargs.get("cu_seq_lens_q"))
-            if given_position_ids is not None and pad_mask is None and (cache is None or cache.get_seq_length() == 0):
-                if conv_state_slots(self.config):  # (only EC and TC keep token histories)
-                    check_documents_start(given_position_ids)
+            if given_position_ids is not None and pad_mask is None and self.config.layer_types[0] == "hybrid" and (
+                    cache is None or cache.get_seq_length() == 0):  # (EC and TC keep token histories: _check_cache)
+                check_documents_start(given_position_ids)
             causal_mask = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds,
                                              attention_mask=attention_mask, cache=cache, position_ids=position_ids,
                                              and_mask_function=packed_attention)
