@@ -4,7 +4,6 @@ rotary embeddings are transformers' Llama modules (Llama's parameter names, atte
 defaults are the authors' (docs/faithfulness.md). The operations are specified in `ddl.reference` and run by
 `ddl.kernels`; the cache windows come first, then Llama's order."""
 
-import inspect
 import math
 import weakref
 from contextlib import nullcontext
@@ -732,12 +731,6 @@ class DDLForCausalLM(DDLPreTrainedModel, GenerationMixin):
             raise ValueError("DDL: continuous batching keeps only attention keys and values per request, not the "
                              "inputs EC/TC read: use generate(), or d_v=1, or CC with ddl_embed_conv=False.")
         return super().generate_batch(*args, **kwargs)
-
-
-# generate() asks a model registered for an Auto class (DDL is, for save_pretrained's auto_map) for its forward's
-# signature on every decoding step; inspect returns this one as it is instead of walking the decorators to rebuild it
-# (tens of microseconds a token). Made from the function itself, once: it cannot differ from it.
-DDLForCausalLM.forward.__signature__ = inspect.signature(DDLForCausalLM.forward)
 
 
 # ---------------------------------------------------------------------------------------------------------------

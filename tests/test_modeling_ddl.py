@@ -1,7 +1,6 @@
 """Behaviour of DDLForCausalLM as a transformers model: parity, caching, padding, saving, training hooks."""
 
 import copy
-import inspect
 import math
 
 import pytest
@@ -671,16 +670,6 @@ def test_input_ids_without_a_batch_dimension_is_one_clear_error(shape):
         model(torch.ones(shape, dtype=torch.long))
     with pytest.raises(ValueError, match="inputs_embeds must be"):
         model(inputs_embeds=torch.ones(7, TINY["hidden_size"]))
-
-
-def test_generate_steps_read_the_forward_signature_kept_on_it():
-    """generate() asks a model registered for an Auto class, as DDL is, for its forward's signature on every decoding
-    step (for a legacy argument): the signature is kept on the function, so inspect returns it without rebuilding it
-    through the decorators, and it is the function's own."""
-    forward = DDLForCausalLM.forward
-    kept = vars(forward).get("__signature__")
-    assert kept is not None and inspect.signature(forward) is kept
-    assert kept == inspect.signature(inspect.unwrap(forward)) and DDLForCausalLM.is_remote_code()
 
 
 def test_decoding_steps_do_not_derive_the_conv_state_slots(monkeypatch):
