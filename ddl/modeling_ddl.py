@@ -595,10 +595,13 @@ class DDLModel(DDLPreTrainedModel):
             return embeds
         return embeds.unsqueeze(-2).expand(*embeds.shape[:2], self.config.ddl_value_channels, embeds.shape[-1])
 
-    def _check_cache(self, cache):
+    def _keeps_token_histories(self):
         # When any layer keeps conv histories, layer 0 does (EC lives there, TC in every layer): O(1) per forward
-        if self.config.layer_types[0] == "hybrid" and not (cache.layers and isinstance(cache.layers[0],
-                                                                                     LinearAttentionCacheLayerMixin)):
+        return self.config.layer_types[0] == "hybrid"
+
+    def _check_cache(self, cache):
+        if self._keeps_token_histories() and not (cache.layers and isinstance(cache.layers[0],
+                                                                           LinearAttentionCacheLayerMixin)):
             raise ValueError("This DDL variant keeps token-convolution histories in the cache, which a bare "
                              "`DynamicCache()` cannot hold. Pass `DynamicCache(config=model.config)` (or let "
                              "`generate()` build the cache).")
@@ -649,8 +652,8 @@ class DDLModel(DDLPreTrainedModel):
             pad_mask = create_recurrent_attention_mask(self.config, inputs_embeds, attention_mask, cache)
             documents, packed_attention = self._find_documents(
                 inputs_embeds, attention_mask, pad_mask, given_position_ids, cache, kwargs.get("cu_seq_lens_q"))
-            if given_position_ids is not None and pad_mask is None and self.config.layer_types[0] == "hybrid" and (
-                    cache is None or cache.get_seq_length() == 0):  # (EC and TC keep token histories: _check_cache)
+            if given_position_ids is not None and pad_mask is None and self._keeps_token_histories() and (
+                    cache is None or cache.get_seq_length() == 0):
                 check_documents_start(given_position_ids)
             causal_mask = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds,
                                              attention_mask=attention_mask, cache=cache, position_ids=position_ids,
