@@ -1,7 +1,7 @@
 r"""How each DDL operation runs: one registry per operation, and the first implementation that serves the inputs.
 
     delta_residual   a sublayer's gate, value and update in one fused seam (spec: `reference.delta_residual`)
-    delta_residual_readout   the seam, and the next CC compressor's readout of its new state (the two specs)
+    delta_residual_readout   the seam, and the next compressor's readout of its new state (the two specs)
     delta_update     the update alone                                      (spec: `reference.delta_update`)
     token_readout    a CC/TC compressor or the final readout of the state  (spec: `reference.causal_token_readout`)
     window_step      a TC decoding step's readout, advancing its window    (the same spec, one token)
@@ -106,9 +106,9 @@ def delta_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias,
 
 def delta_residual_readout(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, readout_weight, *, v_scale,
                            k_eps, mode, gate_hidden=None, v_constant=None, implementation="auto"):
-    r"""(X_next, y): `delta_residual`, and the one-tap `token_readout` y of X_next by `readout_weight` `(1, d, d_v)`
-    (the next CC compressor's) made in the same pass over the state where one serves (ddl_kernels' C++ on CPU); else
-    y is None (the compressor reads X_next itself)."""
+    r"""(X_next, y): `delta_residual`, and the `token_readout` y of X_next (no history) by `readout_weight`
+    `(K, d, d_v)` (the next compressor's) made in the same pass over the state where one serves (ddl_kernels' C++ on
+    CPU); else y is None (the compressor reads X_next itself)."""
     args = (x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, mode, gate_hidden,
             v_constant)
     out = None if implementation == "reference" else _run("delta_residual_readout", implementation, *args,

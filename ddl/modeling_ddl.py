@@ -186,12 +186,13 @@ class StateRebuild:
 
 
 class ReadoutAhead:
-    r"""CC compressors' readouts made by the updates before them, for one forward: a CC readout is per token, so
-    `kernels.delta_residual_readout` makes it in the update's own pass over the state (forward and backward). The
-    compressor is still called (its hooks see every readout) and uses one only for that very state, unchanged in
-    place and in the graph; given another tensor (a hook's), it reads that one itself. Not where a block is recomputed
-    (gradient checkpointing; blocks wrapped by torch's checkpoint_wrapper or FSDP1), in inference mode, in a trace,
-    or in a one-token decoding step (what it saves there, its own Python steps cost)."""
+    r"""Compressors' readouts made by the updates before them, for one forward: `kernels.delta_residual_readout` makes
+    each in the update's own pass over the state (forward and backward); TC's without padding or packed documents,
+    used where the cache holds no tokens before (`DDLCompressor._starts_window`). The compressor is still called (its
+    hooks see every readout) and uses one only for that very state, unchanged in place and in the graph; given
+    another tensor (a hook's), it reads that one itself. Not where a block is recomputed (gradient checkpointing;
+    blocks wrapped by torch's checkpoint_wrapper or FSDP1), in inference mode, in a trace, or in a one-token decoding
+    step (what it saves there, its own Python steps cost)."""
 
     def __init__(self, layers, readout, cache):
         compressors = [layer.compressor(which) for layer in layers for which in ("attn", "mlp")] + [readout]
@@ -200,11 +201,11 @@ class ReadoutAhead:
         self.cache, self.kept = cache, None
 
     def weight(self, delta):
-        """The readout weight of the compressor after `delta`, or None: TC (its readout spans tokens), a compressor
-        whose pre-hooks may remake its weight (pruning), parameters not here as plain tensors (another block's under
-        FSDP2 or DeepSpeed; offloaded by accelerate), or inside a trace (regional compile)."""
+        """The readout weight of the compressor after `delta`, or None: a compressor whose pre-hooks may remake its
+        weight (pruning), parameters not here as plain tensors (another block's under FSDP2 or DeepSpeed; offloaded by
+        accelerate), or inside a trace (regional compile)."""
         compressor = self.following.get(delta)
-        if compressor is None or compressor.kind == "tc" or compressor._forward_pre_hooks or not all(
+        if compressor is None or compressor._forward_pre_hooks or not all(
                 type(p) is nn.Parameter and p.numel() and not p.is_meta and not hasattr(p, "ds_id")
                 for p in compressor._parameters.values()) or torch.compiler.is_compiling():
             return None
@@ -340,7 +341,7 @@ class DDLCompressor(nn.Module):
                 ahead=None):
         """x_in `(B, T, d)`: made with the update of this state where `ahead` (a `ReadoutAhead`) kept it, else read."""
         made = ahead.take(self, state) if ahead is not None else None
-        if made is not None:
+        if made is not None and (cache is None or self.kind != "tc" or self._starts_window(state, cache, cache_slot)):
             return made
         implementation = implementation or self.config.ddl_implementation
         weight = self.readout_weight(cache)  # (K, d, d_v)
@@ -348,6 +349,14 @@ class DDLCompressor(nn.Module):
             return token_readout(state, weight, implementation=implementation)  # (B, T, d)
         return convolve_tokens(token_readout, state, weight, cache, self.layer_idx, cache_slot, padding, documents,
                                implementation)  # (B, T, d)
+
+    def _starts_window(self, state, cache, cache_slot):
+        """Whether a TC readout made ahead (zeros before the tokens) is this call's: the cache holds no inputs before
+        them, and then keeps this state's window for the next forward."""
+        if cache.has_previous_state(self.layer_idx, cache_slot):
+            return False
+        cached_window(state, self.conv_weight.shape[0], cache, self.layer_idx, cache_slot)
+        return True
 
 
 class DDLEmbedConv(nn.Module):
@@ -669,11 +678,12 @@ class DDLModel(DDLPreTrainedModel):
         record = kwargs.get("output_hidden_states", self.config.output_hidden_states)
         readout = getattr(self, "readout", None)
         layers = self.layers[: self.config.num_hidden_layers]
-        ahead = ReadoutAhead(layers, readout, cache) if readout is not None and readout.kind != "tc" and (
+        ahead = ReadoutAhead(layers, readout, cache) if readout is not None and not torch.compiler.is_compiling() and (
+            readout.kind != "tc" or (padding is None and documents is None)) and (
             inputs_embeds.is_cpu and offered("delta_residual_readout", implementation)) and (  # (C++ only)
             torch.is_grad_enabled() or inputs_embeds.shape[1] > 1) and not (  # (not a decoding step: no gain there)
-            self.gradient_checkpointing and self.training or torch.is_inference_mode_enabled()
-            or torch.compiler.is_compiling()) and all(isinstance(layer, DDLDecoderLayer) for layer in layers) else None
+            self.gradient_checkpointing and self.training or torch.is_inference_mode_enabled()) and all(
+            isinstance(layer, DDLDecoderLayer) for layer in layers) else None
         for i, decoder_layer in enumerate(layers):
             hidden_states = decoder_layer(hidden_states, attention_mask=causal_mask,
                                           position_embeddings=position_embeddings, position_ids=position_ids,

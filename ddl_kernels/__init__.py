@@ -5,7 +5,7 @@ PyTorch paths, and runs anywhere without this package. When `ddl_kernels` is imp
 version the checkpoint's dispatcher (`ddl.kernels`) expects, the dispatcher puts the implementations listed here in
 front of its own, in this order; each says next to its code which inputs it serves. One folder per operation:
 
-    residual/   the residual seam (gate, value and delta update; with the next CC readout) in C++ for CPU; the
+    residual/   the residual seam (gate, value and delta update; with the next readout) in C++ for CPU; the
                 delta update in Triton for CUDA
     readout/    the TC readout of the expanded state (CC: one tap) and a decoding step's window step: C++; Triton
     conv/       EC, the embedding convolution: C++; Triton (the readout's kernels run the other way); a decoding

@@ -134,8 +134,9 @@ def test_kernel_with_two_threads_equals_spec(dv):
 
 
 def _run_with_readout(residual, x, h, c, u, weight, use_kernel, used):
-    """`_run` of the seam that also makes a one-tap readout of X_next by `weight` (the next CC compressor's): the
-    outputs in `used` ("state", "readout" or both) get cotangents, and every input and parameter its gradient."""
+    """`_run` of the seam that also makes the readout of X_next by `weight` `(K, d, d_v)` (the next compressor's: CC
+    one tap, TC K): the outputs in `used` ("state", "readout" or both) get cotangents, and every input and parameter
+    its gradient."""
     leaves = [t.clone().requires_grad_() for t in (x, h, c, u, weight)]
     x, h, c, u, weight = leaves
     u = c if residual.config.ddl_value_input == "context" else u
@@ -160,14 +161,16 @@ def _run_with_readout(residual, x, h, c, u, weight, use_kernel, used):
 @pytest.mark.parametrize("value_input, v_scale", [("state", 4.0), ("context", None)])
 @pytest.mark.parametrize("mode", ["delta", "write_only"])
 @pytest.mark.parametrize("dv", [4, 5])
-def test_kernel_with_the_next_readout_equals_seam_then_readout(dv, mode, value_input, v_scale, dtype, tol, used,
+@pytest.mark.parametrize("taps", [1, 4], ids=["cc", "tc"])
+def test_kernel_with_the_next_readout_equals_seam_then_readout(taps, dv, mode, value_input, v_scale, dtype, tol, used,
                                                                 threads):
-    """The seam that also makes the next CC compressor's readout (`kernels.delta_residual_readout`): X_next, the
-    readout and every gradient equal the spec's seam followed by `causal_token_readout`, whichever outputs are used
-    (a width of 44 leaves a remainder after the lanes; 3 x 50 tokens on 2 threads add up partial weight sums)."""
+    """The seam that also makes the next compressor's readout (`kernels.delta_residual_readout`; CC one tap, TC K
+    over the tokens): X_next, the readout and every gradient equal the spec's seam followed by
+    `causal_token_readout`, whichever outputs are used (a width of 44 leaves a remainder after the lanes; 3 x 50
+    tokens on 2 threads add up partial weight sums, and the second thread's first tokens read the first's states)."""
     residual, x, h, c, u = _seam(dv, mode, value_input, v_scale, dtype, batch=3, seq_len=50 if threads == 2 else 4,
                                  hidden_size=44, head_dim=22)
-    weight = torch.randn(1, 44, dv, generator=torch.Generator().manual_seed(3)).to(dtype)
+    weight = torch.randn(taps, 44, dv, generator=torch.Generator().manual_seed(3)).to(dtype)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -178,6 +181,29 @@ def test_kernel_with_the_next_readout_equals_seam_then_readout(dv, mode, value_i
     names = "out readout x h c u readout_weight gate_weight gate_bias value_weight value_bias".split()
     for name, a, b in zip(names, ours, spec):
         torch.testing.assert_close(a, b, rtol=tol, atol=tol * max(1.0, b.abs().max().item()), msg=name)
+
+
+@pytest.mark.parametrize("batch, seq_len, taps", [(9, 2, 3), (5, 4, 6), (4, 25, 6), (3, 50, 2)],
+                         ids=["starts-at-1-K-over-T", "starts-at-2-K-over-T", "starts-a-sequence", "starts-at-25"])
+@pytest.mark.parametrize("dv", [4, 3])
+def test_tc_readout_of_the_seam_across_its_threads_chunks(batch, seq_len, taps, dv):
+    """TC's readout of a token reads the new states of the K-1 before it in its sequence; on two threads the second
+    chunk of tokens starts at the position named (a token before it written by the other thread), and windows reach
+    back past the sequence's start (zeros): the spec's numbers, fp64, and the same bits as on one thread."""
+    residual, x, h, c, u = _seam(dv, "delta", "state", 4.0, torch.float64, batch=batch, seq_len=seq_len)
+    weight = torch.randn(taps, x.shape[-1], dv, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    previous = torch.get_num_threads()
+    try:
+        runs = []
+        for threads in (2, 1):
+            torch.set_num_threads(threads)
+            runs.append(_run_with_readout(residual, x, h, c, u, weight, True, ("state", "readout")))
+    finally:
+        torch.set_num_threads(previous)
+    spec = _run_with_readout(residual, x, h, c, u, weight, False, ("state", "readout"))
+    for a, b, one in zip(runs[0], spec, runs[1]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10 * max(1.0, b.abs().max().item()))
+    assert torch.equal(runs[0][1], runs[1][1])  # the readout: each token summed in one order, wherever it ran
 
 
 def test_second_derivative_raises():
@@ -276,13 +302,15 @@ def test_ec_step_applies_only_without_autograd_in_one_dtype():
                                        {"ddl_value_channels": 1, "ddl_value_input": "context"}],
                          ids=["dv1", "dv4-cc-ec", "dv4-tc", "dv1-context"])
 def test_models_take_the_kernel_in_training_and_decoding(overrides, monkeypatch):
-    """Every sublayer of a training forward and of each decoding step goes through the kernel (CC, but for one-token
-    steps: the one that also makes the next compressor's readout, so only the first compressor reads a state); the
-    loss, every parameter's gradient and greedy generation equal the reference implementation's."""
+    """Every sublayer of a training forward and of each decoding step goes through the kernel (d_v > 1, but for
+    one-token steps: the one that also makes the next compressor's readout, so only the first compressor reads a
+    state; TC's steps read their cached windows); the loss, every parameter's gradient and greedy generation equal the
+    reference implementation's."""
     seams = count_calls(monkeypatch, "delta_residual", "C++")
     with_readout = count_calls(monkeypatch, "delta_residual_readout", "C++")
     readouts = count_calls(monkeypatch, "token_readout", "C++")
-    cc = overrides.get("ddl_value_channels", 4) > 1 and overrides.get("ddl_compressor", "cc") == "cc"
+    expanded = overrides.get("ddl_value_channels", 4) > 1
+    cc = expanded and overrides.get("ddl_compressor", "cc") == "cc"
     models = {}
     for name, impl in (("reference", "reference"), ("fused", "auto")):
         torch.manual_seed(0)
@@ -294,11 +322,12 @@ def test_models_take_the_kernel_in_training_and_decoding(overrides, monkeypatch)
     layers = models["fused"].config.num_hidden_layers
     ids = torch.randint(3, 99, (2, 8), generator=torch.Generator().manual_seed(1))
     def assert_every_sublayer_took_it(forwards, steps=0):
-        """`forwards` of several tokens (CC: the readouts made ahead), then `steps` one-token decoding steps (not)."""
-        expected = (2 * layers * steps, 2 * layers * forwards) if cc else (2 * layers * (forwards + steps), 0)
+        """`forwards` of several tokens (d_v > 1: the readouts made ahead), then `steps` one-token decoding steps
+        (not)."""
+        expected = (2 * layers * steps, 2 * layers * forwards) if expanded else (2 * layers * (forwards + steps), 0)
         assert (len(seams), len(with_readout)) == expected
-        if cc:
-            assert len(readouts) == forwards + steps * (2 * layers + 1)
+        if expanded:
+            assert len(readouts) == forwards + (steps * (2 * layers + 1) if cc else 0)
         for calls in (seams, with_readout, readouts):
             calls.clear()
 

@@ -1,9 +1,11 @@
-"""A CC compressor's readout made by the update before it (`modeling_ddl.ReadoutAhead`, the C++ seam with the next
+"""A compressor's readout made by the update before it (`modeling_ddl.ReadoutAhead`, the C++ seam with the next
 readout): the model's numbers stay the specification's, the compressors are still called (their hooks see every
-readout), and a state that a hook replaced or changed in place is read again, never served a stale readout."""
+readout), and a state that a hook replaced or changed in place is read again, never served a stale readout; a TC
+readout made with no tokens before the forward's is used only where the cache holds none."""
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from conftest import assert_same_loss_and_gradients, count_calls, tiny_config, trained_looking
 from ddl import DDLForCausalLM
@@ -15,7 +17,7 @@ from ddl_kernels import build
 pytestmark = pytest.mark.skipif(build.kernels() is None, reason="the C++ CPU kernels could not be built here")
 
 VARIANTS = {"cc-ec": {}, "cc-matrix-per-sublayer": dict(ddl_cc_form="matrix", ddl_shared_compressor=False,
-                                                        ddl_embed_conv=False)}
+                                                        ddl_embed_conv=False), "tc-ec": dict(ddl_compressor="tc")}
 
 
 def _models(overrides, layers=3):
@@ -35,9 +37,11 @@ def _ids(batch=2, length=9):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_every_compressor_is_called_and_its_hooks_see_its_readout(variant, monkeypatch):
-    """2L + 1 compressor calls per forward, each output the specification's readout of the state it was given, while
-    in forwards of several tokens all but the first were made by the updates."""
+    """2L + 1 compressor calls per forward, each output the specification's readout of the state it was given (TC's
+    decoding steps: of their cached windows, not checked here), while in forwards of several tokens all but the first
+    were made by the updates."""
     model = _models(VARIANTS[variant])["fused"]
+    tc = model.config.ddl_compressor == "tc"
     readouts = count_calls(monkeypatch, "token_readout", "C++")
     seen = []
     for module in model.modules():
@@ -47,9 +51,10 @@ def test_every_compressor_is_called_and_its_hooks_see_its_readout(variant, monke
     with torch.no_grad():
         model.generate(_ids(1, 4), max_new_tokens=2, do_sample=False, pad_token_id=0)
     layers = model.config.num_hidden_layers
-    # a training forward and a prompt (made ahead: one C++ readout each, of EC's state), one step (each reads itself)
-    assert len(seen) == 3 * (2 * layers + 1) and len(readouts) == 2 + 2 * layers + 1
-    for module, state, out in seen:
+    # a training forward and a prompt (made ahead: one C++ readout each, of EC's state), one step (each reads itself;
+    # TC: its cached window, by the window step)
+    assert len(seen) == 3 * (2 * layers + 1) and len(readouts) == 2 + (0 if tc else 2 * layers + 1)
+    for module, state, out in seen[: 2 * (2 * layers + 1)] if tc else seen:
         torch.testing.assert_close(out, causal_token_readout(state, module.derived_weight()), rtol=1e-5, atol=1e-6)
 
 
@@ -65,6 +70,24 @@ def test_a_hook_that_replaces_a_blocks_output_is_read_again(variant):
     kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
     tokens = [model.generate(_ids(1, 4), **kwargs) for model in models.values()]
     assert torch.equal(*tokens)
+
+
+def test_a_tc_readout_made_ahead_is_used_only_where_the_cache_holds_no_tokens_before():
+    """A prompt in two forwards of several tokens (chunked prefill): the first's TC readouts, made with zeros before
+    its tokens, are the right ones and leave each window in the cache; the second's would miss the first's tokens, so
+    each TC compressor reads its cached window. The logits equal one forward of the whole prompt by the
+    specification, and the greedy tokens after it the specification's."""
+    models = _models(VARIANTS["tc-ec"])
+    ids = _ids(2, 11)
+    whole = models["reference"](ids).logits
+    with torch.no_grad():
+        fused = models["fused"]
+        cache = DynamicCache(config=fused.config)
+        first = fused(ids[:, :6], cache=cache, use_cache=True).logits
+        second = fused(ids[:, 6:], cache=cache, use_cache=True).logits
+    torch.testing.assert_close(torch.cat([first, second], dim=1), whole.detach(), rtol=1e-4, atol=1e-5)
+    kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(*(model.generate(ids, **kwargs) for model in models.values()))
 
 
 def test_a_state_changed_in_place_is_read_again():

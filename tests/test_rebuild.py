@@ -87,8 +87,8 @@ def _live_states(model, **batch):
 @pytest.mark.parametrize("variant", ["cc-ec", "tc-ec"])
 def test_backward_keeps_only_the_last_state(variant, cpu_kernel_on_or_off):
     batch = _batches()["plain"]
-    # kept for backward (the C++ CC update that makes the final readout keeps its own input, not the last state)
-    fused = variant == "cc-ec" and cpu_kernel_on_or_off == "cpu-kernel"
+    # kept for backward (the C++ update that makes the final readout keeps its own input, not the last state)
+    fused = cpu_kernel_on_or_off == "cpu-kernel"
     assert _live_states(_model(False, **VARIANTS[variant]), **batch) == (2 if fused else 3)
     assert _live_states(_model(True, **VARIANTS[variant]), **batch) == 1  # the last block's, read by the final readout
 

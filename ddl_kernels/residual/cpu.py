@@ -13,9 +13,11 @@ and its gradients (those of `ddl.fused`'s update, followed by the gate's and the
     dz = dbeta beta (1 - beta/2),  dy_j = dv_j v_j (1 - v_j / s_v)  (dv_j without the sigmoid)
     dc = dz w (+ sum_j dy_j W_v[j] when u is c),  du = sum_j dy_j W_v[j]  (into dX when u is the d_v = 1 state)
     dw = sum over tokens of dz c,  db = sum dz,  dW_v[j] = sum dy_j u,  db_v[j] = sum dy_j
-With the next compressor's one-tap weight W_r `(1, d, d_v)` (CC; `delta_residual_readout`), also that readout of
-X_next, y = sum_j W_r[j] X_next_j, while the rows are written: its backward adds W_r[j] g_y into each G_j and sums
-dW_r[j] = X_next_j g_y (X_next recomputed from X) in the same pass, so the readout reads no state of its own.
+With the next compressor's weight W_r `(K, d, d_v)` (`delta_residual_readout`; CC: one tap, TC: K taps over the
+tokens of each sequence, zeros before its first), also that readout of X_next, y_t = sum_s sum_j W_r[s, j]
+X_next_{t-(K-1)+s, j}, while the rows are in cache: its backward adds sum_s W_r[s, j] g_y[t+(K-1)-s] into each G_j and
+sums dW_r[s, j] = X_next_j g_y[t+(K-1)-s] (X_next recomputed from X) in the same pass, so the readout reads no state
+of its own.
 Why: in eager PyTorch each operation of the seam is a pass over a `(B, T, d)` tensor (the gate and value projections
 to 1-4 outputs run as matrix-vector products, far below the memory speed), and a decoding step pays a dispatch per
 operation; here each token's rows are read once for the dot products and once for the writes.
@@ -54,7 +56,7 @@ _NONE = torch.empty(0)  # (the kernels' "no readout")
 
 
 class _Seam(torch.autograd.Function):
-    """X_next, or (X_next, y) with a readout weight `(d_v, d)`."""
+    """X_next, or (X_next, y) with readout taps `(K, d_v, d)`."""
 
     @staticmethod
     def forward(ctx, x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, erase, u_kind,
@@ -81,14 +83,14 @@ class _Seam(torch.autograd.Function):
 def run(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, mode, gate_hidden=None,
         v_constant=None, readout=None):
     """`reference.delta_residual` (where `serves`) through the C++ kernel, for any number of tokens, with autograd;
-    with `readout` `(1, d, d_v)`, (X_next, its readout `(B, T, d)`)."""
+    with `readout` `(K, d, d_v)`, (X_next, its readout `(B, T, d)`, `reference.causal_token_readout` without history)."""
     u_kind = 1 if u is c else (2 if u is x and x.dim() == h.dim() else 0)  # before any copy: by identity
     x = x.contiguous()  # the stride-0 repeated embeddings of a d_v > 1 model without EC
     u = x if u_kind == 2 else u.contiguous()
     args = (x, h.contiguous(), c.contiguous(), u, gate_weight.contiguous(), gate_bias.contiguous(),
             value_weight.contiguous(), value_bias.contiguous(), -1.0 if v_scale is None else float(v_scale),
             float(k_eps), mode == "delta")
-    read = None if readout is None else readout[0].t().contiguous()  # (d_v, d): no copy when kept so
+    read = None if readout is None else readout.transpose(1, 2).contiguous()  # (K, d_v, d): no copy when kept so
     if torch.is_grad_enabled():
         return _Seam.apply(*args, u_kind, read)
     out, _, y = kernels().residual_forward(*args, False, _NONE if read is None else read)
@@ -96,9 +98,9 @@ def run(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k
 
 
 def readout_serves(*args):
-    """`serves`, and the readout weight one tap `(1, d, d_v)` in x's dtype on the CPU."""
-    readout = args[-1]
-    return serves(*args[:-1]) and readout.shape[0] == 1 and readout.dtype is args[0].dtype and readout.is_cpu
+    """`serves`, the expanded state `(B, T, d_v, d)`, and the readout weight `(K, d, d_v)` in its dtype on the CPU."""
+    readout, x = args[-1], args[0]
+    return serves(*args[:-1]) and x.dim() == 4 and readout.dtype is x.dtype and readout.is_cpu
 
 
 SEAM = Implementation("C++ residual seam", ("auto", "triton"), serves, run)

@@ -1,10 +1,33 @@
 // One sublayer's residual seam (`reference.delta_residual` with a single linear gate and a learned value): the gate,
 // the value and the delta update, forward and backward, in one pass over each token's rows (ddl_kernels/residual);
-// optionally with the next compressor's one-tap readout of the new state, y[i] = sum_j w_r[j, i] X_next[j, i], which
-// then costs no pass of its own over the state (forward or backward).
+// optionally with the next compressor's readout of the new state (CC: one tap; TC: K taps over the tokens),
+// y[t, i] = sum_s sum_j w_r[s, j, i] X_next[t - (K-1) + s, j, i], which then costs no pass of its own over the state
+// (forward or backward).
 #include "common.h"
 
 namespace ddl {
+
+// y[t] of the readout from the new states out[t - (K-1) .. t] of its sequence (p: t's position in it), in the
+// order of readout_forward (taps, then rows): wherever it is computed, the same sums.
+template <typename T>
+inline void readout_of(const T* out, const T* wr, int64_t t, int64_t p, int64_t k, int64_t rows, int64_t d, T* y) {
+  T* yt = y + t * d;
+  bool first = true;
+  for (int64_t s = std::max<int64_t>(0, k - 1 - p); s < k; ++s) {
+    const T* xs = out + (t - (k - 1) + s) * rows * d;
+    for (int64_t j = 0; j < rows; ++j) {
+      const T* xj = xs + j * d; const T* wj = wr + (s * rows + j) * d;
+      if (first) {
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) yt[i] = wj[i] * xj[i];
+        first = false;
+      } else {
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) yt[i] += wj[i] * xj[i];
+      }
+    }
+  }
+}
 
 // u_kind: 0 = u is its own tensor, 1 = u is c (value from the normalised input), 2 = u is the d_v = 1 state X.
 // NV: d_v when it is 1, 2, 4 or 8 (compiled for each: a token's d_v rows go through each loop together), or 0:
@@ -12,9 +35,12 @@ namespace ddl {
 template <typename T, int NV>
 void seam_forward(const T* x, const T* h, const T* c, const T* u, const T* wb, T bb, const T* wv, const T* bv,
                   double scale, double eps, bool erase, int64_t n, int64_t nv, int64_t d, T* out, T* beta_out,
-                  T* v_out, T* s_out, T* hx_out, const T* wr, T* y) {
+                  T* v_out, T* s_out, T* hx_out, const T* wr, T* y, int64_t k, int64_t len) {
   const int64_t rows = NV > 0 ? NV : nv;
+  std::mutex lock;
+  std::vector<std::pair<int64_t, int64_t>> chunks;  // (with a readout) the chunks of tokens, for their first K-1
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    if (wr) { std::lock_guard<std::mutex> guard(lock); chunks.emplace_back(begin, end); }
     std::vector<T> coef(rows), ys(rows), hxs(rows, T(0));
     for (int64_t t = begin; t < end; ++t) {
       const T* xt = x + t * rows * d; const T* ht = h + t * d; const T* ct = c + t * d; const T* ut = u + t * d;
@@ -37,40 +63,51 @@ void seam_forward(const T* x, const T* h, const T* c, const T* u, const T* wb, T
         const T* xj = xt + j * d; T* oj = ot + j * d; const T cj = coef[j];
 #pragma omp simd
         for (int64_t i = 0; i < d; ++i) oj[i] = xj[i] + ht[i] * cj;
-        if (!wr) continue;
-        const T* wj = wr + j * d; T* yt = y + t * d;  // the readout, while the row is in L1
-        if (j == 0) {
-#pragma omp simd
-          for (int64_t i = 0; i < d; ++i) yt[i] = wj[i] * oj[i];
-        } else {
-#pragma omp simd
-          for (int64_t i = 0; i < d; ++i) yt[i] += wj[i] * oj[i];
-        }
       }
+      // the readout, while this token's rows (and the K-1 before it) are in cache; a token that reads rows of the
+      // chunk before this one waits for the loop below
+      const int64_t p = t % len;
+      if (wr && t - std::min(p, k - 1) >= begin) readout_of(out, wr, t, p, k, rows, d, y);
     }
   });
+  for (const auto& chunk : chunks)
+    for (int64_t t = chunk.first; t < std::min(chunk.second, chunk.first + k - 1); ++t) {
+      const int64_t p = t % len;
+      if (t - std::min(p, k - 1) < chunk.first) readout_of(out, wr, t, p, k, rows, d, y);
+    }
 }
 
 template <typename T, int NV>
 void seam_backward(const T* g, const T* x, const T* h, const T* c, const T* u, const T* wb, const T* wv,
                    const T* beta_s, const T* v_s, const T* s_s, const T* hx_s, double scale, bool erase, int64_t u_kind,
                    int64_t n, int64_t nv, int64_t d, T* gx, T* gh, T* gc, T* gu, T* gwb, T* gbb, T* gwv, T* gbv,
-                   const T* gy, const T* wr, T* gwr) {
+                   const T* gy, const T* wr, T* gwr, int64_t k, int64_t len) {
   const int64_t rows = NV > 0 ? NV : nv;
   const int64_t fields = d + 1 + rows * d + rows;  // the weight gradients: dw, db, dW_v, db_v (then dW_r)
-  const int64_t width = fields + (gy ? rows * d : 0);
+  const int64_t width = fields + (gy ? k * rows * d : 0);
   const auto total = sum_over_tokens<T>(n, width, [&](int64_t t, T* partial) {
     T* awb = partial; T* awv = awb + d + 1;
     thread_local std::vector<T> scratch;  // per-token numbers of each row (one buffer per thread, kept)
     scratch.resize(4 * rows + (gy ? rows * d : 0));
     T* b = scratch.data(); T* a_g = b + rows; T* a_x = a_g + rows; T* dy = a_x + rows;
     const T* gt = g + t * rows * d; const T* xt = x + t * rows * d; const T* ht = h + t * d;
-    const T* gyt = gy ? gy + t * d : nullptr;
-    if (gy) {  // the state's whole gradient: G_j + w_r[j] * g_y (the readout's, never a tensor of its own)
-      T* gsum = dy + rows;
-      for (int64_t j = 0; j < rows * d; j += d)
+    // (with a readout) output t + (K-1) - s of the sequence reads this token through tap s, for s >= s0
+    const int64_t s0 = gy ? std::max<int64_t>(0, t % len + k - len) : 0;
+    if (gy) {  // the state's whole gradient: G_j + sum_s w_r[s, j] g_y (the readout's, never a tensor of its own),
+      T* gsum = dy + rows;  // the sum first, as readout_backward makes it, then added as autograd adds the two
+      for (int64_t s = s0; s < k; ++s) {
+        const T* gys = gy + (t + (k - 1) - s) * d; const T* ws = wr + s * rows * d;
+        for (int64_t j = 0; j < rows * d; j += d)
+          if (s == s0) {
 #pragma omp simd
-        for (int64_t i = 0; i < d; ++i) gsum[j + i] = gt[j + i] + wr[j + i] * gyt[i];
+            for (int64_t i = 0; i < d; ++i) gsum[j + i] = ws[j + i] * gys[i];
+          } else {
+#pragma omp simd
+            for (int64_t i = 0; i < d; ++i) gsum[j + i] += ws[j + i] * gys[i];
+          }
+      }
+#pragma omp simd
+      for (int64_t q = 0; q < rows * d; ++q) gsum[q] += gt[q];
       gt = gsum;
     }
     const T* ct = c + t * d; const T* ut = u + t * d;
@@ -112,18 +149,21 @@ void seam_backward(const T* g, const T* x, const T* h, const T* c, const T* u, c
     awb[d] += dz;
     for (int64_t j = 0; j < rows; ++j) awv[rows * d + j] += dy[j];
     if (!gy) return;
-    T* awr = partial + fields;  // dW_r[j] += X_next_j g_y, X_next_j = X_j + h (beta s t_j) recomputed as forward did
-    for (int64_t j = 0; j < rows; ++j) {
-      const T* xj = xt + j * d; T* awj = awr + j * d; const T cj = a_g[j];
+    // dW_r[s, j] += X_next_j g_y[t + (K-1) - s], X_next_j = X_j + h (beta s t_j) recomputed as forward did
+    for (int64_t s = s0; s < k; ++s) {
+      const T* gys = gy + (t + (k - 1) - s) * d; T* awr = partial + fields + s * rows * d;
+      for (int64_t j = 0; j < rows; ++j) {
+        const T* xj = xt + j * d; T* awj = awr + j * d; const T cj = a_g[j];
 #pragma omp simd
-      for (int64_t i = 0; i < d; ++i) awj[i] += (xj[i] + ht[i] * cj) * gyt[i];
+        for (int64_t i = 0; i < d; ++i) awj[i] += (xj[i] + ht[i] * cj) * gys[i];
+      }
     }
   });
-  for (int64_t k = fields; k < width; ++k) gwr[k - fields] = T(total[k]);
-  for (int64_t k = 0; k < fields; ++k) {
-    T* dst = k < d ? gwb + k
-                   : (k == d ? gbb : (k < d + 1 + rows * d ? gwv + (k - d - 1) : gbv + (k - d - 1 - rows * d)));
-    *dst = T(total[k]);
+  for (int64_t q = fields; q < width; ++q) gwr[q - fields] = T(total[q]);
+  for (int64_t q = 0; q < fields; ++q) {
+    T* dst = q < d ? gwb + q
+                   : (q == d ? gbb : (q < d + 1 + rows * d ? gwv + (q - d - 1) : gbv + (q - d - 1 - rows * d)));
+    *dst = T(total[q]);
   }
 }
 
@@ -141,10 +181,12 @@ std::vector<at::Tensor> residual_forward(const at::Tensor& x, const at::Tensor& 
                                          const at::Tensor& u, const at::Tensor& wb, const at::Tensor& bb,
                                          const at::Tensor& wv, const at::Tensor& bv, double scale, double eps,
                                          bool erase, bool save, const at::Tensor& wr) {
-  const int64_t d = h.size(-1), n = h.numel() / d, nv = wv.size(0);
-  const bool read = wr.numel() > 0;  // wr: the next compressor's weight (d_v, d), or empty: no readout
+  const int64_t d = h.size(-1), n = h.numel() / d, nv = wv.size(0), len = h.dim() > 1 ? h.size(-2) : 1;
+  const bool read = wr.numel() > 0;  // wr: the next compressor's taps (K, d_v, d), or empty: no readout
+  const int64_t k = read ? wr.size(0) : 1;
   TORCH_CHECK(x.numel() == n * nv * d && c.numel() == n * d && u.numel() == n * d && wb.numel() == d &&
-              bb.numel() == 1 && wv.size(1) == d && bv.numel() == nv && (!read || wr.numel() == nv * d),
+              bb.numel() == 1 && wv.size(1) == d && bv.numel() == nv &&
+              (!read || (wr.dim() == 3 && wr.size(1) == nv && wr.size(2) == d && len > 0 && n % len == 0)),
               "ddl residual_forward: mismatched shapes");
   auto out = at::empty_like(x);
   auto y = read ? at::empty_like(h) : at::empty({0}, h.options());
@@ -157,7 +199,7 @@ std::vector<at::Tensor> residual_forward(const at::Tensor& x, const at::Tensor& 
                 bv.data_ptr<scalar_t>(), scale, eps, erase, n, nv, d, out.data_ptr<scalar_t>(),
                 save ? st : nullptr, save ? st + 2 * n : nullptr, save ? st + n : nullptr,
                 save ? st + 2 * n + n * nv : nullptr, read ? wr.data_ptr<scalar_t>() : nullptr,
-                read ? y.data_ptr<scalar_t>() : nullptr);
+                read ? y.data_ptr<scalar_t>() : nullptr, k, len);
   });
   return {out, stats, y};
 }
@@ -166,10 +208,12 @@ std::vector<at::Tensor> residual_backward(const at::Tensor& g, const at::Tensor&
                                           const at::Tensor& c, const at::Tensor& u, const at::Tensor& wb,
                                           const at::Tensor& wv, const at::Tensor& stats, double scale, bool erase,
                                           int64_t u_kind, const at::Tensor& gy, const at::Tensor& wr) {
-  const int64_t d = h.size(-1), n = h.numel() / d, nv = wv.size(0);
-  const bool read = gy.numel() > 0;  // gy: the readout's gradient (B, T, d) with its weight wr, or empty
+  const int64_t d = h.size(-1), n = h.numel() / d, nv = wv.size(0), len = h.dim() > 1 ? h.size(-2) : 1;
+  const bool read = gy.numel() > 0;  // gy: the readout's gradient (B, T, d) with its taps wr, or empty
+  const int64_t k = read ? wr.size(0) : 1;
   TORCH_CHECK(g.numel() == x.numel() && x.numel() == n * nv * d && stats.numel() == n * (2 + 2 * nv) &&
-              (!read || (gy.numel() == n * d && wr.numel() == nv * d)), "ddl residual_backward: mismatched shapes");
+              (!read || (gy.numel() == n * d && wr.dim() == 3 && wr.size(1) == nv && wr.size(2) == d && len > 0 &&
+                         n % len == 0)), "ddl residual_backward: mismatched shapes");
   auto gx = at::empty_like(x), gh = at::empty_like(h), gc = at::empty_like(c);
   auto gu = u_kind == 0 ? at::empty_like(u) : at::empty({0}, u.options());
   auto gwb = at::empty_like(wb), gbb = at::empty({1}, wb.options()), gwv = at::empty_like(wv);
@@ -183,7 +227,7 @@ std::vector<at::Tensor> residual_backward(const at::Tensor& g, const at::Tensor&
                 gh.data_ptr<scalar_t>(), gc.data_ptr<scalar_t>(), u_kind == 0 ? gu.data_ptr<scalar_t>() : nullptr,
                 gwb.data_ptr<scalar_t>(), gbb.data_ptr<scalar_t>(), gwv.data_ptr<scalar_t>(),
                 gbv.data_ptr<scalar_t>(), read ? gy.data_ptr<scalar_t>() : nullptr,
-                read ? wr.data_ptr<scalar_t>() : nullptr, read ? gwr.data_ptr<scalar_t>() : nullptr);
+                read ? wr.data_ptr<scalar_t>() : nullptr, read ? gwr.data_ptr<scalar_t>() : nullptr, k, len);
   });
   return {gx, gh, gc, gu, gwb, gbb, gwv, gbv, gwr};
 }
