@@ -188,7 +188,7 @@ class StateRebuild:
 class ReadoutAhead:
     r"""Compressors' readouts made by the updates before them, for one forward: `kernels.delta_residual_readout` makes
     each in the update's own pass over the state (forward and backward); TC's without padding or packed documents,
-    used where the cache holds no tokens before (`DDLCompressor._starts_window`). The compressor is still called (its
+    used where the cache holds no tokens before (`DDLCompressor._store_window_if_first`). The compressor is still called (its
     hooks see every readout) and uses one only for that very state, unchanged in place and in the graph; given
     another tensor (a hook's), it reads that one itself. Not where a block is recomputed (gradient checkpointing;
     blocks wrapped by torch's checkpoint_wrapper or FSDP1), in inference mode, in a trace, or in a one-token decoding
@@ -341,7 +341,8 @@ class DDLCompressor(nn.Module):
                 ahead=None):
         """x_in `(B, T, d)`: made with the update of this state where `ahead` (a `ReadoutAhead`) kept it, else read."""
         made = ahead.take(self, state) if ahead is not None else None
-        if made is not None and (cache is None or self.kind != "tc" or self._starts_window(state, cache, cache_slot)):
+        if made is not None and (cache is None or self.kind != "tc" or self._store_window_if_first(state, cache,
+                                                                                                cache_slot)):
             return made
         implementation = implementation or self.config.ddl_implementation
         weight = self.readout_weight(cache)  # (K, d, d_v)
@@ -350,12 +351,13 @@ class DDLCompressor(nn.Module):
         return convolve_tokens(token_readout, state, weight, cache, self.layer_idx, cache_slot, padding, documents,
                                implementation)  # (B, T, d)
 
-    def _starts_window(self, state, cache, cache_slot):
-        """Whether a TC readout made ahead (zeros before the tokens) is this call's: the cache holds no inputs before
-        them, and then keeps this state's window for the next forward."""
-        if cache.has_previous_state(self.layer_idx, cache_slot):
+    def _store_window_if_first(self, state, cache, cache_slot):
+        """Stores this state's window in the cache where it holds no inputs before it (K = 1: none), and says so: a
+        TC readout made ahead, with zeros before the tokens, is then this call's."""
+        kernel = self.conv_weight.shape[0]
+        if kernel > 1 and cache.has_previous_state(self.layer_idx, cache_slot):
             return False
-        cached_window(state, self.conv_weight.shape[0], cache, self.layer_idx, cache_slot)
+        cached_window(state, kernel, cache, self.layer_idx, cache_slot)
         return True
 
 
@@ -679,9 +681,10 @@ class DDLModel(DDLPreTrainedModel):
         readout = getattr(self, "readout", None)
         layers = self.layers[: self.config.num_hidden_layers]
         ahead = ReadoutAhead(layers, readout, cache) if readout is not None and not torch.compiler.is_compiling() and (
-            readout.kind != "tc" or (padding is None and documents is None)) and (
+            torch.is_grad_enabled() or inputs_embeds.shape[1] > 1) and (  # (not a decoding step: no gain there)
             inputs_embeds.is_cpu and offered("delta_residual_readout", implementation)) and (  # (C++ only)
-            torch.is_grad_enabled() or inputs_embeds.shape[1] > 1) and not (  # (not a decoding step: no gain there)
+            readout.kind != "tc" or padding is None and documents is None and (  # (TC: nothing before the tokens)
+                cache is None or cache.get_seq_length() == 0)) and not (
             self.gradient_checkpointing and self.training or torch.is_inference_mode_enabled()) and all(
             isinstance(layer, DDLDecoderLayer) for layer in layers) else None
         for i, decoder_layer in enumerate(layers):

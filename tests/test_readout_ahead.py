@@ -72,20 +72,28 @@ def test_a_hook_that_replaces_a_blocks_output_is_read_again(variant):
     assert torch.equal(*tokens)
 
 
-def test_a_tc_readout_made_ahead_is_used_only_where_the_cache_holds_no_tokens_before():
+@pytest.mark.parametrize("kernel", [4, 1])
+def test_a_tc_readout_is_made_ahead_only_where_the_cache_holds_no_tokens_before(kernel, monkeypatch):
     """A prompt in two forwards of several tokens (chunked prefill): the first's TC readouts, made with zeros before
-    its tokens, are the right ones and leave each window in the cache; the second's would miss the first's tokens, so
-    each TC compressor reads its cached window. The logits equal one forward of the whole prompt by the
-    specification, and the greedy tokens after it the specification's."""
-    models = _models(VARIANTS["tc-ec"])
+    its tokens, are the right ones and leave each window in the cache; in the second, whose compressors read the
+    first's tokens too, none is made ahead. The logits equal one forward of the whole prompt by the specification,
+    and the greedy tokens after it the specification's. (K = 1: no window; the cache keeps none.)"""
+    models = _models(dict(VARIANTS["tc-ec"], ddl_state_kernel_size=kernel))
+    made = count_calls(monkeypatch, "delta_residual_readout", "C++")
     ids = _ids(2, 11)
-    whole = models["reference"](ids).logits
+    # (a training forward has a cache too: use_cache defaults to True)
+    assert_same_loss_and_gradients(models, ids, loss_atol=1e-5, grad_rtol=1e-4, grad_atol=1e-5)
+    layers = models["fused"].config.num_hidden_layers
     with torch.no_grad():
+        whole = models["reference"](ids).logits
         fused = models["fused"]
         cache = DynamicCache(config=fused.config)
+        made.clear()
         first = fused(ids[:, :6], cache=cache, use_cache=True).logits
+        assert len(made) == 2 * layers
         second = fused(ids[:, 6:], cache=cache, use_cache=True).logits
-    torch.testing.assert_close(torch.cat([first, second], dim=1), whole.detach(), rtol=1e-4, atol=1e-5)
+        assert len(made) == 2 * layers
+    torch.testing.assert_close(torch.cat([first, second], dim=1), whole, rtol=1e-4, atol=1e-5)
     kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert torch.equal(*(model.generate(ids, **kwargs) for model in models.values()))
 

@@ -90,7 +90,7 @@ def run(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k
     args = (x, h.contiguous(), c.contiguous(), u, gate_weight.contiguous(), gate_bias.contiguous(),
             value_weight.contiguous(), value_bias.contiguous(), -1.0 if v_scale is None else float(v_scale),
             float(k_eps), mode == "delta")
-    read = None if readout is None else readout.transpose(1, 2).contiguous()  # (K, d_v, d): no copy when kept so
+    read = None if readout is None else readout.transpose(1, 2).contiguous()  # (K, d_v, d): CC's kept layout
     if torch.is_grad_enabled():
         return _Seam.apply(*args, u_kind, read)
     out, _, y = kernels().residual_forward(*args, False, _NONE if read is None else read)

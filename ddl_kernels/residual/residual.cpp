@@ -186,7 +186,7 @@ std::vector<at::Tensor> residual_forward(const at::Tensor& x, const at::Tensor& 
   const int64_t k = read ? wr.size(0) : 1;
   TORCH_CHECK(x.numel() == n * nv * d && c.numel() == n * d && u.numel() == n * d && wb.numel() == d &&
               bb.numel() == 1 && wv.size(1) == d && bv.numel() == nv &&
-              (!read || (wr.dim() == 3 && wr.size(1) == nv && wr.size(2) == d && len > 0 && n % len == 0)),
+              (!read || (wr.dim() == 3 && wr.size(1) == nv && wr.size(2) == d && (n == 0 || n % len == 0))),
               "ddl residual_forward: mismatched shapes");
   auto out = at::empty_like(x);
   auto y = read ? at::empty_like(h) : at::empty({0}, h.options());
@@ -212,8 +212,8 @@ std::vector<at::Tensor> residual_backward(const at::Tensor& g, const at::Tensor&
   const bool read = gy.numel() > 0;  // gy: the readout's gradient (B, T, d) with its taps wr, or empty
   const int64_t k = read ? wr.size(0) : 1;
   TORCH_CHECK(g.numel() == x.numel() && x.numel() == n * nv * d && stats.numel() == n * (2 + 2 * nv) &&
-              (!read || (gy.numel() == n * d && wr.dim() == 3 && wr.size(1) == nv && wr.size(2) == d && len > 0 &&
-                         n % len == 0)), "ddl residual_backward: mismatched shapes");
+              (!read || (gy.numel() == n * d && wr.dim() == 3 && wr.size(1) == nv && wr.size(2) == d &&
+                         (n == 0 || n % len == 0))), "ddl residual_backward: mismatched shapes");
   auto gx = at::empty_like(x), gh = at::empty_like(h), gc = at::empty_like(c);
   auto gu = u_kind == 0 ? at::empty_like(u) : at::empty({0}, u.options());
   auto gwb = at::empty_like(wb), gbb = at::empty({1}, wb.options()), gwv = at::empty_like(wv);
