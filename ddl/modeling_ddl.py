@@ -187,12 +187,12 @@ class StateRebuild:
 
 class ReadoutAhead:
     r"""Compressors' readouts made by the updates before them, for one forward: `kernels.delta_residual_readout` makes
-    each in the update's own pass over the state (forward and backward); TC's without padding or packed documents,
-    used where the cache holds no tokens before (`DDLCompressor._store_window_if_first`). The compressor is still called (its
-    hooks see every readout) and uses one only for that very state, unchanged in place and in the graph; given
-    another tensor (a hook's), it reads that one itself. Not where a block is recomputed (gradient checkpointing;
-    blocks wrapped by torch's checkpoint_wrapper or FSDP1), in inference mode, in a trace, or in a one-token decoding
-    step (what it saves there, its own Python steps cost)."""
+    each in the update's own pass over the state (forward and backward); TC's only where the compressor reads nothing
+    before the tokens (no padding, packed documents or cached tokens; `DDLCompressor._store_window_if_first`). The
+    compressor is still called (its hooks see every readout) and uses one only for that very state, unchanged in
+    place and in the graph; given another tensor (a hook's), it reads that one itself. Not where a block is
+    recomputed (gradient checkpointing; blocks wrapped by torch's checkpoint_wrapper or FSDP1), in inference mode, in
+    a trace, or in a one-token decoding step (what it saves there, its own Python steps cost)."""
 
     def __init__(self, layers, readout, cache):
         compressors = [layer.compressor(which) for layer in layers for which in ("attn", "mlp")] + [readout]

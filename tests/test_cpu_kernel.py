@@ -201,7 +201,7 @@ def test_tc_readout_of_the_seam_across_its_threads_chunks(batch, seq_len, taps, 
     finally:
         torch.set_num_threads(previous)
     spec = _run_with_readout(residual, x, h, c, u, weight, False, ("state", "readout"))
-    for a, b, one in zip(runs[0], spec, runs[1]):
+    for a, b in zip(runs[0], spec):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10 * max(1.0, b.abs().max().item()))
     assert torch.equal(runs[0][1], runs[1][1])  # the readout: each token summed in one order, wherever it ran
 

@@ -83,7 +83,7 @@ class _Seam(torch.autograd.Function):
 def run(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, mode, gate_hidden=None,
         v_constant=None, readout=None):
     """`reference.delta_residual` (where `serves`) through the C++ kernel, for any number of tokens, with autograd;
-    with `readout` `(K, d, d_v)`, (X_next, its readout `(B, T, d)`, `reference.causal_token_readout` without history)."""
+    with `readout` `(K, d, d_v)`, (X_next, its `reference.causal_token_readout` `(B, T, d)` without history)."""
     u_kind = 1 if u is c else (2 if u is x and x.dim() == h.dim() else 0)  # before any copy: by identity
     x = x.contiguous()  # the stride-0 repeated embeddings of a d_v > 1 model without EC
     u = x if u_kind == 2 else u.contiguous()

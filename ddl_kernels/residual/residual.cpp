@@ -181,12 +181,12 @@ std::vector<at::Tensor> residual_forward(const at::Tensor& x, const at::Tensor& 
                                          const at::Tensor& u, const at::Tensor& wb, const at::Tensor& bb,
                                          const at::Tensor& wv, const at::Tensor& bv, double scale, double eps,
                                          bool erase, bool save, const at::Tensor& wr) {
-  const int64_t d = h.size(-1), n = h.numel() / d, nv = wv.size(0), len = h.dim() > 1 ? h.size(-2) : 1;
+  const int64_t d = h.size(-1), n = h.numel() / d, nv = wv.size(0);
   const bool read = wr.numel() > 0;  // wr: the next compressor's taps (K, d_v, d), or empty: no readout
-  const int64_t k = read ? wr.size(0) : 1;
+  const int64_t k = read ? wr.size(0) : 1, len = read && x.dim() == 4 ? x.size(1) : 1;  // (the state's sequences)
   TORCH_CHECK(x.numel() == n * nv * d && c.numel() == n * d && u.numel() == n * d && wb.numel() == d &&
               bb.numel() == 1 && wv.size(1) == d && bv.numel() == nv &&
-              (!read || (wr.dim() == 3 && wr.size(1) == nv && wr.size(2) == d && (n == 0 || n % len == 0))),
+              (!read || (x.dim() == 4 && wr.dim() == 3 && wr.size(1) == nv && wr.size(2) == d)),
               "ddl residual_forward: mismatched shapes");
   auto out = at::empty_like(x);
   auto y = read ? at::empty_like(h) : at::empty({0}, h.options());
@@ -208,12 +208,12 @@ std::vector<at::Tensor> residual_backward(const at::Tensor& g, const at::Tensor&
                                           const at::Tensor& c, const at::Tensor& u, const at::Tensor& wb,
                                           const at::Tensor& wv, const at::Tensor& stats, double scale, bool erase,
                                           int64_t u_kind, const at::Tensor& gy, const at::Tensor& wr) {
-  const int64_t d = h.size(-1), n = h.numel() / d, nv = wv.size(0), len = h.dim() > 1 ? h.size(-2) : 1;
+  const int64_t d = h.size(-1), n = h.numel() / d, nv = wv.size(0);
   const bool read = gy.numel() > 0;  // gy: the readout's gradient (B, T, d) with its taps wr, or empty
-  const int64_t k = read ? wr.size(0) : 1;
+  const int64_t k = read ? wr.size(0) : 1, len = read && x.dim() == 4 ? x.size(1) : 1;
   TORCH_CHECK(g.numel() == x.numel() && x.numel() == n * nv * d && stats.numel() == n * (2 + 2 * nv) &&
-              (!read || (gy.numel() == n * d && wr.dim() == 3 && wr.size(1) == nv && wr.size(2) == d &&
-                         (n == 0 || n % len == 0))), "ddl residual_backward: mismatched shapes");
+              (!read || (gy.numel() == n * d && x.dim() == 4 && wr.dim() == 3 && wr.size(1) == nv &&
+                         wr.size(2) == d)), "ddl residual_backward: mismatched shapes");
   auto gx = at::empty_like(x), gh = at::empty_like(h), gc = at::empty_like(c);
   auto gu = u_kind == 0 ? at::empty_like(u) : at::empty({0}, u.options());
   auto gwb = at::empty_like(wb), gbb = at::empty({1}, wb.options()), gwv = at::empty_like(wv);
