@@ -433,16 +433,19 @@ class DDLDecoderLayer(GradientCheckpointingLayer):
 
     def compressor(self, which):
         """The compressor that gives sublayer `which` ("attn" or "mlp") its input; None when d_v = 1."""
-        return getattr(self, "compress", None) or getattr(self, f"{which}_compress", None)
+        modules = self._modules  # (asked twice per block of every decoding step: no missing-attribute exception)
+        return modules.get("compress") or modules.get(f"{which}_compress")
 
     def sublayer_input(self, which, hidden_states, cache, padding, documents=None, implementation=None, rebuild=None,
                        ahead=None):
         """x_in of sublayer `which` ("attn" or "mlp"): the state compressed (the state itself when d_v = 1)."""
         if hidden_states.dim() == 3:
             return hidden_states
-        with rebuild.hooks if rebuild else nullcontext():
-            return self.compressor(which)(hidden_states, cache, padding, self.cache_slots[which], documents,
-                                          implementation, ahead)
+        compressor, slot = self.compressor(which), self.cache_slots[which]
+        if rebuild is None:  # (as `update`: no context manager in a decoding step)
+            return compressor(hidden_states, cache, padding, slot, documents, implementation, ahead)
+        with rebuild.hooks:
+            return compressor(hidden_states, cache, padding, slot, documents, implementation, ahead)
 
     @staticmethod
     def update(delta, hidden_states, h, context, x_in, implementation, rebuild=None, ahead=None):

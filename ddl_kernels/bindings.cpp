@@ -14,10 +14,10 @@ std::vector<at::Tensor> residual_backward(const at::Tensor& g, const at::Tensor&
                                           int64_t u_kind, const at::Tensor& gy, const at::Tensor& wr);
 at::Tensor readout_forward(const at::Tensor& x, const at::Tensor& taps);
 std::vector<at::Tensor> readout_backward(const at::Tensor& g, const at::Tensor& x, const at::Tensor& taps);
-at::Tensor window_step(at::Tensor& past, const at::Tensor& x, const at::Tensor& taps);
+at::Tensor window_step(at::Tensor& past, const at::Tensor& state, const at::Tensor& weight);
 at::Tensor conv_forward(const at::Tensor& x, const at::Tensor& taps);
 std::vector<at::Tensor> conv_backward(const at::Tensor& g, const at::Tensor& x, const at::Tensor& taps);
-at::Tensor conv_step(at::Tensor& past, const at::Tensor& x, const at::Tensor& weight);
+at::Tensor conv_step(at::Tensor& past, const at::Tensor& embeds, const at::Tensor& weight);
 }  // namespace ddl
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -101,15 +101,16 @@ void conv_step_impl(T* past, const T* x, const T* w, int64_t batch, int64_t k, i
   });
 }
 
-at::Tensor conv_step(at::Tensor& past, const at::Tensor& x, const at::Tensor& weight) {
-  TORCH_CHECK(past.dim() == 3 && x.dim() == 2 && weight.dim() == 3 && past.is_contiguous() && x.is_contiguous() &&
+at::Tensor conv_step(at::Tensor& past, const at::Tensor& embeds, const at::Tensor& weight) {
+  const auto x = embeds.contiguous();
+  TORCH_CHECK(past.dim() == 3 && x.dim() == 3 && x.size(1) == 1 && weight.dim() == 3 && past.is_contiguous() &&
                   weight.is_contiguous(),
-              "ddl conv_step: the past must be (B, d, K-1), the input (B, d) and the weight (K, d, d_v), all "
-              "contiguous");
+              "ddl conv_step: the past must be (B, d, K-1), the input (B, 1, d) and the weight (K, d, d_v), the past "
+              "and the weight contiguous");
   const int64_t batch = past.size(0), k = weight.size(0), d = weight.size(1), nv = weight.size(2);
-  TORCH_CHECK(k > 1 && past.size(1) == d && past.size(2) == k - 1 && x.size(0) == batch && x.size(1) == d,
-              "ddl conv_step: the past must be (B, d, K-1) and the input (B, d), K > 1");
-  auto y = at::empty({batch, nv, d}, x.options());
+  TORCH_CHECK(k > 1 && past.size(1) == d && past.size(2) == k - 1 && x.size(0) == batch && x.size(2) == d,
+              "ddl conv_step: the past must be (B, d, K-1) and the input (B, 1, d), K > 1");
+  auto y = at::empty({batch, 1, nv, d}, x.options());
   AT_DISPATCH_FLOATING_TYPES(past.scalar_type(), "ddl_conv_step", [&] {
     conv_step_impl<scalar_t>(past.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), batch, k,
                              nv, d, y.data_ptr<scalar_t>());

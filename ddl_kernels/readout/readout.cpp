@@ -97,15 +97,18 @@ void window_step_impl(T* past, const T* x, const T* taps, int64_t batch, int64_t
   });
 }
 
-at::Tensor window_step(at::Tensor& past, const at::Tensor& x, const at::Tensor& taps) {
-  TORCH_CHECK(past.dim() == 3 && x.dim() == 2 && taps.dim() == 3 && past.is_contiguous() && x.is_contiguous() &&
-                  taps.is_contiguous(),
-              "ddl window_step: the past must be (B, d_v*d, K-1), the input (B, d_v*d) and the taps (d_v, d, K), "
-              "all contiguous");
+at::Tensor window_step(at::Tensor& past, const at::Tensor& state, const at::Tensor& weight) {
+  // the weight (K, d, d_v) as the model keeps it for a decoding run, a view of taps (d_v, d, K): no copy then
+  const auto taps = weight.permute({2, 1, 0}).contiguous();
+  const auto x = state.contiguous();
+  TORCH_CHECK(past.dim() == 3 && x.dim() == 4 && x.size(1) == 1 && weight.dim() == 3 && past.is_contiguous(),
+              "ddl window_step: the past must be (B, d_v*d, K-1) and contiguous, the state (B, 1, d_v, d), the weight "
+              "(K, d, d_v)");
   const int64_t batch = past.size(0), nv = taps.size(0), d = taps.size(1), k = taps.size(2);
-  TORCH_CHECK(k > 1 && past.size(1) == nv * d && past.size(2) == k - 1 && x.size(0) == batch && x.size(1) == nv * d,
-              "ddl window_step: the past must be (B, d_v*d, K-1) and the input (B, d_v*d), K > 1");
-  auto y = at::empty({batch, d}, x.options());
+  TORCH_CHECK(k > 1 && past.size(1) == nv * d && past.size(2) == k - 1 && x.size(0) == batch && x.size(2) == nv &&
+                  x.size(3) == d,
+              "ddl window_step: the past must be (B, d_v*d, K-1) and the state (B, 1, d_v, d), K > 1");
+  auto y = at::empty({batch, 1, d}, x.options());
   AT_DISPATCH_FLOATING_TYPES(past.scalar_type(), "ddl_window_step", [&] {
     auto run = [&](auto kp) {
       window_step_impl<scalar_t, decltype(kp)::value>(past.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(),
