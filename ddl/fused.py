@@ -172,8 +172,15 @@ def as_taps(weight):
 
 def readout(x, taps):
     """`reference.causal_token_readout` of a state `(B, T, d_v, d)` by taps `(K, d_v, d)`, zeros before the first
-    token (as `ddl.kernels` calls its implementations): `readout_forward`, with `readout_backward` under autograd."""
-    return _TokenReadout.apply(x, taps) if torch.is_grad_enabled() else readout_forward(x, taps)
+    token (as `ddl.kernels` calls its implementations): `readout_forward`, with `readout_backward` under autograd; a
+    CC decoding step's one token as one product and one sum (its loop's steps cost more than their arithmetic; not in a
+    trace, where T may be symbolic)."""
+    if torch.is_grad_enabled():
+        return _TokenReadout.apply(x, taps)
+    if taps.shape[0] == 1 and x.shape[1] == 1 and not torch.compiler.is_compiling():
+        dtype = torch.promote_types(x.dtype, taps.dtype)
+        return (x.to(torch.promote_types(dtype, torch.float32)) * taps[0]).sum(-2).to(dtype)
+    return readout_forward(x, taps)
 
 
 def conv(x, taps):

@@ -125,13 +125,20 @@ def test_cc_reference_readout_keeps_no_copy_of_the_state():
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 1e-6), (torch.bfloat16, 2e-2)],
+                         ids=["fp64", "fp32", "bf16"])
 @pytest.mark.parametrize("seq_len", [1, 2, 6], ids=["decode-step", "two-tokens", "prefill"])
-def test_token_readout_inference_paths_match_reference(seq_len):
-    """Without autograd the readout skips its autograd function (the in-place loop alone)."""
-    x, weight = (t.detach() for t in _readout_inputs(4, seq_len))
-    history = torch.randn(3, 3, 2, 5, dtype=torch.float64)
+@pytest.mark.parametrize("kernel", [1, 4], ids=["cc", "tc"])
+def test_token_readout_inference_paths_match_reference(kernel, seq_len, dtype, tol):
+    """Without autograd the readout skips its autograd function (the in-place loop alone; one token of CC, a product
+    and a sum), summing in fp32 for bf16: the specification's numbers in fp64, rounded to the dtype."""
+    x, weight = (t.detach() for t in _readout_inputs(kernel, seq_len, dtype))
+    history = torch.randn(3, kernel - 1, 2, 5, dtype=torch.float64).to(dtype)
     for past in (None, history):
-        torch.testing.assert_close(fused_token_readout(x, weight, past), causal_token_readout(x, weight, past))
+        out = fused_token_readout(x, weight, past)
+        exact = causal_token_readout(x.double(), weight.double(), None if past is None else past.double())
+        assert out.dtype == dtype
+        torch.testing.assert_close(out, exact.to(dtype), rtol=tol, atol=tol)
 
 
 def test_token_readout_second_derivative():
