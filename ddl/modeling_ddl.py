@@ -682,7 +682,7 @@ class DDLModel(DDLPreTrainedModel):
                 self.gradient_checkpointing or torch.compiler.is_compiling())) else None  # (see StateRebuild)
         record = kwargs.get("output_hidden_states", self.config.output_hidden_states)
         readout = getattr(self, "readout", None)
-        layers = self.layers[: self.config.num_hidden_layers]
+        layers = list(self.layers)[: self.config.num_hidden_layers]  # (a slice of a ModuleList builds a new module)
         ahead = ReadoutAhead(layers, readout, cache) if readout is not None and not torch.compiler.is_compiling() and (
             torch.is_grad_enabled() or inputs_embeds.shape[1] > 1) and (  # (not a decoding step: no gain there)
             inputs_embeds.is_cpu and offered("delta_residual_readout", implementation)) and (  # (C++ only)
