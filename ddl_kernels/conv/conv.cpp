@@ -78,9 +78,9 @@ std::vector<at::Tensor> conv_backward(const at::Tensor& g, const at::Tensor& x, 
 }
 
 // One decoding step of EC from the cache's window, advanced in place: past (B, d, K-1) holds the K-1 embeddings
-// before the new one x (B, d), time last; the weight is the model's (K, d, d_v). y[b, j, i] = sum_s w[s, i, j]
-// window[b, i, s] summed in tap order (to rounding what conv_forward gives: it may vectorise its sums), then past
-// drops its oldest embedding and takes x.
+// before the new one x (its embedding (B, 1, d)), time last; the weight is the model's (K, d, d_v).
+// y[b, j, i] = sum_s w[s, i, j] window[b, i, s] summed in tap order (to rounding what conv_forward gives: it may
+// vectorise its sums), then past drops its oldest embedding and takes x.
 template <typename T>
 void conv_step_impl(T* past, const T* x, const T* w, int64_t batch, int64_t k, int64_t nv, int64_t d, T* y) {
   const int64_t kp = k - 1;

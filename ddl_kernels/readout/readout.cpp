@@ -70,7 +70,8 @@ std::vector<at::Tensor> readout_backward(const at::Tensor& g, const at::Tensor& 
 }
 
 // One decoding step of the TC readout from the cache's window, advanced in place: past (B, d_v*d, K-1) holds the K-1
-// inputs before the new one x (B, d_v*d), channel j*d + i, time last; taps (d_v, d, K) in the same layout.
+// inputs before the new one x (its state (B, 1, d_v, d), read as (B, d_v*d)), channel j*d + i, time last; taps
+// (d_v, d, K) in the same layout.
 // y[b, i] = sum_j (sum_{s < K-1} taps[j, i, s] past[b, j*d + i, s] + taps[j, i, K-1] x[b, j*d + i]), then past drops
 // its oldest input and takes x (the window a full readout would read, summed in its order).
 // KP = K-1 when it is 1-7 (compiled for each: the window's loops unrolled, its rows vectorised), or 0: K-1 at run time.
@@ -98,16 +99,17 @@ void window_step_impl(T* past, const T* x, const T* taps, int64_t batch, int64_t
 }
 
 at::Tensor window_step(at::Tensor& past, const at::Tensor& state, const at::Tensor& weight) {
-  // the weight (K, d, d_v) as the model keeps it for a decoding run, a view of taps (d_v, d, K): no copy then
-  const auto taps = weight.permute({2, 1, 0}).contiguous();
-  const auto x = state.contiguous();
-  TORCH_CHECK(past.dim() == 3 && x.dim() == 4 && x.size(1) == 1 && weight.dim() == 3 && past.is_contiguous(),
+  TORCH_CHECK(past.dim() == 3 && state.dim() == 4 && state.size(1) == 1 && weight.dim() == 3 && past.is_contiguous(),
               "ddl window_step: the past must be (B, d_v*d, K-1) and contiguous, the state (B, 1, d_v, d), the weight "
               "(K, d, d_v)");
+  // the weight as the model keeps it for a decoding run is a view of taps (d_v, d, K): no copy then
+  const auto taps = weight.permute({2, 1, 0}).contiguous();
+  const auto x = state.contiguous();
   const int64_t batch = past.size(0), nv = taps.size(0), d = taps.size(1), k = taps.size(2);
   TORCH_CHECK(k > 1 && past.size(1) == nv * d && past.size(2) == k - 1 && x.size(0) == batch && x.size(2) == nv &&
                   x.size(3) == d,
-              "ddl window_step: the past must be (B, d_v*d, K-1) and the state (B, 1, d_v, d), K > 1");
+              "ddl window_step: for a weight (K, d, d_v) with K > 1, the past must be (B, d_v*d, K-1) and the state "
+              "(B, 1, d_v, d)");
   auto y = at::empty({batch, 1, d}, x.options());
   AT_DISPATCH_FLOATING_TYPES(past.scalar_type(), "ddl_window_step", [&] {
     auto run = [&](auto kp) {
