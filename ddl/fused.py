@@ -1,8 +1,7 @@
 r"""The PyTorch paths of DDL's operations: the specifications' numbers (`ddl.reference`) as custom autograd functions
 that keep less for backward and write their gradients in place, on any device, where no faster implementation serves.
 `fused_delta_update` keeps X, h, v, beta and a few numbers per token and recomputes k, k^T X and the coefficient in
-backward; `readout` (TC; CC with one tap) sums in place along contiguous d, backward by hand (one CC token: a product
-and a sum).
+backward; `readout` (TC; CC with one tap) sums in place along contiguous d (one CC token: a product and a sum).
 """
 
 import torch
