@@ -23,7 +23,7 @@ logger = logging.get_logger(__name__)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FUNCTIONS = ("residual_forward", "residual_backward", "readout_forward", "readout_backward", "window_step",
-             "conv_forward", "conv_backward")
+             "conv_forward", "conv_backward", "conv_step")
 _SWITCH_ON, _SWITCH_OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
