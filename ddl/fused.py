@@ -34,7 +34,8 @@ def _rank1(h, coef, scalar_state):
 
 
 def _delta_forward(x, h, v, beta, k_eps, erase):
-    """X_next and the per-token scalars (s, t, beta, h^T X) that the backward needs, in few fused operations."""
+    """X_next, the per-token scalars (s, t, beta, h^T X) that the backward needs, in few fused operations, and the
+    write's coefficients c, X_next = X + h (x) c (None for bf16/fp16 states, written along k)."""
     acc = torch.promote_types(x.dtype, torch.float32)
     scalar_state = x.dim() == h.dim()
     h_acc = h.to(acc)  # bf16/fp16 are read out in fp32
@@ -44,8 +45,8 @@ def _delta_forward(x, h, v, beta, k_eps, erase):
     h_dot_x = _dot_h(h_acc, x, scalar_state) if erase else None  # h^T X: (B, T, d_v)
     if erase:
         target = torch.addcmul(target, inv_norm, h_dot_x, value=-1.0)  # v - k^T X
-    out = torch.addcmul(x, *_rank1(*_rank1_write(h, inv_norm, target, beta, x.dtype), scalar_state))
-    return out, (inv_norm, target, beta, h_dot_x)
+    a, c = _rank1_write(h, inv_norm, target, beta, x.dtype)
+    return torch.addcmul(x, *_rank1(a, c, scalar_state)), (inv_norm, target, beta, h_dot_x), c if a is h else None
 
 
 def _rank1_write(h, inv_norm, target, beta, dtype):
@@ -73,7 +74,7 @@ class _DeltaUpdate(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, h, v, beta, k_eps, erase):
-        out, saved = _delta_forward(x, h, v, beta, k_eps, erase)
+        out, saved, ctx.write = _delta_forward(x, h, v, beta, k_eps, erase)  # (the write: see `ddl.kernels`)
         ctx.save_for_backward(x, h, *saved)
         ctx.erase, ctx.scalar_state, ctx.v_dtype = erase, x.dim() == h.dim(), v.dtype
         return out

@@ -12,6 +12,8 @@ Implementations in the order tried, each saying which inputs it serves: `ddl_ker
 CUDA; installed with this `INTERFACE_VERSION`), then `ddl.fused`'s PyTorch. `implementation` says which may run:
 "auto" (C++ on CPU, else PyTorch), "triton" (plus Triton on CUDA; a failed compile gives way to PyTorch), "torch",
 "reference" (the specifications). Every path is tested against the specification on outputs and gradients.
+An update's autograd node may keep `write`, the coefficients w `(B, T, d_v)` (X's dtype) of the write it made,
+X_next = X + h (x) w: `modeling_ddl.StateRebuild` takes them instead of projecting X_next - X on h (two states read).
 """
 
 from collections import namedtuple

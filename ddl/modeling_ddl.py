@@ -129,7 +129,8 @@ def convolve_tokens(op, x, weight, cache=None, layer_idx=0, slot=None, padding=N
 class StateRebuild:
     r"""The expanded states of one training forward, rebuilt in backward instead of kept (`ddl_rebuild_states`).
 
-    Every update writes along h: X_{l+1} = X_l + h (x) w, w = h^T (X_{l+1} - X_l) / |h|^2, so X_l = X_{l+1} - h (x) w.
+    Every update writes along h: X_{l+1} = X_l + h (x) w, w = h^T (X_{l+1} - X_l) / |h|^2, so X_l = X_{l+1} - h (x) w
+    (w as the update's implementation wrote it where it says, else that projection, which reads both states).
     Under `hooks`, a saved tensor that *is* the live state is saved as its place and rebuilt in backward. The chain
     stops where an update reads another tensor (a hook's; a recompute) and raises on a state changed in place. One
     rounding per update: fp32/fp64. Only detached tensors are held (no cycle through autograd's graph). Inside the
@@ -148,9 +149,10 @@ class StateRebuild:
             self.live = None  # (the chain stops: the states from here on are kept by autograd)
             return x_next
         self._check(len(self.states) - 1)
-        with torch.no_grad(), torch.autocast(x.device.type, enabled=False):  # (w is a difference: no bf16 matmul)
-            h = h.detach().to(x.dtype)
-            w = (_dot_h(h, x_next, False) - _dot_h(h, x, False)) / h.square().sum(-1, keepdim=True).clamp_min(1e-30)
+        h, w = h.detach().to(x.dtype), getattr(x_next.grad_fn, "write", None)  # (the update's own: `ddl.kernels`)
+        if w is None:  # (no bf16 matmul: w is a difference)
+            with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+                w = (_dot_h(h, x_next, False) - _dot_h(h, x, False)) / h.square().sum(-1, keepdim=True).clamp_min(1e-30)
         self.writes.append((h, w))
         self.states[-1:], self.live = [None, x_next.detach()], weakref.ref(x_next)
         self.versions.append(x_next._version)

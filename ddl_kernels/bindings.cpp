@@ -21,7 +21,8 @@ at::Tensor conv_step(at::Tensor& past, const at::Tensor& embeds, const at::Tenso
 }  // namespace ddl
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("residual_forward", &ddl::residual_forward, "the residual seam: X_next, the numbers backward needs, the next readout");
+  m.def("residual_forward", &ddl::residual_forward,
+        "the residual seam: X_next, what backward needs, the next readout, the write's coefficients");
   m.def("residual_backward", &ddl::residual_backward, "the residual seam's gradients");
   m.def("readout_forward", &ddl::readout_forward, "the TC readout (CC: one tap)");
   m.def("readout_backward", &ddl::readout_backward, "the readout's gradients");

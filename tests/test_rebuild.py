@@ -84,6 +84,24 @@ def _live_states(model, **batch):
     return alive
 
 
+@pytest.mark.parametrize("variant", ["cc-ec", "tc-ec", "write-only"])
+def test_the_rebuild_takes_the_write_the_update_made(variant, cpu_kernel_on_or_off, monkeypatch):
+    """The C++ seam and the PyTorch update hand out their write's coefficients (X_next = X + h (x) w), so the rebuild
+    reads no state in forward (before: h^T X_next - h^T X, two states read per update); the specifications hand out
+    none, and it projects. Padded (left and right) and trained-looking, the gradients are the kept states'."""
+    from ddl import modeling_ddl
+
+    projections = []
+    project = modeling_ddl._dot_h
+    monkeypatch.setattr(modeling_ddl, "_dot_h", lambda *args: projections.append(args[1].shape) or project(*args))
+    batch = _batches()["padded"]
+    for implementation, reads in (("auto", 0), ("reference", 2 * 2 * 3)):  # (two per update, two updates a block)
+        kept = _loss_and_grads(_model(False, implementation, **VARIANTS[variant]), **dict(batch))
+        projections.clear()
+        _compare(kept, _loss_and_grads(_model(True, implementation, **VARIANTS[variant]), **dict(batch)))
+        assert len(projections) == reads, implementation
+
+
 @pytest.mark.parametrize("variant", ["cc-ec", "tc-ec"])
 def test_backward_keeps_only_the_last_state(variant, cpu_kernel_on_or_off):
     batch = _batches()["plain"]

@@ -61,10 +61,12 @@ class _Seam(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, erase, u_kind,
                 readout):
-        out, stats, y = kernels().residual_forward(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias,
-                                                   v_scale, k_eps, erase, True, _NONE if readout is None else readout)
+        out, stats, y, write = kernels().residual_forward(x, h, c, u, gate_weight, gate_bias, value_weight,
+                                                          value_bias, v_scale, k_eps, erase, True,
+                                                          _NONE if readout is None else readout)
         ctx.save_for_backward(x, h, c, u, gate_weight, value_weight, stats, readout)
         ctx.v_scale, ctx.erase, ctx.u_kind = v_scale, erase, u_kind
+        ctx.write = write.view(*h.shape[:-1], -1)  # X_next = X + h (x) write, per token and row (`ddl.kernels`)
         return out if readout is None else (out, y)
 
     @staticmethod
@@ -93,7 +95,7 @@ def run(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k
     read = None if readout is None else readout.transpose(1, 2).contiguous()  # (K, d_v, d): CC's kept layout
     if torch.is_grad_enabled():
         return _Seam.apply(*args, u_kind, read)
-    out, _, y = kernels().residual_forward(*args, False, _NONE if read is None else read)
+    out, _, y, _ = kernels().residual_forward(*args, False, _NONE if read is None else read)
     return out if read is None else (out, y)
 
 

@@ -35,7 +35,7 @@ inline void readout_of(const T* out, const T* wr, int64_t t, int64_t p, int64_t 
 template <typename T, int NV>
 void seam_forward(const T* x, const T* h, const T* c, const T* u, const T* wb, T bb, const T* wv, const T* bv,
                   double scale, double eps, bool erase, int64_t n, int64_t nv, int64_t d, T* out, T* beta_out,
-                  T* v_out, T* s_out, T* hx_out, const T* wr, T* y, int64_t k, int64_t len) {
+                  T* v_out, T* s_out, T* hx_out, T* w_out, const T* wr, T* y, int64_t k, int64_t len) {
   const int64_t rows = NV > 0 ? NV : nv;
   std::mutex lock;
   std::vector<std::pair<int64_t, int64_t>> chunks;  // (with a readout) the chunks of tokens, for their first K-1
@@ -55,7 +55,7 @@ void seam_forward(const T* x, const T* h, const T* c, const T* u, const T* wb, T
         const T y = ys[j] + bv[j], hx = hxs[j];
         const T v = scale > 0 ? T(scale) / (T(1) + std::exp(-y)) : y;
         coef[j] = beta * s * (v - s * hx);
-        if (v_out) { v_out[t * rows + j] = v; hx_out[t * rows + j] = hx; }
+        if (v_out) { v_out[t * rows + j] = v; hx_out[t * rows + j] = hx; w_out[t * rows + j] = coef[j]; }
       }
       if (beta_out) { beta_out[t] = beta; s_out[t] = s; }
       T* ot = out + t * rows * d;
@@ -190,18 +190,19 @@ std::vector<at::Tensor> residual_forward(const at::Tensor& x, const at::Tensor& 
               "ddl residual_forward: mismatched shapes");
   auto out = at::empty_like(x);
   auto y = read ? at::empty_like(h) : at::empty({0}, h.options());
-  at::Tensor stats;  // None when nothing is saved (inference)
-  if (save) stats = at::empty({n * (2 + 2 * nv)}, h.options());
+  at::Tensor stats, write;  // None when nothing is saved (inference)
+  if (save) stats = at::empty({n * (2 + 2 * nv)}, h.options()), write = at::empty({n, nv}, h.options());
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "ddl_residual_forward", [&] {
     scalar_t* st = save ? stats.data_ptr<scalar_t>() : nullptr;
     DDL_BY_ROWS(nv, seam_forward, x.data_ptr<scalar_t>(), h.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(),
                 u.data_ptr<scalar_t>(), wb.data_ptr<scalar_t>(), *bb.data_ptr<scalar_t>(), wv.data_ptr<scalar_t>(),
                 bv.data_ptr<scalar_t>(), scale, eps, erase, n, nv, d, out.data_ptr<scalar_t>(),
                 save ? st : nullptr, save ? st + 2 * n : nullptr, save ? st + n : nullptr,
-                save ? st + 2 * n + n * nv : nullptr, read ? wr.data_ptr<scalar_t>() : nullptr,
+                save ? st + 2 * n + n * nv : nullptr, save ? write.data_ptr<scalar_t>() : nullptr,
+                read ? wr.data_ptr<scalar_t>() : nullptr,
                 read ? y.data_ptr<scalar_t>() : nullptr, k, len);
   });
-  return {out, stats, y};
+  return {out, stats, y, write};
 }
 
 std::vector<at::Tensor> residual_backward(const at::Tensor& g, const at::Tensor& x, const at::Tensor& h,
