@@ -141,6 +141,21 @@ def test_token_readout_inference_paths_match_reference(kernel, seq_len, dtype, t
         torch.testing.assert_close(out, exact.to(dtype), rtol=tol, atol=tol)
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("seq_len", [1, 2, 6], ids=["decode-step", "two-tokens", "prefill"])
+@pytest.mark.parametrize("kernel", [1, 4], ids=["cc", "tc"])
+def test_token_readout_sums_bf16_products_in_fp32(kernel, seq_len):
+    """Two rows whose products cancel but for a part bf16 cannot hold: 4096 (1 + 2^-7)^2 - 4096 (1 + 2^-6) = 1/4,
+    which the fp32 sum keeps and a bf16 one loses (the random inputs above are within bf16's tolerance either way)."""
+    x = torch.empty(2, seq_len, 2, 3, dtype=torch.bfloat16)
+    x[:, :, 0], x[:, :, 1] = 4096 * (1 + 2**-7), -4096
+    weight = torch.zeros(kernel, 3, 2, dtype=torch.bfloat16)  # (K, d, d_v): the last tap reads the token itself
+    weight[-1, :, 0], weight[-1, :, 1] = 1 + 2**-7, 1 + 2**-6
+    assert torch.equal(causal_token_readout(x.double(), weight.double()), torch.full((2, seq_len, 3), 0.25,
+                                                                                      dtype=torch.float64))
+    assert torch.equal(fused_token_readout(x, weight), torch.full((2, seq_len, 3), 0.25, dtype=torch.bfloat16))
+
+
 def test_token_readout_second_derivative():
     """Its backward is differentiable itself (gradgradcheck through `readout_backward`)."""
     x, weight = _readout_inputs(3, 5)
