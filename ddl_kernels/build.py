@@ -46,13 +46,14 @@ def switched_on():
 def library_name():
     """One name per source text, so that an edited kernel is rebuilt instead of loading a stale build; AVX2 builds
     get their own name, so that a cache shared by machines with different instruction sets keeps one of each; and
-    one per PyTorch installation (its folder and version), so that environments sharing the cache each keep their
-    build instead of rebuilding it in turn."""
+    one per PyTorch installation (its folder and version) and per ddl_kernels folder (torch's build arguments hold
+    its path, for common.h), so that environments and checkouts sharing the cache each keep their build instead of
+    rebuilding it in turn."""
     digest = hashlib.sha1()
     for path in [*sources(), os.path.join(HERE, "common.h")]:
         with open(path, "rb") as f:
             digest.update(f.read())
-    digest.update(" ".join([*_flags(), os.path.dirname(torch.__file__), torch.__version__]).encode())
+    digest.update(" ".join([*_flags(), os.path.dirname(torch.__file__), torch.__version__, HERE]).encode())
     return "ddl_cpu_" + digest.hexdigest()[:12]
 
 

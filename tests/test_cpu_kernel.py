@@ -3,6 +3,7 @@
 wherever they serve (and only there); and their build (ddl_kernels/build.py) never blocks or fails a run."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -557,4 +558,15 @@ def test_each_pytorch_installation_keeps_its_own_kernel_build(monkeypatch):
     here = build.library_name()
     assert build.library_name() == here  # stable within one installation
     monkeypatch.setattr(torch, "__file__", "/elsewhere/venv/lib/site-packages/torch/__init__.py")
+    assert build.library_name() != here
+
+
+def test_each_checkout_keeps_its_own_kernel_build(tmp_path, monkeypatch):
+    """Two clones (or worktrees) of one version: the same sources, but torch's build arguments name each one's
+    folder (its include path), so under one name each start of the other rebuilt it (1.5-2 minutes here)."""
+    here = build.library_name()
+    other = tmp_path / "clone" / "ddl_kernels"
+    shutil.copytree(build.HERE, other, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    monkeypatch.setattr(build, "HERE", str(other))
+    assert len(build.sources()) > 1 and all(path.startswith(str(other)) for path in build.sources())  # (copies)
     assert build.library_name() != here
