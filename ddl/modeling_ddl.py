@@ -259,11 +259,13 @@ class DDLDeltaResidual(nn.Module):
             self.value_weight = nn.Parameter(torch.empty(dv, d))
             self.value_bias = nn.Parameter(torch.empty(dv))
 
-    def forward(self, x, h, context, sublayer_input, implementation=None, ahead=None):
+    def forward(self, x, h, context, sublayer_input, implementation=None, ahead=None, rebuild=None):
         """x: state X; h: sublayer output (gives k); context: c = RMSNorm(x_in); sublayer_input: x_in. With `ahead`
-        (a `ReadoutAhead`), the next compressor's readout of X_next is made here where it can be, and kept there."""
+        (a `ReadoutAhead`), the next compressor's readout of X_next is made here where it can be, and kept there;
+        with `rebuild` (a `StateRebuild`), the update is recorded there as made of these very inputs (a pre-hook's)."""
         if self.mode == "additive":
-            return delta_update(x, h, mode="additive")
+            out = delta_update(x, h, mode="additive")
+            return out if rebuild is None else rebuild.push(x, out, h)
         u = sublayer_input if self.value_from_state else context
         value_weight, value_bias = (None, None) if self.v_constant is not None else (self.value_weight, self.value_bias)
         weight = ahead.weight(self) if ahead is not None else None
@@ -271,6 +273,8 @@ class DDLDeltaResidual(nn.Module):
         out = seam(x, h, context, u, self.beta_weight, self.beta_bias, value_weight, value_bias, v_scale=self.v_scale,
                    k_eps=self.k_eps, mode=self.mode, gate_hidden=self._gate_hidden(), v_constant=self.v_constant,
                    implementation=implementation or self.config.ddl_implementation)
+        if rebuild is not None:
+            rebuild.push(x, out if weight is None else out[0], h)
         return out if weight is None else ahead.keep(*out)
 
     def _gate_hidden(self):
@@ -455,7 +459,7 @@ class DDLDecoderLayer(GradientCheckpointingLayer):
         if rebuild is None:
             return delta(hidden_states, h, context, x_in, implementation, ahead)
         with rebuild.hooks:
-            return rebuild.push(hidden_states, delta(hidden_states, h, context, x_in, implementation, ahead), h)
+            return delta(hidden_states, h, context, x_in, implementation, ahead, rebuild)
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(self, hidden_states, attention_mask=None, position_ids=None, cache: Cache | None = None,

@@ -84,22 +84,22 @@ def _live_states(model, **batch):
     return alive
 
 
-@pytest.mark.parametrize("variant", ["cc-ec", "tc-ec", "write-only"])
-def test_the_rebuild_takes_the_write_the_update_made(variant, cpu_kernel_on_or_off, monkeypatch):
+@pytest.mark.parametrize("variant, projections", [("cc-ec", 0), ("tc-ec", 0), ("write-only", 0),
+                                                  ("additive", 2 * 2 * 3)])  # (two per update, two updates a block)
+def test_the_rebuild_takes_the_write_the_update_made(variant, projections, cpu_kernel_on_or_off, monkeypatch):
     """The C++ seam and the PyTorch update hand out their write's coefficients (X_next = X + h (x) w), so the rebuild
-    reads no state in forward (before: h^T X_next - h^T X, two states read per update); the specifications hand out
-    none, and it projects. Padded (left and right) and trained-looking, the gradients are the kept states'."""
+    reads no state in forward (before: h^T X_next - h^T X, two states read per update); `X + h` hands out none, and it
+    projects. Padded (left and right) and trained-looking, the gradients are the kept states'."""
     from ddl import modeling_ddl
 
-    projections = []
+    read = []
     project = modeling_ddl._dot_h
-    monkeypatch.setattr(modeling_ddl, "_dot_h", lambda *args: projections.append(args[1].shape) or project(*args))
+    monkeypatch.setattr(modeling_ddl, "_dot_h", lambda *args: read.append(args[1].shape) or project(*args))
     batch = _batches()["padded"]
-    for implementation, reads in (("auto", 0), ("reference", 2 * 2 * 3)):  # (two per update, two updates a block)
-        kept = _loss_and_grads(_model(False, implementation, **VARIANTS[variant]), **dict(batch))
-        projections.clear()
-        _compare(kept, _loss_and_grads(_model(True, implementation, **VARIANTS[variant]), **dict(batch)))
-        assert len(projections) == reads, implementation
+    kept = _loss_and_grads(_model(False, **VARIANTS[variant]), **dict(batch))
+    read.clear()
+    _compare(kept, _loss_and_grads(_model(True, **VARIANTS[variant]), **dict(batch)))
+    assert len(read) == projections
 
 
 @pytest.mark.parametrize("variant", ["cc-ec", "tc-ec"])
@@ -172,18 +172,49 @@ def test_a_hook_that_replaces_a_blocks_output_stops_the_chain(variant):
     _compare(run(False), run(True))
 
 
+def _steer(module, args, out):
+    return out + 0.1 * torch.arange(out.shape[-1], dtype=out.dtype)
+
+
+def _double_h(module, args):
+    return (args[0], 2 * args[1], *args[2:])
+
+
+@pytest.mark.parametrize("hook", ["pre-hook on h", "output replaced"])
+@pytest.mark.parametrize("variant", ["cc-ec", "tc-ec"])
+def test_hooks_on_an_update_give_the_kept_states_gradients(variant, hook, cpu_kernel_on_or_off):
+    """A pre-hook that changes the sublayer output the update reads (the update is recorded as made of what it read;
+    before, the write of 2h was taken for one along h: gradients 85 times too large), and a forward hook that
+    replaces the new state (the chain stops there; before, its tensor was taken for the update's: 140 times)."""
+    def run(rebuild):
+        model = _model(rebuild, **VARIANTS[variant])
+        delta = model.model.layers[1].attn_delta
+        delta.register_forward_pre_hook(_double_h) if hook == "pre-hook on h" else delta.register_forward_hook(_steer)
+        return _loss_and_grads(model, **_batches()["plain"])
+
+    _compare(run(False), run(True))
+
+
 def test_a_state_changed_in_place_raises_instead_of_a_wrong_gradient():
     model = _model(True)
     model.model.layers[0].register_forward_hook(lambda module, args, out: out.mul_(1.1))
     with pytest.raises(RuntimeError, match="changed in place.*ddl_rebuild_states = False"):
         _loss_and_grads(model, **_batches()["plain"])
+    def scale_unseen(module, args, out):  # (outside autograd: before, the gradients came out 12 times too large)
+        out.detach().mul_(1.1)
+
+    model = _model(True)
+    model.model.layers[1].attn_delta.register_forward_hook(scale_unseen)
+    with pytest.raises(RuntimeError, match="changed in place.*ddl_rebuild_states = False"):
+        _loss_and_grads(model, **_batches()["plain"])
 
 
-def test_under_autocast_the_write_is_computed_in_the_states_dtype():
-    """bf16 autocast keeps the fp32 state, so the rebuild runs; w is a difference of two dot products, which a bf16
-    matmul would round away (before: gradients 10-30% off)."""
+@pytest.mark.parametrize("variant", ["cc-ec", "additive"])
+def test_under_autocast_the_write_is_computed_in_the_states_dtype(variant):
+    """bf16 autocast keeps the fp32 state, so the rebuild runs; the update's w is fp32, and a projected one (`X + h`
+    hands none) is a difference of two dot products, which a bf16 matmul would round away (gradients 10-30% off)."""
     def run(rebuild):
-        model = _model(rebuild, dtype=torch.float32)
+        model = _model(rebuild, dtype=torch.float32, **VARIANTS[variant])
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = model(**_batches()["plain"]).loss
         loss.backward()  # (outside autocast, as PyTorch recommends)
