@@ -459,7 +459,7 @@ class DDLDecoderLayer(GradientCheckpointingLayer):
         if rebuild is None:
             return delta(hidden_states, h, context, x_in, implementation, ahead)
         with rebuild.hooks:
-            return delta(hidden_states, h, context, x_in, implementation, ahead, rebuild)
+            return delta(hidden_states, h, context, x_in, implementation, ahead, rebuild=rebuild)
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(self, hidden_states, attention_mask=None, position_ids=None, cache: Cache | None = None,

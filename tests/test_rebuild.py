@@ -180,16 +180,25 @@ def _double_h(module, args):
     return (args[0], 2 * args[1], *args[2:])
 
 
-@pytest.mark.parametrize("hook", ["pre-hook on h", "output replaced"])
-@pytest.mark.parametrize("variant", ["cc-ec", "tc-ec"])
+def _turn_h(module, args):
+    return (args[0], args[1] + 0.3 * torch.arange(args[1].shape[-1], dtype=args[1].dtype) / args[1].shape[-1],
+            *args[2:])
+
+
+@pytest.mark.parametrize("hook", ["pre-hook scales h", "pre-hook turns h", "output replaced"])
+@pytest.mark.parametrize("variant", ["cc-ec", "tc-ec", "additive"])
 def test_hooks_on_an_update_give_the_kept_states_gradients(variant, hook, cpu_kernel_on_or_off):
     """A pre-hook that changes the sublayer output the update reads (the update is recorded as made of what it read;
-    before, the write of 2h was taken for one along h: gradients 85 times too large), and a forward hook that
-    replaces the new state (the chain stops there; before, its tensor was taken for the update's: 140 times)."""
+    before, the write of 2h was taken for one along h: gradients 85 times too large; a turned h, projected, 5-26
+    times), and a forward hook that replaces the new state (the chain stops there; before, its tensor was taken for
+    the update's: 140 times)."""
     def run(rebuild):
         model = _model(rebuild, **VARIANTS[variant])
         delta = model.model.layers[1].attn_delta
-        delta.register_forward_pre_hook(_double_h) if hook == "pre-hook on h" else delta.register_forward_hook(_steer)
+        if hook == "output replaced":
+            delta.register_forward_hook(_steer)
+        else:
+            delta.register_forward_pre_hook(_double_h if hook == "pre-hook scales h" else _turn_h)
         return _loss_and_grads(model, **_batches()["plain"])
 
     _compare(run(False), run(True))
