@@ -21,7 +21,7 @@ from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.realpath(__file__))  # (one checkout reached through a link is still one build)
 FUNCTIONS = ("residual_forward", "residual_backward", "readout_forward", "readout_backward", "window_step",
              "conv_forward", "conv_backward", "conv_step")
 _SWITCH_ON, _SWITCH_OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")

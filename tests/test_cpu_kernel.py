@@ -570,3 +570,14 @@ def test_each_checkout_keeps_its_own_kernel_build(tmp_path, monkeypatch):
     monkeypatch.setattr(build, "HERE", str(other))
     assert len(build.sources()) > 1 and all(path.startswith(str(other)) for path in build.sources())  # (copies)
     assert build.library_name() != here
+
+
+def test_one_checkout_reached_through_a_link_keeps_one_build(tmp_path):
+    """The same folder imported through a symlink (a linked home or project folder) is the same build, not a second
+    one that rebuilds the first's in turn."""
+    link = tmp_path / "linked-checkout"
+    link.symlink_to(os.path.dirname(os.path.dirname(build.__file__)))
+    probe = "import ddl_kernels.build as b; print(b.__file__); print(b.library_name())"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(link)}).stdout.split()
+    assert out[0].startswith(str(link)) and out[1] == build.library_name()
