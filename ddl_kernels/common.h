@@ -56,27 +56,26 @@ inline std::vector<double> sum_over_tokens(int64_t n, int64_t width, const Body&
   return sums.total();
 }
 
-// out[j] = a . m[j] for the rows of m (stride d). With R > 0 rows known at compile time, one pass over a and m
-// with R sums, each in two vectors' width of lanes (independent chains, added at the end); R = 0: `rows` at run
-// time, one row at a time.
-template <typename T, int R>
-inline void row_dots(const T* a, const T* m, int64_t d, int64_t rows, T* out) {
-  if (R == 0) {
-    for (int64_t j = 0; j < rows; ++j) row_dots<T, 1>(a, m + j * d, d, 1, out + j);
-    return;
-  }
-  constexpr int L = 64 / sizeof(T), N = R > 0 ? R : 1;
-  T lanes[N][L] = {};
+// a . b over d numbers, summed in two vectors' width of lanes (independent chains, added at the end).
+template <typename T>
+inline T dot(const T* a, const T* b, int64_t d) {
+  constexpr int L = 64 / sizeof(T);
+  T lanes[L] = {};
   int64_t i = 0;
   for (; i + L <= d; i += L)
-    for (int j = 0; j < N; ++j)
-      for (int l = 0; l < L; ++l) lanes[j][l] += a[i + l] * m[j * d + i + l];
-  for (int j = 0; j < N; ++j) {
-    T sum = 0;
-    for (int64_t k = i; k < d; ++k) sum += a[k] * m[j * d + k];
-    for (int l = 0; l < L; ++l) sum += lanes[j][l];
-    out[j] = sum;
-  }
+    for (int l = 0; l < L; ++l) lanes[l] += a[i + l] * b[i + l];
+  T sum = 0;
+  for (int64_t k = i; k < d; ++k) sum += a[k] * b[k];
+  for (int l = 0; l < L; ++l) sum += lanes[l];
+  return sum;
+}
+
+// out[j] = a . m[j] for the rows of m (stride d), one row after another: a token's state rows are then read as one
+// stream in address order, which the hardware prefetchers follow; reading the rows side by side (d_v streams d
+// apart, each only d long before the next token's) left the loads waiting on memory.
+template <typename T>
+inline void row_dots(const T* a, const T* m, int64_t d, int64_t rows, T* out) {
+  for (int64_t j = 0; j < rows; ++j) out[j] = dot(a, m + j * d, d);
 }
 
 }  // namespace ddl

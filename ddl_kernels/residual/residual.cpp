@@ -30,7 +30,7 @@ inline void readout_of(const T* out, const T* wr, int64_t t, int64_t p, int64_t 
 }
 
 // u_kind: 0 = u is its own tensor, 1 = u is c (value from the normalised input), 2 = u is the d_v = 1 state X.
-// NV: d_v when it is 1, 2, 4 or 8 (compiled for each: a token's d_v rows go through each loop together), or 0:
+// NV: d_v when it is 1, 2, 4 or 8 (compiled for each: the loops over a token's d_v rows have a known count), or 0:
 // d_v = nv at run time.
 template <typename T, int NV>
 void seam_forward(const T* x, const T* h, const T* c, const T* u, const T* wb, T bb, const T* wv, const T* bv,
@@ -44,11 +44,9 @@ void seam_forward(const T* x, const T* h, const T* c, const T* u, const T* wb, T
     std::vector<T> coef(rows), ys(rows), hxs(rows, T(0));
     for (int64_t t = begin; t < end; ++t) {
       const T* xt = x + t * rows * d; const T* ht = h + t * d; const T* ct = c + t * d; const T* ut = u + t * d;
-      T z, hh;
-      row_dots<T, 1>(ct, wb, d, 1, &z);
-      row_dots<T, 1>(ht, ht, d, 1, &hh);
-      row_dots<T, NV>(ut, wv, d, rows, ys.data());
-      if (erase) row_dots<T, NV>(ht, xt, d, rows, hxs.data());
+      const T z = dot(ct, wb, d), hh = dot(ht, ht, d);
+      row_dots(ut, wv, d, rows, ys.data());
+      if (erase) row_dots(ht, xt, d, rows, hxs.data());
       const T beta = T(2) / (T(1) + std::exp(-(z + bb)));
       const T s = T(1) / std::sqrt(hh + T(eps * eps));
       for (int64_t j = 0; j < rows; ++j) {
@@ -112,7 +110,7 @@ void seam_backward(const T* g, const T* x, const T* h, const T* c, const T* u, c
     }
     const T* ct = c + t * d; const T* ut = u + t * d;
     const T beta = beta_s[t], s = s_s[t];
-    row_dots<T, NV>(ht, gt, d, rows, b);
+    row_dots(ht, gt, d, rows, b);
     T dbeta = 0, h_dot = 0;
     for (int64_t j = 0; j < rows; ++j) {
       const T v = v_s[t * rows + j], hx = erase ? hx_s[t * rows + j] : T(0);
