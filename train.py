@@ -514,7 +514,7 @@ def describe_run(model, blocks, data_info, seconds):
 
 
 def build_kernels(config, training_args):
-    """ddl_kernels' C++ CPU kernels (when installed), built (20-40 s on a fresh machine, once; setup.sh does it) before
+    """ddl_kernels' C++ CPU kernels (when installed), built (1-2 min on 2 cores, once; setup.sh does it) before
     the clock of `train_runtime` starts, by one process while the others wait and then load them. Not for bf16/fp16
     runs: autocast takes PyTorch."""
     low_precision = training_args.bf16 or training_args.fp16

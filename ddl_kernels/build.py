@@ -123,8 +123,8 @@ def _build():
             if folder is not None and not _clear_stale_baton(folder):
                 return None
             if not _is_built(folder):
-                logger.warning(f"DDL: building its C++ CPU kernels {name} once (20-40 s; cached for the next runs). "
-                               "Set DDL_CPU_KERNEL=0 to use the PyTorch paths instead.")
+                logger.warning(f"DDL: building its C++ CPU kernels {name} once (1-2 min on 2 cores; cached for the "
+                               "next runs). Set DDL_CPU_KERNEL=0 to use the PyTorch paths instead.")
             return load(name, sources=sources(), extra_cflags=_flags(), extra_include_paths=[HERE], verbose=False,
                         build_directory=folder)
     except Exception as error:  # no compiler, no ninja, a failed build: the PyTorch paths serve
@@ -147,8 +147,9 @@ def _is_built(folder):
     return folder is not None and any(f.endswith((".so", ".pyd")) for f in os.listdir(folder))
 
 
-# A build takes 20-40 s (minutes on a busy machine); a build lock held for longer than this belongs to a process that
-# hangs, and a torch lock file untouched for longer (when its holder cannot be looked up) to a build that died.
+# A build takes 1-2 min on 2 cores (more on a busy machine); a build lock held for longer than this belongs to a
+# process that hangs, and a torch lock file untouched for longer (when its holder cannot be looked up) to a build that
+# died.
 STALE_AFTER_S = 600.0
 BUILD_LOCK = "ddl_build.lock"
 

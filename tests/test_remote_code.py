@@ -215,7 +215,7 @@ print("MAX", (logits - torch.tensor(expected["logits"])).abs().max().item())
 @pytest.mark.parametrize("name", EARLIER)
 def test_checkpoints_saved_by_earlier_versions_load_and_give_their_logits(name, tmp_path):
     """With `ddl` installed they load into today's classes (no remote code); by remote code, in a fresh process, they
-    run the code they were saved with (its C++ switched off here: a 20-40 s build, not what is tested)."""
+    run the code they were saved with (its C++ switched off here: a 1-2 min build, not what is tested)."""
     folder = os.path.join(ROOT, "tests", "fixtures", name)
     with open(os.path.join(folder, "expected.json")) as f:
         expected = json.load(f)
