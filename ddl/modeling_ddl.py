@@ -147,7 +147,7 @@ class StateRebuild:
         """Records the update x -> x_next, written along h, and lets go of x (if x is the live state)."""
         if self.live is None or x is not self.live():
             self.live = None  # (the chain stops: the states from here on are kept by autograd)
-            return x_next
+            return
         self._check(len(self.states) - 1)
         h, w = h.detach().to(x.dtype), getattr(x_next.grad_fn, "write", None)  # (the update's own: `ddl.kernels`)
         if w is None:  # (no bf16 matmul: w is a difference)
@@ -156,7 +156,6 @@ class StateRebuild:
         self.writes.append((h, w))
         self.states[-1:], self.live = [None, x_next.detach()], weakref.ref(x_next)
         self.versions.append(x_next._version)
-        return x_next
 
     def _pack(self, tensor):
         return (self, len(self.states) - 1) if self.live is not None and tensor is self.live() else tensor
@@ -264,15 +263,16 @@ class DDLDeltaResidual(nn.Module):
         (a `ReadoutAhead`), the next compressor's readout of X_next is made here where it can be, and kept there;
         with `rebuild` (a `StateRebuild`), the update is recorded there as made of these very inputs (a pre-hook's)."""
         if self.mode == "additive":
-            out = delta_update(x, h, mode="additive")
-            return out if rebuild is None else rebuild.push(x, out, h)
-        u = sublayer_input if self.value_from_state else context
-        value_weight, value_bias = (None, None) if self.v_constant is not None else (self.value_weight, self.value_bias)
-        weight = ahead.weight(self) if ahead is not None else None
-        seam = delta_residual if weight is None else partial(delta_residual_readout, readout_weight=weight)
-        out = seam(x, h, context, u, self.beta_weight, self.beta_bias, value_weight, value_bias, v_scale=self.v_scale,
-                   k_eps=self.k_eps, mode=self.mode, gate_hidden=self._gate_hidden(), v_constant=self.v_constant,
-                   implementation=implementation or self.config.ddl_implementation)
+            out, weight = delta_update(x, h, mode="additive"), None
+        else:
+            u = sublayer_input if self.value_from_state else context
+            learned = self.v_constant is None
+            value_weight, value_bias = (self.value_weight, self.value_bias) if learned else (None, None)
+            weight = ahead.weight(self) if ahead is not None else None
+            seam = delta_residual if weight is None else partial(delta_residual_readout, readout_weight=weight)
+            out = seam(x, h, context, u, self.beta_weight, self.beta_bias, value_weight, value_bias,
+                       v_scale=self.v_scale, k_eps=self.k_eps, mode=self.mode, gate_hidden=self._gate_hidden(),
+                       v_constant=self.v_constant, implementation=implementation or self.config.ddl_implementation)
         if rebuild is not None:
             rebuild.push(x, out if weight is None else out[0], h)
         return out if weight is None else ahead.keep(*out)
