@@ -285,7 +285,7 @@ def test_bare_dynamic_cache_gets_a_clear_error():
 
 @pytest.mark.parametrize("overrides", GEN_VARIANTS)
 def test_attention_backends_agree(overrides):
-    model = _model(**overrides)
+    model = _model(**overrides, head_dim=16)  # flex attention's CUDA kernels take heads of 16 or more
     ids = _ids()
     mask = torch.ones_like(ids)
     mask[0, :2] = 0
@@ -374,8 +374,8 @@ def test_authors_initialisation_scales_every_matrix_by_its_fans_and_the_outputs_
         layer.attn_delta.beta_weight: spectral(128, 1),
         model.model.embed_tokens.weight: 0.02,
     }
-    for weight, std in expected.items():
-        assert weight.std().item() == pytest.approx(std, rel=0.1)
+    for weight, std in expected.items():  # within four standard errors of a sample std (beta_weight has 128 values)
+        assert weight.std().item() == pytest.approx(std, rel=max(0.1, 4 / math.sqrt(2 * weight.numel())))
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert layer.attn_delta.beta_hidden_bias is None  # the authors' two-layer gate has no hidden bias
     assert torch.all(layer.self_attn.q_norm.weight == 1) and torch.all(model.model.norm.weight == 1)
@@ -574,7 +574,7 @@ def test_trainer_runs_a_few_steps(tmp_path):
     assert trainer.model_accepts_loss_kwargs  # so num_items_in_batch reaches the loss
     result = trainer.train()
     assert math.isfinite(result.training_loss)
-    assert not torch.equal(before, model.model.layers[0].attn_delta.beta_bias)
+    assert not torch.equal(before.cpu(), model.model.layers[0].attn_delta.beta_bias.cpu())  # use_cpu moved the model
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -632,7 +632,9 @@ def test_remote_code_loading_in_a_fresh_process(tmp_path, tokenizer):
     (tmp_path / "expected.json").write_text(json.dumps(expected))
     (tmp_path / "check.py").write_text(REMOTE_SCRIPT)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(HF_HOME=str(hf_home), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    # without ddl (its folder leaves PYTHONPATH), with whatever else is there (a machine's carried packages)
+    kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and not os.path.isdir(f"{p}/ddl")]
+    env.update(HF_HOME=str(hf_home), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=os.pathsep.join(kept))
     result = subprocess.run(
         [sys.executable, str(tmp_path / "check.py"), str(tmp_path / "expected.json")],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
