@@ -5,6 +5,13 @@ from collections import Counter
 
 from huggingface_hub.dataclasses import strict
 from transformers.models.llama.configuration_llama import LlamaConfig
+from transformers.utils.versions import require_version
+
+
+# The oldest transformers this code runs on (pyproject's bound), checked where loading starts: an older one gets this
+# line, not an ImportError from inside the model's imports.
+MIN_TRANSFORMERS = "5.24"
+require_version(f"transformers>={MIN_TRANSFORMERS}", f"DDL needs it: pip install -U 'transformers>={MIN_TRANSFORMERS}'")
 
 
 DDL_COMPRESSORS = ("cc", "tc")

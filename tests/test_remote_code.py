@@ -18,7 +18,7 @@ from conftest import ROOT, TINY, tiny_config, trained_looking
 from ddl import DDLForCausalLM
 
 
-SHIPPED_LINES = 1743  # the most a checkpoint's code may hold (it is what a reviewer reads before trusting it)
+SHIPPED_LINES = 1750  # the most a checkpoint's code may hold (it is what a reviewer reads before trusting it)
 
 VARIANTS = {
     "dv1": dict(ddl_value_channels=1),
@@ -181,6 +181,32 @@ def test_a_mismatched_kernel_interface_runs_pytorch_with_one_warning(tmp_path):
     names = next(line for line in done.stdout.splitlines() if line.startswith("REGISTRIES"))
     assert "C++" not in names and "PyTorch" in names
     assert done.stderr.count("interface version") == 1
+
+
+OLD_TRANSFORMERS = r"""
+import importlib.metadata, sys
+installed = importlib.metadata.version
+importlib.metadata.version = lambda name: "5.17.0" if name == "transformers" else installed(name)
+sys.modules["ddl"] = None
+from transformers import AutoModelForCausalLM
+AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)
+"""
+
+
+def test_an_older_transformers_is_told_which_to_install(tmp_path):
+    """A checkpoint loaded with a transformers older than the one its code needs (pyproject's bound) stops with a
+    line naming the version to install, not an ImportError from inside the model's imports (as the GPU machine's
+    transformers 5.17 gave: no `slice_logits_to_keep`)."""
+    from ddl.configuration_ddl import MIN_TRANSFORMERS
+
+    assert f'"transformers>={MIN_TRANSFORMERS},' in open(os.path.join(ROOT, "pyproject.toml")).read()
+    _, folder = _saved("dv1", tmp_path)
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", OLD_TRANSFORMERS, str(folder)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0
+    assert f"transformers>={MIN_TRANSFORMERS} is required" in done.stderr, done.stderr[-3000:]
+    assert f"pip install -U 'transformers>={MIN_TRANSFORMERS}'" in done.stderr
 
 
 def test_the_in_repo_dispatch_order():
