@@ -575,9 +575,10 @@ def run(args):
             if "train_tok_s" in measurements:
                 runner.train_step()
             runner.time_prefill(1)
-            if args.compile and "decode" not in args.skip:  # each batch size's decoding step compiled once
+            if "decode" not in args.skip:  # a process's first `generate` sets up what later ones reuse (on CUDA
+                # the first was 5-9x slower); compiled, each batch size's decoding step is compiled once
                 for batch_size in (1, 8):
-                    runner.time_decode(batch_size, args.new_tokens)
+                    runner.time_decode(batch_size, args.new_tokens if args.compile else 2)
         # One measurement at a time (so that decoding never disturbs the allocator state of training), and within
         # it the models interleaved in a balanced order: every model sees the same machine conditions, positions
         # and predecessors.
