@@ -6,8 +6,8 @@ K-token window of states -> a d-vector per token, or of d-vectors -> a (d_v x d)
 Each program handles one token (or chunk) and one block of features; accumulation is in fp32.
 
 Serves `reference.causal_token_readout` without history (x `(B, T, d_v, d)`, taps `(K, d_v, d)`, zeros before the
-first token) for CUDA tensors other than fp64. Opt-in (`ddl_implementation="triton"`) until verified on a GPU;
-tested on CPU through Triton's interpreter (tests/test_kernels.py).
+first token) for CUDA tensors other than fp64. Opt-in (`ddl_implementation="triton"`; docs/gpu.md says why);
+tested on CPU through Triton's interpreter (tests/test_kernels.py), and compiled on an H200.
 """
 
 import torch
