@@ -3,6 +3,7 @@
 #
 #   scripts/gpu_check.sh                 # on the GPU machine: CUDA, bf16, the paper's small size; within 9 minutes
 #   scripts/gpu_check.sh --device cpu    # the dry run: every part on CPU at tiny sizes (a few minutes on 2 cores)
+#   scripts/gpu_check.sh --followup      # parts 5-8 instead: what decides Triton and compile on CUDA (<10 min)
 #
 # Parts, each under its own time limit so that one that hangs cannot take the rest with it (a part that fails is
 # recorded and the check goes on):
@@ -11,19 +12,27 @@
 #      triton (train tok/s, decode tok/s at batch 1 and 8, peak training memory; ratios to Llama in the same run)
 #   3. a 200-step train.py run through `accelerate launch` in bf16, and the sample generated from its checkpoint
 #   4. the model and kernel tests on the GPU (DDL_TEST_DEVICE=cuda; fp32, bf16 and fp16 cases)
+# and with --followup, after a first run (docs/gpu.md):
+#   5. the compile tests on the GPU, and the two model tests the first run could not rerun
+#   6. part 3 with Triton (DDL_IMPLEMENTATION=triton): its kernels under autocast; the losses should follow part 3's
+#   7. bench.py --compile: compiled static-cache decoding (CUDA graphs on CUDA), against Llama's
+#   8. bench.py --compile: compiled training, d_v=1 against Llama
 # Packages the machine lacks travel as wheels in .whl/ (see docs/gpu.md); they are installed into a private folder.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DEVICE=cuda
+FOLLOWUP=0
 while [ $# -gt 0 ]; do
     case "$1" in
         --device) DEVICE=$2; shift 2 ;;
-        *) echo "gpu_check.sh: unknown argument $1 (use --device cpu|cuda)"; exit 2 ;;
+        --followup) FOLLOWUP=1; shift ;;
+        *) echo "gpu_check.sh: unknown argument $1 (use --device cpu|cuda, --followup)"; exit 2 ;;
     esac
 done
 OUT_DIR=${OUT:-gpu_check_out}
 mkdir -p "$OUT_DIR"
 RESULTS=$OUT_DIR/gpu_check.md
+[ $FOLLOWUP = 1 ] && RESULTS=$OUT_DIR/gpu_check_followup.md
 WORK=$(mktemp -d)
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ] && PY=.venv/bin/python
@@ -52,7 +61,17 @@ record() {  # record LIMIT_SECONDS LOG COMMAND...: runs it, its exit status and 
     return $status
 }
 
-echo "# DDL GPU check, $(date -u +%Y-%m-%dT%H:%MZ), device $DEVICE" >"$RESULTS"
+train_part() {  # train_part IMPLEMENTATION LOG: train.py through accelerate launch, its log lines and sample
+    DDL_IMPLEMENTATION=$1 record 150 "$2" "$PY" "${LAUNCH[@]}" train.py --max_steps "$STEPS" \
+        --output_dir "$WORK/run_$1" --eval_steps 100 --save_steps 100 --logging_steps 20 --sample_max_new_tokens 60 \
+        --report_to none
+    { echo '```'; tr '\r' '\n' <"$2" | grep -E "^\{|^data:|^saved|Error|error|failed" | grep -v Warning | tail -20
+      sed -n '/^--- sample/,$p' "$2" | head -20; echo '```'; } >>"$RESULTS"
+}
+LAUNCH=(-m accelerate.commands.launch --num_processes 1 --num_machines 1 --mixed_precision "$PRECISION" --dynamo_backend no)
+[ "$DEVICE" = cpu ] && LAUNCH+=(--cpu)
+
+echo "# DDL GPU check$([ $FOLLOWUP = 1 ] && echo ', follow-up'), $(date -u +%Y-%m-%dT%H:%MZ), device $DEVICE" >"$RESULTS"
 
 section "1. Versions"
 {
@@ -73,6 +92,7 @@ PY
     echo '```'
 } >>"$RESULTS" 2>&1
 
+if [ $FOLLOWUP = 0 ]; then
 section "2. bench.py --size $SIZE, bf16: DDL's default paths, then Triton"
 for impl in auto triton; do
     record 150 "$OUT_DIR/bench_$impl.log" "$PY" bench.py --size "$SIZE" --device "$DEVICE" --dtype bfloat16 \
@@ -82,18 +102,33 @@ for impl in auto triton; do
 done
 
 section "3. train.py, $STEPS steps through accelerate launch (mixed precision: $PRECISION), and its sample"
-LAUNCH=(-m accelerate.commands.launch --num_processes 1 --num_machines 1 --mixed_precision "$PRECISION" --dynamo_backend no)
-[ "$DEVICE" = cpu ] && LAUNCH+=(--cpu)
-DDL_IMPLEMENTATION=torch record 150 "$OUT_DIR/train.log" "$PY" "${LAUNCH[@]}" train.py --max_steps "$STEPS" \
-    --output_dir "$WORK/run" --eval_steps 100 --save_steps 100 --logging_steps 20 --sample_max_new_tokens 60 \
-    --report_to none
-{ echo '```'; tr '\r' '\n' <"$OUT_DIR/train.log" | grep -E "^\{|^data:|^saved|Error|error" | grep -v Warning | tail -20
-  sed -n '/^--- sample/,$p' "$OUT_DIR/train.log" | head -20; echo '```'; } >>"$RESULTS"
+train_part torch "$OUT_DIR/train.log"
 
 section "4. The model and kernel tests on $DEVICE (DDL_TEST_DEVICE=$DEVICE)"
 DDL_TEST_DEVICE=$DEVICE record "$TEST_LIMIT" "$OUT_DIR/tests.log" "$PY" -m pytest -q -p no:cacheprovider -rfE \
     tests/test_device.py tests/test_kernels.py tests/test_delta_update.py tests/test_modeling_ddl.py
 { echo '```'; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT_DIR/tests.log" | tail -40; echo '```'; } >>"$RESULTS"
+
+else  # the most telling first: each part may use its whole limit, and the call has 600 s in all
+section "5. The compile tests and the two model tests not yet rerun, on $DEVICE"
+DDL_TEST_DEVICE=$DEVICE record 150 "$OUT_DIR/tests_followup.log" "$PY" -m pytest -q -p no:cacheprovider -rfE \
+    tests/test_compile.py tests/test_modeling_ddl.py -k "compile or trainer_runs or remote_code_loading"
+{ echo '```'; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT_DIR/tests_followup.log" | tail -40; echo '```'; } >>"$RESULTS"
+
+section "6. train.py, $STEPS steps through accelerate launch (mixed precision: $PRECISION), with Triton"
+train_part triton "$OUT_DIR/train_triton.log"
+
+for part in "7 decode" "8 train"; do
+    set -- $part
+    section "$1. bench.py --size $SIZE --compile, bf16: $2 compiled$([ "$2" = decode ] && echo ' (static cache)')"
+    skip=(prefill memory); [ "$2" = decode ] && skip+=(train) || skip+=(decode)
+    variants=(llama ddl-dv1 ddl-tc); [ "$2" = train ] && variants=(llama ddl-dv1)
+    record 200 "$OUT_DIR/bench_compile_$2.log" "$PY" bench.py --size "$SIZE" --device "$DEVICE" --dtype bfloat16 \
+        --compile --variants "${variants[@]}" --repeats 2 --train_steps 5 --train_in_process --skip "${skip[@]}" \
+        --json "$OUT_DIR/bench_compile_$2.json"
+    { echo '```'; grep -vE "^\s*$|USDT|repeats done" "$OUT_DIR/bench_compile_$2.log" | tail -12; echo '```'; } >>"$RESULTS"
+done
+fi
 
 echo "gpu_check.sh: results in $RESULTS"
 rm -rf "$WORK"
