@@ -1,12 +1,46 @@
 r"""The PyTorch paths of DDL's operations: the specifications' numbers (`ddl.reference`) as custom autograd functions
 that keep less for backward and write their gradients in place, on any device, where no faster implementation serves.
 `fused_delta_update` keeps X, h, v, beta and a few numbers per token and recomputes k, k^T X and the coefficient in
-backward; `readout` (TC; CC with one tap) sums in place along contiguous d (one CC token: a product and a sum).
+backward; `readout` (TC; CC with one tap) sums in place along contiguous d (one CC token: a product and a sum);
+`delta_gate` keeps a bf16/fp16 c as it is, not its fp32 copy.
 """
 
 import torch
+import torch.nn.functional as F
 
 from .reference import DELTA_MODES, causal_token_conv
+from .reference import delta_gate as reference_gate
+
+
+class _Fp32Linear(torch.autograd.Function):
+    """F.linear(x.float(), weight.float(), bias.float()), keeping x in its own dtype for backward: autograd would keep
+    the fp32 copy, in a bf16 model twice the activation's bytes per sublayer. The same numbers."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad = grad.float()  # (under autocast the product came in bf16)
+        rows = grad.flatten(0, -2)
+        grad_x = (grad @ weight.float()).to(x.dtype) if ctx.needs_input_grad[0] else None
+        grad_w = (rows.T @ x.float().flatten(0, -2)).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        grad_b = rows.sum(0).to(ctx.bias_dtype) if ctx.bias_dtype and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b
+
+
+def delta_gate(c, weight, bias, hidden_weight=None, hidden_bias=None):
+    """`reference.delta_gate`, whose first product, when c is bf16/fp16 and gradients are kept, is `_Fp32Linear`."""
+    if c.dtype in (torch.float32, torch.float64) or not torch.is_grad_enabled():
+        return reference_gate(c, weight, bias, hidden_weight, hidden_bias)
+    if hidden_weight is None:
+        return 2.0 * torch.sigmoid(_Fp32Linear.apply(c, weight.unsqueeze(0), bias))
+    hidden = torch.tanh(_Fp32Linear.apply(c, hidden_weight, hidden_bias))
+    return 2.0 * torch.sigmoid(F.linear(hidden, weight.float().unsqueeze(0), bias.float()))
 
 
 def _dot_h(h, state, scalar_state):
@@ -210,5 +244,5 @@ def conv_step(past, x, weight):
     return out
 
 
-__all__ = ["as_taps", "conv", "conv_step", "fused_delta_update", "readout", "readout_backward", "readout_forward",
-           "window_step"]
+__all__ = ["as_taps", "conv", "conv_step", "delta_gate", "fused_delta_update", "readout", "readout_backward",
+           "readout_forward", "window_step"]

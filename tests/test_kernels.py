@@ -7,10 +7,11 @@ import torch
 
 from conftest import assert_same_loss_and_gradients, seeded, tiny_config
 from ddl import DDLForCausalLM, kernels
-from ddl.fused import fused_delta_update
+from ddl.fused import delta_gate, fused_delta_update
 from ddl.kernels import conv_step, token_conv, token_readout, window_step
 from ddl.modeling_ddl import window_history
 from ddl.reference import causal_token_conv, causal_token_readout, delta_update
+from ddl.reference import delta_gate as reference_gate
 
 
 pytestmark = pytest.mark.device  # (runs on DDL_TEST_DEVICE: see conftest.py)
@@ -64,6 +65,35 @@ def test_zero_branch_output_gives_finite_gradients():
     inputs = _inputs(4, torch.float32, zero_h=True)
     fused_delta_update(*inputs).sum().backward()
     assert all(torch.isfinite(t.grad).all() for t in inputs)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("form", ["one-layer", "two-layer", "two-layer-no-hidden-bias"])
+def test_gate_keeps_a_low_precision_input_not_its_fp32_copy(form, dtype):
+    """The gate's PyTorch path: the specification's beta exactly, its gradients to rounding, and for backward it keeps
+    c itself, where the specification's F.linear(c.float(), ...) keeps an fp32 copy of c (twice c's bytes)."""
+    g = seeded(0)
+    c = torch.randn(2, 5, 16, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    size = 16 if form == "one-layer" else 8
+    params = [torch.randn(size, generator=g, dtype=torch.float64), torch.randn(1, generator=g, dtype=torch.float64)]
+    if form != "one-layer":
+        params.append(torch.randn(8, 16, generator=g, dtype=torch.float64) / 4)
+        params.append(torch.randn(8, generator=g, dtype=torch.float64) if form == "two-layer" else None)
+    params = [None if p is None else p.to(dtype).requires_grad_() for p in params]
+    grad_beta = torch.rand(2, 5, 1, generator=g, dtype=torch.float64).float()
+    results = {}
+    for name, gate in (("spec", reference_gate), ("fast", delta_gate)):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            beta = gate(c, *params)
+        grads = torch.autograd.grad(beta, [c] + [p for p in params if p is not None], grad_beta)
+        fp32_copies = [t for t in saved if t.numel() == c.numel() and t.dtype == torch.float32]
+        results[name] = beta, grads, fp32_copies
+    assert torch.equal(results["fast"][0], results["spec"][0])
+    for fast, spec in zip(results["fast"][1], results["spec"][1]):
+        assert fast.dtype == spec.dtype
+        torch.testing.assert_close(fast.float(), spec.float(), rtol=1e-2, atol=1e-3)
+    assert results["spec"][2] and not results["fast"][2]
 
 
 @pytest.mark.parametrize("overrides", [{"ddl_value_channels": 1}, {}, {"ddl_compressor": "tc", "ddl_residual": "write_only"},
