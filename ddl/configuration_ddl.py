@@ -3,15 +3,19 @@
 import os
 from collections import Counter
 
-from huggingface_hub.dataclasses import strict
-from transformers.models.llama.configuration_llama import LlamaConfig
-from transformers.utils.versions import require_version
+import transformers
+from packaging.version import Version
 
 
-# The oldest transformers this code runs on (pyproject's bound), checked where loading starts: an older one gets this
-# line, not an ImportError from inside the model's imports.
+# The oldest transformers this code runs on (pyproject's bound), checked where loading starts and before the imports
+# it would fail in: the version imported, not the installed metadata (a source tree on PYTHONPATH has none).
 MIN_TRANSFORMERS = "5.24"
-require_version(f"transformers>={MIN_TRANSFORMERS}", f"DDL needs it: pip install -U 'transformers>={MIN_TRANSFORMERS}'")
+if Version(transformers.__version__) < Version(MIN_TRANSFORMERS):
+    raise ImportError(f"DDL needs transformers>={MIN_TRANSFORMERS}, this is {transformers.__version__}: "
+                      f"pip install -U 'transformers>={MIN_TRANSFORMERS}'")
+
+from huggingface_hub.dataclasses import strict  # noqa: E402
+from transformers.models.llama.configuration_llama import LlamaConfig  # noqa: E402
 
 
 DDL_COMPRESSORS = ("cc", "tc")

@@ -26,9 +26,9 @@ class _Fp32Linear(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         grad = grad.float()  # (under autocast the product came in bf16)
-        rows = grad.flatten(0, -2)
+        rows = grad.reshape(-1, grad.shape[-1])
         grad_x = (grad @ weight.float()).to(x.dtype) if ctx.needs_input_grad[0] else None
-        grad_w = (rows.T @ x.float().flatten(0, -2)).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        grad_w = (rows.T @ x.float().reshape(-1, x.shape[-1])).to(weight.dtype) if ctx.needs_input_grad[1] else None
         grad_b = rows.sum(0).to(ctx.bias_dtype) if ctx.bias_dtype and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b
 

@@ -633,7 +633,8 @@ def test_remote_code_loading_in_a_fresh_process(tmp_path, tokenizer):
     (tmp_path / "check.py").write_text(REMOTE_SCRIPT)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     # without ddl (its folder leaves PYTHONPATH), with whatever else is there (a machine's carried packages)
-    kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and not os.path.isdir(f"{p}/ddl")]
+    kept = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    kept = [p for p in kept if not os.path.isdir(os.path.join(p, "ddl"))]
     env.update(HF_HOME=str(hf_home), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=os.pathsep.join(kept))
     result = subprocess.run(
         [sys.executable, str(tmp_path / "check.py"), str(tmp_path / "expected.json")],
