@@ -574,9 +574,10 @@ def run(args):
         for runner in runners:  # warm-up: allocations, optimizer state, compilation
             if "train_tok_s" in measurements:
                 runner.train_step()
-            runner.time_prefill(1)
+            if "prefill" not in args.skip:
+                runner.time_prefill(1)
             if "decode" not in args.skip:  # a process's first `generate` sets up what later ones reuse (on CUDA
-                # the first was 5-9x slower); compiled, each batch size's decoding step is compiled once
+                # the first was up to 10x slower); compiled, each batch size's decoding step is compiled once
                 for batch_size in (1, 8):
                     runner.time_decode(batch_size, args.new_tokens if args.compile else 2)
         # One measurement at a time (so that decoding never disturbs the allocator state of training), and within

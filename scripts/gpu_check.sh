@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The prepared GPU check: one command, one results file (RESULTS, markdown), on one NVIDIA GPU without internet.
 #
-#   scripts/gpu_check.sh                 # on the GPU machine: CUDA, bf16, the paper's small size; within 9 minutes
+#   scripts/gpu_check.sh                 # on the GPU machine: CUDA, bf16, the paper's small size; about 8 minutes
 #   scripts/gpu_check.sh --device cpu    # the dry run: every part on CPU at tiny sizes (a few minutes on 2 cores)
-#   scripts/gpu_check.sh --followup      # parts 5-8 instead: what decides Triton and compile on CUDA (<10 min)
+#   scripts/gpu_check.sh --followup      # parts 5-8 instead: what decides Triton and compile on CUDA; as long
 #
 # Parts, each under its own time limit so that one that hangs cannot take the rest with it (a part that fails is
-# recorded and the check goes on):
+# recorded and the check goes on), and none past BUDGET seconds from the start (a device call has 600 in all):
 #   1. versions (GPU, driver, Python, torch, CUDA, Triton, transformers, accelerate)
 #   2. bench.py --size small --dtype bfloat16: Llama, d_v=1, CC+EC, TC+EC; DDL's default paths, then --implementation
 #      triton (train tok/s, decode tok/s at batch 1 and 8, peak training memory; ratios to Llama in the same run)
@@ -38,22 +38,27 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ] && PY=.venv/bin/python
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" .whl/*.whl \
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" \
+        .whl/*.whl \
         || echo "gpu_check.sh: the carried wheels did not install"
     export PYTHONPATH=$WORK/site:$PWD
 else
     export PYTHONPATH=$PWD
 fi
 if [ "$DEVICE" = cpu ]; then
-    SIZE=tiny; REPEATS=1; STEPS=5; TEST_LIMIT=900; PRECISION=no; export CUDA_VISIBLE_DEVICES=""
+    SIZE=tiny; REPEATS=1; STEPS=5; PRECISION=no; BUDGET=${BUDGET:-1800}; export CUDA_VISIBLE_DEVICES=""
 else
-    SIZE=small; REPEATS=3; STEPS=200; TEST_LIMIT=240; PRECISION=bf16  # (the tests compile every Triton kernel)
+    SIZE=small; REPEATS=3; STEPS=200; PRECISION=bf16; BUDGET=${BUDGET:-570}
 fi
 
 section() { printf '\n## %s\n\n' "$1" >>"$RESULTS"; echo "== $1 ($(date +%T))"; }
 record() {  # record LIMIT_SECONDS LOG COMMAND...: runs it, its exit status and time go to the results
     local limit=$1 log=$2 start=$SECONDS status
     shift 2
+    [ $((BUDGET - SECONDS)) -lt "$limit" ] && limit=$((BUDGET - SECONDS))
+    if [ "$limit" -lt 10 ]; then
+        printf -- '- `%s`: **not run: the check had used its %s s**\n' "$*" "$BUDGET" >>"$RESULTS"; return 124
+    fi
     timeout -k 10 "$limit" "$@" >"$log" 2>&1
     status=$?
     [ $status -eq 124 ] && echo "**stopped at its ${limit}s limit**" >>"$RESULTS"
@@ -62,16 +67,18 @@ record() {  # record LIMIT_SECONDS LOG COMMAND...: runs it, its exit status and 
 }
 
 train_part() {  # train_part IMPLEMENTATION LOG: train.py through accelerate launch, its log lines and sample
-    DDL_IMPLEMENTATION=$1 record 150 "$2" "$PY" "${LAUNCH[@]}" train.py --max_steps "$STEPS" \
+    DDL_IMPLEMENTATION=$1 record 120 "$2" "$PY" "${LAUNCH[@]}" train.py --max_steps "$STEPS" \
         --output_dir "$WORK/run_$1" --eval_steps 100 --save_steps 100 --logging_steps 20 --sample_max_new_tokens 60 \
         --report_to none
     { echo '```'; tr '\r' '\n' <"$2" | grep -E "^\{|^data:|^saved|Error|error|failed" | grep -v Warning | tail -20
       sed -n '/^--- sample/,$p' "$2" | head -20; echo '```'; } >>"$RESULTS"
 }
-LAUNCH=(-m accelerate.commands.launch --num_processes 1 --num_machines 1 --mixed_precision "$PRECISION" --dynamo_backend no)
+LAUNCH=(-m accelerate.commands.launch --num_processes 1 --num_machines 1 --mixed_precision "$PRECISION"
+        --dynamo_backend no)
 [ "$DEVICE" = cpu ] && LAUNCH+=(--cpu)
 
-echo "# DDL GPU check$([ $FOLLOWUP = 1 ] && echo ', follow-up'), $(date -u +%Y-%m-%dT%H:%MZ), device $DEVICE" >"$RESULTS"
+KIND=$([ $FOLLOWUP = 1 ] && echo ', follow-up')
+echo "# DDL GPU check$KIND, $(date -u +%Y-%m-%dT%H:%MZ), device $DEVICE" >"$RESULTS"
 
 section "1. Versions"
 {
@@ -98,35 +105,38 @@ for impl in auto triton; do
     record 150 "$OUT_DIR/bench_$impl.log" "$PY" bench.py --size "$SIZE" --device "$DEVICE" --dtype bfloat16 \
         --variants llama ddl-dv1 ddl-cc ddl-tc --implementation "$impl" --repeats "$REPEATS" --train_steps 5 \
         --train_in_process --json "$OUT_DIR/bench_$impl.json"  # (one process per model would start 12 CUDA workers)
-    { echo; echo "implementation=$impl:"; echo '```'; grep -vE "^\s*$|USDT|repeats done" "$OUT_DIR/bench_$impl.log" | tail -25; echo '```'; } >>"$RESULTS"
+    { echo; echo "implementation=$impl:"; echo '```'
+      grep -vE "^\s*$|USDT|repeats done" "$OUT_DIR/bench_$impl.log" | tail -25; echo '```'; } >>"$RESULTS"
 done
 
 section "3. train.py, $STEPS steps through accelerate launch (mixed precision: $PRECISION), and its sample"
 train_part torch "$OUT_DIR/train.log"
 
 section "4. The model and kernel tests on $DEVICE (DDL_TEST_DEVICE=$DEVICE)"
-DDL_TEST_DEVICE=$DEVICE record "$TEST_LIMIT" "$OUT_DIR/tests.log" "$PY" -m pytest -q -p no:cacheprovider -rfE \
+DDL_TEST_DEVICE=$DEVICE record 900 "$OUT_DIR/tests.log" "$PY" -m pytest -q -p no:cacheprovider -rfE \
     tests/test_device.py tests/test_kernels.py tests/test_delta_update.py tests/test_modeling_ddl.py
 { echo '```'; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT_DIR/tests.log" | tail -40; echo '```'; } >>"$RESULTS"
 
-else  # the most telling first: each part may use its whole limit, and the call has 600 s in all
+else  # the most telling first
 section "5. The compile tests and the two model tests not yet rerun, on $DEVICE"
 DDL_TEST_DEVICE=$DEVICE record 150 "$OUT_DIR/tests_followup.log" "$PY" -m pytest -q -p no:cacheprovider -rfE \
     tests/test_compile.py tests/test_modeling_ddl.py -k "compile or trainer_runs or remote_code_loading"
-{ echo '```'; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT_DIR/tests_followup.log" | tail -40; echo '```'; } >>"$RESULTS"
+{ echo '```'; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT_DIR/tests_followup.log" | tail -40; echo '```'
+} >>"$RESULTS"
 
 section "6. train.py, $STEPS steps through accelerate launch (mixed precision: $PRECISION), with Triton"
 train_part triton "$OUT_DIR/train_triton.log"
 
-for part in "7 decode" "8 train"; do
+for part in "7 decode 200" "8 train 900"; do
     set -- $part
     section "$1. bench.py --size $SIZE --compile, bf16: $2 compiled$([ "$2" = decode ] && echo ' (static cache)')"
     skip=(prefill memory); [ "$2" = decode ] && skip+=(train) || skip+=(decode)
     variants=(llama ddl-dv1 ddl-tc); [ "$2" = train ] && variants=(llama ddl-dv1)
-    record 200 "$OUT_DIR/bench_compile_$2.log" "$PY" bench.py --size "$SIZE" --device "$DEVICE" --dtype bfloat16 \
+    record "$3" "$OUT_DIR/bench_compile_$2.log" "$PY" bench.py --size "$SIZE" --device "$DEVICE" --dtype bfloat16 \
         --compile --variants "${variants[@]}" --repeats 2 --train_steps 5 --train_in_process --skip "${skip[@]}" \
         --json "$OUT_DIR/bench_compile_$2.json"
-    { echo '```'; grep -vE "^\s*$|USDT|repeats done" "$OUT_DIR/bench_compile_$2.log" | tail -12; echo '```'; } >>"$RESULTS"
+    { echo '```'; grep -vE "^\s*$|USDT|repeats done" "$OUT_DIR/bench_compile_$2.log" | tail -12; echo '```'
+    } >>"$RESULTS"
 done
 fi
 
