@@ -328,6 +328,30 @@ def test_triton_kernels_match_reference(dv, mode, dtype, tol):
         torch.testing.assert_close(b.grad, a.grad, rtol=tol, atol=tol, msg=name)
 
 
+@pytest.mark.parametrize("dv", [1, 4], ids=["dv1", "dv4"])
+def test_triton_update_with_the_dtypes_autocast_gives(dv):
+    """Under autocast (accelerate's mixed precision) the state stays fp32 while h, v and beta come in bf16 (products
+    and the gate's logit): the Triton update gives the specification's output and gradients there too, each in its
+    input's dtype."""
+    update = _triton("residual").run
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x, h, v, beta = _inputs(dv, torch.float32, seed=dv)
+    ref_inputs = [t.detach().to(device=device, dtype=torch.float32 if t is x else torch.bfloat16).requires_grad_()
+                  for t in (x, h, v, beta)]
+    tri_inputs = [t.detach().clone().requires_grad_() for t in ref_inputs]
+    ref = delta_update(*ref_inputs, mode="delta")
+    out = update(*tri_inputs, "delta", 1e-5)
+    assert out.dtype == ref.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    weight = torch.randn(ref.shape, generator=seeded(4)).to(device)
+    (ref * weight).sum().backward()
+    (out * weight).sum().backward()
+    for name, a, b in zip("x h v beta".split(), ref_inputs, tri_inputs):
+        assert b.grad.dtype == a.grad.dtype, name
+        torch.testing.assert_close(b.grad.float(), a.grad.float(), rtol=2e-2, atol=2e-2 * a.grad.abs().max().item(),
+                                   msg=name)
+
+
 @pytest.mark.parametrize("kind", ["readout", "conv"])
 @pytest.mark.parametrize("kernel, dv, with_history, seq_len",
                          [(1, 4, False, 19), (4, 4, False, 19), (4, 3, True, 19), (3, 2, False, 19), (4, 4, True, 1)],
