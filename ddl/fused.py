@@ -79,20 +79,20 @@ def _delta_forward(x, h, v, beta, k_eps, erase):
     h_dot_x = _dot_h(h_acc, x, scalar_state) if erase else None  # h^T X: (B, T, d_v)
     if erase:
         target = torch.addcmul(target, inv_norm, h_dot_x, value=-1.0)  # v - k^T X
-    a, c = _rank1_write(h, inv_norm, target, beta, x.dtype)
+    a, c = _rank1_write(h, h_acc, inv_norm, target, beta, x.dtype)
     return torch.addcmul(x, *_rank1(a, c, scalar_state)), (inv_norm, target, beta, h_dot_x), c if a is h else None
 
 
-def _rank1_write(h, inv_norm, target, beta, dtype):
+def _rank1_write(h, h_acc, inv_norm, target, beta, dtype):
     r"""The update's rank-1 write as the factors (a, c) that the forward adds, X_next = X + a (x) c:
 
         fp32/fp64 states:  a = h,            c = beta s t     (1/|h| folded into the per-token scale)
         bf16/fp16 states:  a = k = s h,      c = beta t       (fp16 would overflow on s = 1/|h| for tiny h; |k| < 1)
 
-    with s = 1/sqrt(|h|^2 + eps^2) and t = v - k^T X (write-only: t = v)."""
+    with s = 1/sqrt(|h|^2 + eps^2) and t = v - k^T X (write-only: t = v); h_acc is h in target's dtype."""
     if dtype == target.dtype:
         return h, (beta * inv_norm) * target
-    return (h.to(target.dtype) * inv_norm).to(dtype), (beta * target).to(dtype)
+    return (h_acc * inv_norm).to(dtype), (beta * target).to(dtype)
 
 
 class _DeltaUpdate(torch.autograd.Function):
