@@ -36,15 +36,6 @@ def profiled(fn, device):
     return wall, busy, len(kernels), prof.key_averages()
 
 
-def timed(fn, device, repeats):
-    sync(device)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    sync(device)
-    return (time.perf_counter() - start) * 1e3 / repeats
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
@@ -56,6 +47,8 @@ def main():
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    if os.path.exists(args.out):
+        parser.error(f"--out {args.out} exists (a previous report?): move it, or name a new file")
     device, dtype, size = torch.device(args.device), getattr(torch, args.dtype), SIZES[args.size]
     sort_key = "device_time_total" if device.type == "cuda" else "cpu_time_total"
     lines = [f"# gpu_profile.py: {args.size} size, {args.dtype}, {device}, torch {torch.__version__}", "",
@@ -66,21 +59,11 @@ def main():
         for impl in (["-"] if variant == "llama" else args.implementations):
             model = build(variant, size, device, dtype, "auto" if impl == "-" else impl)
             runner = Runner(variant, model, size, device, compile_model=False)
-            for _ in range(3):
-                runner.train_step()
-            step_ms = timed(runner.train_step, device, 5)
+            step_ms = runner.batch.numel() / runner.time_train(5, warmup=3) * 1e3  # bench's timed steps
             wall, busy, launches, averages = profiled(runner.train_step, device)
-            prompt = runner.prompts[:1]
-
-            def decode():
-                with torch.no_grad():
-                    model.generate(prompt, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                                   do_sample=False, pad_token_id=0)
-
-            model.eval()
-            decode()
-            d_wall, d_busy, d_launches, d_averages = profiled(decode, device)
             n = args.new_tokens
+            runner.time_decode(1, n)  # (the process's first generate of this model is slower: not the one profiled)
+            d_wall, d_busy, d_launches, d_averages = profiled(lambda: runner.time_decode(1, n), device)
             lines.append(f"| {variant} | {impl} | {step_ms:.1f} | {wall:.1f} | {busy:.1f} | {launches} | "
                          f"{d_wall / n:.2f} | {d_busy / n:.3f} | {d_launches / n:.0f} |")
             details += [f"\n## {variant}, {impl}: training step, top {args.top} by {sort_key}\n", "```",
