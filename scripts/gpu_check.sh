@@ -19,6 +19,7 @@
 #   8. bench.py --compile: compiled training, d_v=1 against Llama
 # Packages the machine lacks travel as wheels in .whl/ (see docs/gpu.md); they are installed into a private folder.
 set -uo pipefail
+OUT_DIR=$(realpath -m "${OUT:-$(dirname "$0")/../gpu_check_out}")  # (OUT: from the caller's folder, before the cd)
 cd "$(dirname "$0")/.."
 DEVICE=cuda
 FOLLOWUP=0
@@ -29,11 +30,17 @@ while [ $# -gt 0 ]; do
         *) echo "gpu_check.sh: unknown argument $1 (use --device cpu|cuda, --followup)"; exit 2 ;;
     esac
 done
-OUT_DIR=${OUT:-gpu_check_out}
-mkdir -p "$OUT_DIR"
 RESULTS=$OUT_DIR/gpu_check.md
 [ $FOLLOWUP = 1 ] && RESULTS=$OUT_DIR/gpu_check_followup.md
+if [ -e "$RESULTS" ]; then
+    echo "gpu_check.sh: $RESULTS exists (an earlier run's): move it, or set OUT to another folder"; exit 2
+fi
+mkdir -p "$OUT_DIR"
 WORK=$(mktemp -d)
+PART=  # the running part's `timeout`, in a process group of its own that Ctrl-C does not reach: passed on here
+trap 'rm -rf "$WORK"' EXIT
+trap '[ -n "$PART" ] && kill -INT "$PART" 2>/dev/null; echo "gpu_check.sh: interrupted; what ran is in $RESULTS"
+      exit 130' INT TERM
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ] && PY=.venv/bin/python
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -59,8 +66,11 @@ record() {  # record LIMIT_SECONDS LOG COMMAND...: runs it, its exit status and 
     if [ "$limit" -lt 10 ]; then
         printf -- '- `%s`: **not run: the check had used its %s s**\n' "$*" "$BUDGET" >>"$RESULTS"; return 124
     fi
-    timeout -k 10 "$limit" "$@" >"$log" 2>&1
+    timeout -k 10 "$limit" "$@" >"$log" 2>&1 &  # (waited for with `wait`, which a signal interrupts)
+    PART=$!
+    wait "$PART"
     status=$?
+    PART=
     [ $status -eq 124 ] && echo "**stopped at its ${limit}s limit**" >>"$RESULTS"
     printf -- '- `%s`: exit %s, %ss\n' "$*" "$status" "$((SECONDS - start))" >>"$RESULTS"
     return $status
@@ -141,4 +151,3 @@ done
 fi
 
 echo "gpu_check.sh: results in $RESULTS"
-rm -rf "$WORK"
