@@ -19,18 +19,19 @@ class _Fp32Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
         weight32 = weight.float()  # (kept: a weight's bytes, not an activation's; no second cast in backward)
-        ctx.save_for_backward(x, weight32)
-        ctx.dtypes = weight.dtype, None if bias is None else bias.dtype
+        needs_x, needs_weight = ctx.needs_input_grad[:2]  # (a frozen weight, as under LoRA, needs no x)
+        ctx.save_for_backward(x if needs_weight else None, weight32 if needs_x else None)
+        ctx.dtypes = x.dtype, weight.dtype, None if bias is None else bias.dtype
         return F.linear(x.float(), weight32, None if bias is None else bias.float())
 
     @staticmethod
     def backward(ctx, grad):
         x, weight32 = ctx.saved_tensors
         grad = grad.float()  # (under autocast the product came in bf16)
-        rows = grad.reshape(-1, grad.shape[-1])
-        grad_x = (grad @ weight32).to(x.dtype) if ctx.needs_input_grad[0] else None
-        grad_w = (rows.T @ x.float().reshape(-1, x.shape[-1])).to(ctx.dtypes[0]) if ctx.needs_input_grad[1] else None
-        grad_b = rows.sum(0).to(ctx.dtypes[1]) if ctx.dtypes[1] and ctx.needs_input_grad[2] else None
+        rows, (x_dtype, weight_dtype, bias_dtype) = grad.reshape(-1, grad.shape[-1]), ctx.dtypes
+        grad_x = (grad @ weight32).to(x_dtype) if ctx.needs_input_grad[0] else None
+        grad_w = (rows.T @ x.float().reshape(-1, x.shape[-1])).to(weight_dtype) if ctx.needs_input_grad[1] else None
+        grad_b = rows.sum(0).to(bias_dtype) if bias_dtype and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b
 
 

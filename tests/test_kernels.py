@@ -67,9 +67,10 @@ def test_zero_branch_output_gives_finite_gradients():
     assert all(torch.isfinite(t.grad).all() for t in inputs)
 
 
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen-weights"])  # (frozen: as under LoRA)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("form", ["one-layer", "two-layer", "two-layer-no-hidden-bias"])
-def test_gate_keeps_a_low_precision_input_not_its_fp32_copy(form, dtype):
+def test_gate_keeps_a_low_precision_input_not_its_fp32_copy(form, dtype, frozen):
     """The gate's PyTorch path: the specification's beta exactly, its gradients to rounding, and for backward it keeps
     c itself, where the specification's F.linear(c.float(), ...) keeps an fp32 copy of c (twice c's bytes)."""
     g = seeded(0)
@@ -79,21 +80,22 @@ def test_gate_keeps_a_low_precision_input_not_its_fp32_copy(form, dtype):
     if form != "one-layer":
         params.append(torch.randn(8, 16, generator=g, dtype=torch.float64) / 4)
         params.append(torch.randn(8, generator=g, dtype=torch.float64) if form == "two-layer" else None)
-    params = [None if p is None else p.to(dtype).requires_grad_() for p in params]
+    params = [None if p is None else p.to(dtype).requires_grad_(not frozen) for p in params]
     grad_beta = torch.rand(2, 5, 1, generator=g, dtype=torch.float64).float()
     results = {}
     for name, gate in (("spec", reference_gate), ("fast", delta_gate)):
         saved = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
             beta = gate(c, *params)
-        grads = torch.autograd.grad(beta, [c] + [p for p in params if p is not None], grad_beta)
-        fp32_copies = [t for t in saved if t.numel() == c.numel() and t.dtype == torch.float32]
-        results[name] = beta, grads, fp32_copies
+        grads = torch.autograd.grad(beta, [c] + [p for p in params if p is not None and p.requires_grad], grad_beta)
+        results[name] = beta, grads, [t for t in saved if t.numel() == c.numel()]
     assert torch.equal(results["fast"][0], results["spec"][0])
     for fast, spec in zip(results["fast"][1], results["spec"][1]):
         assert fast.dtype == spec.dtype
         torch.testing.assert_close(fast.float(), spec.float(), rtol=1e-2, atol=1e-3)
-    assert results["spec"][2] and not results["fast"][2]
+    kept = {name: [t.dtype for t in result[2]] for name, result in results.items()}
+    # trained: an fp32 copy of c against c itself; frozen: neither keeps c (only the weight's gradient needs it)
+    assert kept == ({"spec": [], "fast": []} if frozen else {"spec": [torch.float32], "fast": [dtype]}), kept
 
 
 @pytest.mark.parametrize("overrides", [{"ddl_value_channels": 1}, {}, {"ddl_compressor": "tc", "ddl_residual": "write_only"},
