@@ -95,7 +95,7 @@ def _run(op, implementation, *args):
 def delta_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, *, v_scale, k_eps, mode,
                    gate_hidden=None, v_constant=None, implementation="auto"):
     r"""One sublayer's residual seam, X_next = delta_update(X, h, v(u), beta(c)) (`reference.delta_residual`): a fused
-    seam where one serves (ddl_kernels' C++ on CPU), else the gate and the value in PyTorch, then `delta_update`."""
+    seam where one serves (ddl_kernels' C++ on CPU, Triton on CUDA), else gate and value in PyTorch, `delta_update`."""
     args = (x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, mode, gate_hidden,
             v_constant)
     if implementation == "reference":

@@ -5,8 +5,8 @@ PyTorch paths, and runs anywhere without this package. When `ddl_kernels` is imp
 version the checkpoint's dispatcher (`ddl.kernels`) expects, the dispatcher puts the implementations listed here in
 front of its own, in this order; each says next to its code which inputs it serves. One folder per operation:
 
-    residual/   the residual seam (gate, value and delta update; with the next readout) in C++ for CPU; the
-                delta update in Triton for CUDA
+    residual/   the residual seam (gate, value and delta update; with the next readout) in C++ for CPU; the seam
+                and the delta update alone in Triton for CUDA
     readout/    the TC readout of the expanded state (CC: one tap) and a decoding step's window step: C++; Triton
     conv/       EC, the embedding convolution: C++; Triton (the readout's kernels run the other way); a decoding
                 step's EC from the cached window: C++
@@ -42,15 +42,20 @@ def fallible(name, run):
         try:
             return run(*args)
         except Exception as error:  # a compile error, a launch error, an unsupported device
-            from transformers.utils import logging
-
-            _failed.add(name)
-            logging.get_logger(__name__).warning(
-                f"DDL: the {name} kernel failed ({type(error).__name__}: {str(error)[:300]}); DDL uses the next "
-                "implementation (PyTorch) for it from now on.")
+            give_up(name, error)
             return None
 
     return guarded
+
+
+def give_up(name, error):
+    """Marks kernel `name` failed in this process (`fallible` then serves its inputs no more), with one warning."""
+    from transformers.utils import logging
+
+    _failed.add(name)
+    logging.get_logger(__name__).warning(
+        f"DDL: the {name} kernel failed ({type(error).__name__}: {str(error)[:300]}); DDL uses the next "
+        "implementation (PyTorch) for it from now on.")
 
 
 def implementations():
@@ -74,10 +79,11 @@ def implementations():
         from .readout import triton as readout_triton
         from .residual import triton as residual_triton
 
+        found["delta_residual"].append(residual_triton.SEAM)
         found["delta_update"].append(residual_triton.UPDATE)
         found["token_readout"].append(readout_triton.READOUT)
         found["token_conv"].append(conv_triton.CONV)
     return found
 
 
-__all__ = ["INTERFACE_VERSION", "Implementation", "fallible", "implementations"]
+__all__ = ["INTERFACE_VERSION", "Implementation", "fallible", "give_up", "implementations"]

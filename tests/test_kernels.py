@@ -2,15 +2,17 @@
 outputs and gradients; ddl_kernels' Triton kernels too, through Triton's CPU interpreter; the registries take the
 first implementation that serves, in their order, and a checkpoint's code runs without ddl_kernels."""
 
+from functools import partial
+
 import pytest
 import torch
 
-from conftest import assert_same_loss_and_gradients, seeded, tiny_config
+from conftest import assert_same_loss_and_gradients, seeded, tiny_config, trained_looking
 from ddl import DDLForCausalLM, kernels
 from ddl.fused import delta_gate, fused_delta_update
 from ddl.kernels import conv_step, token_conv, token_readout, window_step
 from ddl.modeling_ddl import window_history
-from ddl.reference import causal_token_conv, causal_token_readout, delta_update
+from ddl.reference import causal_token_conv, causal_token_readout, delta_residual, delta_update
 from ddl.reference import delta_gate as reference_gate
 
 
@@ -352,6 +354,122 @@ def test_triton_update_with_the_dtypes_autocast_gives(dv):
         assert b.grad.dtype == a.grad.dtype, name
         torch.testing.assert_close(b.grad.float(), a.grad.float(), rtol=2e-2, atol=2e-2 * a.grad.abs().max().item(),
                                    msg=name)
+
+
+def _seam_inputs(dv, dtype, seed):
+    """x, h, c, u and the gate's and value's weights, trained-looking, d = 200 (a partial block of 256 features)."""
+    g = seeded(seed)
+    shape = (2, 3) + ((dv,) if dv > 1 else ()) + (200,)
+    randn = partial(torch.randn, generator=g, dtype=torch.float64)
+    x, h, c, u = (randn(s) for s in (shape, *3 * [(2, 3, 200)]))
+    weights = [0.1 * randn(200), randn(1), 0.1 * randn(dv, 200), randn(dv)]
+    return [t.to(dtype) for t in (x, h, c, u, *weights)]
+
+
+@pytest.mark.parametrize("mode, v_scale", [("delta", 4.0), ("write_only", 4.0), ("delta", None)],
+                         ids=["delta", "write_only", "linear-value"])
+@pytest.mark.parametrize("dv, value_input", [(1, "u"), (1, "c"), (1, "state"), (3, "u"), (4, "u"), (4, "c")],
+                         ids=["dv1-u", "dv1-c", "dv1-state", "dv3-u", "dv4-u", "dv4-c"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "autocast"], ids=["fp32", "bf16", "autocast"])
+def test_triton_seam_matches_reference(dv, mode, v_scale, value_input, dtype):
+    """The Triton seam (gate, value and update in one kernel each way) against `reference.delta_residual` in fp64:
+    outputs and the gradients of every input and weight (each in the specification's dtype), with u a tensor of its
+    own, c, or the d_v = 1 state; "autocast": everything fp32 but h, a bf16 product (accelerate's mixed precision)."""
+    seam = _triton("residual").seam_run
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    inputs = _seam_inputs(dv, torch.float32 if dtype == "autocast" else dtype, seed=dv)
+    if dtype == "autocast":
+        inputs[1] = inputs[1].bfloat16()
+    runs = {}
+    for name, run, exact in (("exact", delta_residual, True), ("spec", delta_residual, False), ("seam", seam, False)):
+        leaves = [t.to(device=device, dtype=torch.float64 if exact else t.dtype).clone().requires_grad_()
+                  for t in inputs]
+        x, h, c, u = leaves[:4]
+        u = {"u": u, "c": c, "state": x}[value_input]
+        out = run(x, h, c, u, *leaves[4:], v_scale, 1e-5, mode)
+        upstream = torch.randn(out.shape, generator=seeded(7), dtype=torch.float64).to(device)
+        (out.double() * upstream).sum().backward()
+        runs[name] = out, leaves
+    out, leaves = runs["seam"]
+    assert out.dtype == runs["spec"][0].dtype and out.shape == runs["exact"][0].shape
+    names = "x h c u w b w_v b_v".split()
+    for name, exact, spec, fast in zip(["out", *names], *([r[0], *r[1]] for r in runs.values())):
+        exact, spec, fast = ((t if name == "out" else t.grad) for t in (exact, spec, fast))
+        if exact is None:  # (u unused: it is c or the state)
+            assert fast is None and spec is None, name
+            continue
+        assert fast.dtype == spec.dtype, name
+        tol = 1e-5 if fast.dtype == torch.float32 else 3e-2  # (bf16: a rounding, which the interpreter truncates)
+        torch.testing.assert_close(fast.double(), exact, rtol=tol, atol=tol * max(1.0, exact.abs().max().item()),
+                                   msg=name)
+
+
+def test_triton_seam_in_a_model_matches_reference(monkeypatch):
+    """Under "triton" the dispatcher gives every sublayer's seam to the Triton kernels (here made to serve CPU
+    tensors, through the interpreter): d_v = 1 (u is the state), CC+EC (u the compressed state), u = c; the loss and
+    every parameter's gradient equal the specification's."""
+    residual = _triton("residual")
+    calls = []
+
+    def counted(*args):
+        calls.append(1)
+        return residual.seam_run(*args)
+
+    import ddl_kernels
+
+    seam = ddl_kernels.Implementation("Triton residual seam", ("triton",), lambda *args: args[0].dtype != torch.float64,
+                                      counted)
+    monkeypatch.setitem(kernels.registries(), "delta_residual", [seam])
+    monkeypatch.setitem(kernels.registries(), "delta_residual_readout", [])  # (C++'s, on CPU)
+    for overrides in ({"ddl_value_channels": 1}, {}, {"ddl_value_input": "context"}):
+        models = {}
+        for name, impl in (("reference", "reference"), ("fused", "triton")):
+            torch.manual_seed(0)
+            models[name] = trained_looking(DDLForCausalLM(tiny_config(ddl_implementation=impl, **overrides)))
+        ids = torch.randint(3, 99, (2, 8), generator=seeded(1))
+        calls.clear()
+        assert_same_loss_and_gradients(models, ids, grad_atol=1e-5)
+        assert len(calls) == 2 * models["fused"].config.num_hidden_layers, overrides
+
+
+@pytest.mark.parametrize("value_input", ["u", "c"])
+def test_a_failing_triton_seam_backward_gives_the_specification_gradients(value_input, monkeypatch, caplog):
+    """The seam's backward kernel is compiled at the first backward, after its forward ran: if it fails there, the
+    gradients are the specification's (one warning naming it), and the seam serves no further forward."""
+    import ddl_kernels
+
+    residual = _triton("residual")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("ptxas fatal: unsupported GPU")
+
+    monkeypatch.setattr(residual, "_seam_bwd_kernel", _Launch(broken))
+    monkeypatch.setattr(ddl_kernels, "_failed", set())
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    grads = {}
+    for name, run in (("spec", delta_residual), ("seam", residual.seam_run)):
+        leaves = [t.to(device).requires_grad_() for t in _seam_inputs(4, torch.float32, seed=0)]
+        x, h, c, u = leaves[:4]
+        with caplog.at_level("WARNING"):
+            out = run(x, h, c, c if value_input == "c" else u, *leaves[4:], 4.0, 1e-5, "delta")
+            out.backward(torch.randn(out.shape, generator=seeded(2)).to(device))
+        grads[name] = [t.grad for t in leaves]
+    for name, spec, seam in zip("x h c u w b w_v b_v".split(), grads["spec"], grads["seam"]):
+        assert (spec is None) == (seam is None), name
+        if spec is not None:
+            torch.testing.assert_close(seam, spec, rtol=1e-5, atol=1e-6, msg=name)
+    assert caplog.text.count("Triton residual seam kernel failed") == 1 and "ptxas fatal" in caplog.text
+    assert residual.SEAM.run(*_seam_inputs(4, torch.float32, seed=0), 4.0, 1e-5, "delta") is None  # (no more)
+
+
+class _Launch:
+    """A stand-in for a Triton kernel: `kernel[grid](...)` calls `run`."""
+
+    def __init__(self, run):
+        self.run = run
+
+    def __getitem__(self, grid):
+        return self.run
 
 
 @pytest.mark.parametrize("kind", ["readout", "conv"])

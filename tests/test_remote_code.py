@@ -147,7 +147,7 @@ def test_remote_code_runs_the_installed_kernels(tmp_path):
     result, _ = _run_user(folder, ids, tmp_path, ["ddl", "ddl_tools"],
                           {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", "")} if
                           os.environ.get("TORCH_EXTENSIONS_DIR") else None)
-    assert result["registries"]["delta_residual"] == ["C++ residual seam"]
+    assert result["registries"]["delta_residual"][0] == "C++ residual seam"  # (Triton's after it on CUDA)
     assert result["registries"]["token_readout"][0] == "C++ readout"
     for name in ("C++ residual seam", "C++ readout", "C++ EC", "C++ window step"):
         assert result["calls"].get(name, 0) > 0, (name, result["calls"])
@@ -219,7 +219,7 @@ def test_the_in_repo_dispatch_order():
     assert names["token_readout"][-1] == "PyTorch readout" and names["delta_update"][-1] == "PyTorch delta update"
     assert not any("Triton" in name for impls in names.values() for name in impls) or torch.cuda.is_available()
     if built() is not None:
-        assert names["delta_residual"] == ["C++ residual seam"] and names["token_conv"][0] == "C++ EC"
+        assert names["delta_residual"][0] == "C++ residual seam" and names["token_conv"][0] == "C++ EC"
     torch_only = [impl.name for impl in kernels.registries()["token_readout"] if "torch" in impl.choices]
     assert torch_only == ["PyTorch readout"]
 
