@@ -16,6 +16,7 @@ Every implementation is tested against the specification on outputs and every gr
 tests/test_kernels.py).
 """
 
+import contextlib
 from collections import namedtuple
 
 import torch
@@ -41,6 +42,8 @@ def fallible(name, run):
             return None
         try:
             return run(*args)
+        except torch.OutOfMemoryError:  # (not the kernel's fault: the next implementation needs as much)
+            raise
         except Exception as error:  # a compile error, a launch error, an unsupported device
             give_up(name, error)
             return None
@@ -49,13 +52,24 @@ def fallible(name, run):
 
 
 def give_up(name, error):
-    """Marks kernel `name` failed in this process (`fallible` then serves its inputs no more), with one warning."""
+    """Marks kernel `name` failed in this process (`fallible` then serves its inputs no more), with a warning."""
     from transformers.utils import logging
 
     _failed.add(name)
     logging.get_logger(__name__).warning(
         f"DDL: the {name} kernel failed ({type(error).__name__}: {str(error)[:300]}); DDL uses the next "
         "implementation (PyTorch) for it from now on.")
+
+
+def gave_up(name):
+    """Whether kernel `name` failed in this process."""
+    return name in _failed
+
+
+def on_device(tensor):
+    """The context a Triton launch for `tensor` runs in: its CUDA device current (a model split over GPUs by
+    `device_map` runs each layer's kernels on its own device; Triton launches on the current one)."""
+    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
 
 
 def implementations():
@@ -86,4 +100,5 @@ def implementations():
     return found
 
 
-__all__ = ["INTERFACE_VERSION", "Implementation", "fallible", "give_up", "implementations"]
+__all__ = ["INTERFACE_VERSION", "Implementation", "fallible", "gave_up", "give_up", "implementations",
+           "on_device"]

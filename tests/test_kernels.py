@@ -386,9 +386,10 @@ def test_triton_seam_matches_reference(dv, mode, v_scale, value_input, dtype):
                   for t in inputs]
         x, h, c, u = leaves[:4]
         u = {"u": u, "c": c, "state": x}[value_input]
-        out = run(x, h, c, u, *leaves[4:], v_scale, 1e-5, mode)
-        upstream = torch.randn(out.shape, generator=seeded(7), dtype=torch.float64).to(device)
-        (out.double() * upstream).sum().backward()
+        with torch.autocast(device, torch.bfloat16, enabled=dtype == "autocast" and name == "seam"):
+            out = run(x, h, c, u, *leaves[4:], v_scale, 1e-5, mode)
+            upstream = torch.randn(out.shape, generator=seeded(7), dtype=torch.float64).to(device)
+            (out.double() * upstream).sum().backward()
         runs[name] = out, leaves
     out, leaves = runs["seam"]
     assert out.dtype == runs["spec"][0].dtype and out.shape == runs["exact"][0].shape
@@ -432,15 +433,18 @@ def test_triton_seam_in_a_model_matches_reference(monkeypatch):
         assert len(calls) == 2 * models["fused"].config.num_hidden_layers, overrides
 
 
-@pytest.mark.parametrize("value_input", ["u", "c"])
-def test_a_failing_triton_seam_backward_gives_the_specification_gradients(value_input, monkeypatch, caplog):
+@pytest.mark.parametrize("dv, value_input", [(4, "u"), (4, "c"), (1, "state")])
+def test_a_failing_triton_seam_backward_gives_the_specification_gradients(dv, value_input, monkeypatch, caplog):
     """The seam's backward kernel is compiled at the first backward, after its forward ran: if it fails there, the
-    gradients are the specification's (one warning naming it), and the seam serves no further forward."""
+    gradients are the specification's, for that seam and every other in the graph (the kernel tried once, one warning
+    naming it), and the seam serves no further forward."""
     import ddl_kernels
 
     residual = _triton("residual")
+    attempts = []
 
     def broken(*args, **kwargs):
+        attempts.append(1)
         raise RuntimeError("ptxas fatal: unsupported GPU")
 
     monkeypatch.setattr(residual, "_seam_bwd_kernel", _Launch(broken))
@@ -448,18 +452,65 @@ def test_a_failing_triton_seam_backward_gives_the_specification_gradients(value_
     device = "cuda" if torch.cuda.is_available() else "cpu"
     grads = {}
     for name, run in (("spec", delta_residual), ("seam", residual.seam_run)):
-        leaves = [t.to(device).requires_grad_() for t in _seam_inputs(4, torch.float32, seed=0)]
+        leaves = [t.to(device).requires_grad_() for t in _seam_inputs(dv, torch.float32, seed=0)]
         x, h, c, u = leaves[:4]
+        u = {"u": u, "c": c, "state": x}[value_input]
         with caplog.at_level("WARNING"):
-            out = run(x, h, c, c if value_input == "c" else u, *leaves[4:], 4.0, 1e-5, "delta")
+            out = run(x, h, c, u, *leaves[4:], 4.0, 1e-5, "delta")
+            out = run(out, h, c, out if value_input == "state" else u, *leaves[4:], 4.0, 1e-5, "delta")  # (a second)
             out.backward(torch.randn(out.shape, generator=seeded(2)).to(device))
         grads[name] = [t.grad for t in leaves]
     for name, spec, seam in zip("x h c u w b w_v b_v".split(), grads["spec"], grads["seam"]):
         assert (spec is None) == (seam is None), name
         if spec is not None:
-            torch.testing.assert_close(seam, spec, rtol=1e-5, atol=1e-6, msg=name)
-    assert caplog.text.count("Triton residual seam kernel failed") == 1 and "ptxas fatal" in caplog.text
-    assert residual.SEAM.run(*_seam_inputs(4, torch.float32, seed=0), 4.0, 1e-5, "delta") is None  # (no more)
+            torch.testing.assert_close(seam, spec, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    assert len(attempts) == 1 and caplog.text.count("Triton residual seam kernel failed") == 1
+    assert "ptxas fatal" in caplog.text
+    assert residual.SEAM.run(*_seam_inputs(dv, torch.float32, seed=0), 4.0, 1e-5, "delta") is None  # (no more)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dv", [1, 4], ids=["dv1", "dv4"])
+def test_triton_seam_keeps_its_write_for_the_state_rebuild(dv, dtype):
+    """An fp32 state's seam keeps the coefficients w of its write, X_next = X + h (x) w, on its autograd node, where
+    `StateRebuild` takes them (in place of a projection that reads two states); none for bf16 or without autograd."""
+    seam = _triton("residual").seam_run
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x, h, c, u, *weights = (t.to(device).requires_grad_() for t in _seam_inputs(dv, dtype, seed=3))
+    out = seam(x, h, c, u, *weights, 4.0, 1e-5, "delta")
+    write = out.grad_fn.write
+    if dtype == torch.bfloat16:
+        assert write is None
+        return
+    assert write.shape == (*h.shape[:-1], dv) and write.dtype == x.dtype
+    rank1 = h.unsqueeze(-2) * write.unsqueeze(-1) if dv > 1 else h * write
+    torch.testing.assert_close(out, x + rank1, rtol=0, atol=1e-6)
+    with torch.no_grad():
+        assert seam(x, h, c, u, *weights, 4.0, 1e-5, "delta").grad_fn is None
+
+
+def test_triton_seam_serves_the_paper_seams_on_cuda_only():
+    """The seam serves a single linear gate and a learned value, delta or write-only, on CUDA, not fp64 and not inside
+    a trace; a two-layer gate, a constant target, the additive control and CPU tensors go elsewhere. (Its inputs here
+    stand in for tensors: it reads only where they are and their dtype.)"""
+    from types import SimpleNamespace
+
+    serves = _triton("residual").seam_serves
+
+    def inputs(dtype=torch.float32, cuda=True):
+        return [SimpleNamespace(is_cuda=cuda, dtype=dtype) for _ in range(8)] + [4.0, 1e-5]
+
+    assert serves(*inputs(), "delta", None, None) and serves(*inputs(torch.bfloat16), "write_only", None, None)
+    assert not serves(*inputs(cuda=False), "delta", None, None)
+    assert not serves(*inputs(torch.float64), "delta", None, None)
+    assert not serves(*inputs(), "additive", None, None)
+    assert not serves(*inputs(), "delta", (None, None), None)  # (a two-layer gate)
+    assert not serves(*inputs(), "delta", None, 1.0)  # (a constant target)
+    mixed = inputs()
+    mixed[3] = SimpleNamespace(is_cuda=False, dtype=torch.float32)
+    assert not serves(*mixed, "delta", None, None)
+    paper = inputs()
+    assert not torch.compile(lambda: serves(*paper, "delta", None, None), backend="eager", fullgraph=True)()
 
 
 class _Launch:

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import Implementation, fallible
+from .. import Implementation, fallible, on_device
 
 
 # Token convolutions. A program's output row `t` reads source rows src = t + offset + direction * s for the lags
@@ -103,8 +103,9 @@ def _window(read, inputs, taps, out, t_out, l_src, offset, direction):
     kernel_size, dv, d = taps.shape
     block_d = min(128, triton.next_power_of_2(d))
     grid = (out.shape[0] * t_out, triton.cdiv(d, block_d))
-    _window_kernel[grid](inputs, taps, out, t_out, l_src, offset, d, dv, READ=read, K=kernel_size,
-                         DIRECTION=direction, BLOCK_D=block_d, BLOCK_V=channel_block(dv))
+    with on_device(out):
+        _window_kernel[grid](inputs, taps, out, t_out, l_src, offset, d, dv, READ=read, K=kernel_size,
+                             DIRECTION=direction, BLOCK_D=block_d, BLOCK_V=channel_block(dv))
     return out
 
 
@@ -115,10 +116,11 @@ def _tap_grads(src, grad, taps, t_out, offset, src_is_state):
     n_chunks = triton.cdiv(t_out, _CHUNK)
     block_d = min(128, triton.next_power_of_2(d))
     parts = torch.empty(batch * n_chunks, kernel_size, dv, d, dtype=torch.float32, device=src.device)
-    _tap_grads_kernel[(batch * n_chunks, triton.cdiv(d, block_d), kernel_size)](
-        src, grad, parts, t_out, l_src, offset, d, dv, n_chunks, SRC_IS_STATE=src_is_state, K=kernel_size,
-        CHUNK=_CHUNK, BLOCK_D=block_d, BLOCK_V=channel_block(dv),
-    )
+    with on_device(parts):
+        _tap_grads_kernel[(batch * n_chunks, triton.cdiv(d, block_d), kernel_size)](
+            src, grad, parts, t_out, l_src, offset, d, dv, n_chunks, SRC_IS_STATE=src_is_state, K=kernel_size,
+            CHUNK=_CHUNK, BLOCK_D=block_d, BLOCK_V=channel_block(dv),
+        )
     return parts.sum(0)
 
 

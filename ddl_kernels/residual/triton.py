@@ -27,13 +27,13 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from .. import Implementation, fallible, give_up
+from .. import Implementation, fallible, gave_up, give_up, on_device
 from ..readout.triton import channel_block
 
 
 @triton.jit
 def _token_state(x_ptr, h_ptr, token, d, dv, k_eps_sq, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr):
-    """One token's X tile (fp32; the state is (d_v, d) per token), k and s = 1/|h|_eps."""
+    """One token's X tile (fp32; the state is (d_v, d) per token), k, s = 1/|h|_eps and h."""
     rows = tl.arange(0, BLOCK_D)
     cols = tl.arange(0, BLOCK_V)
     row_ok = rows < d
@@ -43,7 +43,7 @@ def _token_state(x_ptr, h_ptr, token, d, dv, k_eps_sq, BLOCK_D: tl.constexpr, BL
     h = tl.load(h_ptr + token * d + rows, mask=row_ok, other=0.0).to(tl.float32)
     inv_norm = tl.rsqrt(tl.sum(h * h, axis=0) + k_eps_sq)
     x = tl.load(x_ptr + token * d * dv + tile, mask=tile_ok, other=0.0).to(tl.float32)
-    return rows, row_ok, cols, col_ok, tile, tile_ok, x, h * inv_norm, inv_norm
+    return rows, row_ok, cols, col_ok, tile, tile_ok, x, h * inv_norm, inv_norm, h
 
 @triton.jit
 def _load_token(
@@ -51,7 +51,7 @@ def _load_token(
     ERASE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """`_token_state`, the target t (v - k^T X, or v) and beta, v and beta given."""
-    rows, row_ok, cols, col_ok, tile, tile_ok, x, k, inv_norm = _token_state(
+    rows, row_ok, cols, col_ok, tile, tile_ok, x, k, inv_norm, h = _token_state(
         x_ptr, h_ptr, token, d, dv, k_eps_sq, BLOCK_D, BLOCK_V
     )
     target = tl.load(v_ptr + token * dv + cols, mask=col_ok, other=0.0).to(tl.float32)
@@ -116,12 +116,13 @@ def _gate_and_value(
 
 @triton.jit
 def _seam_fwd_kernel(
-    x_ptr, h_ptr, c_ptr, u_ptr, w_ptr, b_ptr, wv_ptr, bv_ptr, out_ptr, d, dv, k_eps_sq, v_scale,
-    ERASE: tl.constexpr, U_IS_C: tl.constexpr, SIGMOID: tl.constexpr, BLOCK_D: tl.constexpr,
+    x_ptr, h_ptr, c_ptr, u_ptr, w_ptr, b_ptr, wv_ptr, bv_ptr, out_ptr, write_ptr, d, dv, k_eps_sq, v_scale,
+    ERASE: tl.constexpr, U_IS_C: tl.constexpr, SIGMOID: tl.constexpr, WRITE: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
+    """X_next = X + h (x) w with w = s beta t `(d_v,)`, also written out where WRITE (for `StateRebuild`)."""
     token = tl.program_id(0).to(tl.int64)
-    rows, row_ok, cols, col_ok, tile, tile_ok, x, k, inv_norm = _token_state(
+    rows, row_ok, cols, col_ok, tile, tile_ok, x, k, inv_norm, h = _token_state(
         x_ptr, h_ptr, token, d, dv, k_eps_sq, BLOCK_D, BLOCK_V
     )
     c, w, u, wv, beta, target = _gate_and_value(
@@ -130,8 +131,11 @@ def _seam_fwd_kernel(
     )
     if ERASE:
         target = target - tl.sum(k[:, None] * x, axis=0)  # v - k^T X
-    out = x + k[:, None] * (beta * target)[None, :]
+    write = inv_norm * beta * target
+    out = x + h[:, None] * write[None, :]
     tl.store(out_ptr + token * d * dv + tile, out.to(out_ptr.dtype.element_ty), mask=tile_ok)
+    if WRITE:
+        tl.store(write_ptr + token * dv + cols, write.to(write_ptr.dtype.element_ty), mask=col_ok)
 
 @triton.jit
 def _seam_bwd_kernel(
@@ -143,7 +147,7 @@ def _seam_bwd_kernel(
     """dX, dh, dc, du (U_KIND 0; 1: u is c, its gradient in dc; 2: u is the d_v = 1 state, in dX) and the per-token
     dz `(N,)` and dy `(N, d_v)` (fp32) that the weights' gradients sum."""
     token = tl.program_id(0).to(tl.int64)
-    rows, row_ok, cols, col_ok, tile, tile_ok, x, k, inv_norm = _token_state(
+    rows, row_ok, cols, col_ok, tile, tile_ok, x, k, inv_norm, h = _token_state(
         x_ptr, h_ptr, token, d, dv, k_eps_sq, BLOCK_D, BLOCK_V
     )
     c, w, u, wv, beta, v = _gate_and_value(
@@ -180,16 +184,22 @@ def _seam_bwd_kernel(
     tl.store(gy_ptr + token * dv + cols, grad_y, mask=col_ok)
 
 
+def _blocks(d, dv):
+    """A token's tile (BLOCK_D, BLOCK_V) and the warps for it: enough that a backward program's few fp32 tiles stay in
+    registers (compiled for sm_90: 4 warps keep d = 1,024 x 4 channels without spilling; d = 4,096 x 4 spilled 7 KB per
+    thread with 4, 112 bytes with 16)."""
+    block_d, block_v = triton.next_power_of_2(d), channel_block(dv)
+    return dict(BLOCK_D=block_d, BLOCK_V=block_v, num_warps=min(16, max(4, block_d * block_v // 1024)))
+
+
 class _TritonDeltaUpdate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, h, v, beta, k_eps, erase):
         d, dv = h.shape[-1], v.shape[-1]
         x, h, v, beta = x.contiguous(), h.contiguous(), v.contiguous(), beta.contiguous()
         out = torch.empty_like(x)
-        block_d, block_v = triton.next_power_of_2(d), channel_block(dv)
-        _delta_fwd_kernel[(h.numel() // d,)](
-            x, h, v, beta, out, d, dv, k_eps**2, ERASE=erase, BLOCK_D=block_d, BLOCK_V=block_v
-        )
+        with on_device(x):
+            _delta_fwd_kernel[(h.numel() // d,)](x, h, v, beta, out, d, dv, k_eps**2, ERASE=erase, **_blocks(d, dv))
         ctx.save_for_backward(x, h, v, beta)
         ctx.k_eps, ctx.erase = k_eps, erase
         return out
@@ -200,11 +210,11 @@ class _TritonDeltaUpdate(torch.autograd.Function):
         d, dv = h.shape[-1], v.shape[-1]
         grad_x, grad_h = torch.empty_like(x), torch.empty_like(h)
         grad_v, grad_beta = torch.empty_like(v), torch.empty_like(beta)
-        block_d, block_v = triton.next_power_of_2(d), channel_block(dv)
-        _delta_bwd_kernel[(h.numel() // d,)](
-            x, h, v, beta, grad_out.contiguous(), grad_x, grad_h, grad_v, grad_beta, d, dv, ctx.k_eps**2,
-            ERASE=ctx.erase, BLOCK_D=block_d, BLOCK_V=block_v,
-        )
+        with on_device(x):
+            _delta_bwd_kernel[(h.numel() // d,)](
+                x, h, v, beta, grad_out.contiguous(), grad_x, grad_h, grad_v, grad_beta, d, dv, ctx.k_eps**2,
+                ERASE=ctx.erase, **_blocks(d, dv),
+            )
         return grad_x, grad_h, grad_v, grad_beta, None, None
 
 
@@ -216,24 +226,33 @@ class _TritonSeam(torch.autograd.Function):
     def forward(ctx, x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, erase, u_kind):
         d, dv = h.shape[-1], value_weight.shape[0]
         out = torch.empty_like(x)
+        # the write's coefficients, for `StateRebuild` (fp32 states in training)
+        keep_write = x.dtype == torch.float32 and any(ctx.needs_input_grad)
+        write = x.new_empty(*h.shape[:-1], dv) if keep_write else out
         sigmoid = v_scale is not None
-        _seam_fwd_kernel[(h.numel() // d,)](
-            x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, out, d, dv, k_eps**2,
-            v_scale if sigmoid else 1.0, ERASE=erase, U_IS_C=u_kind == 1, SIGMOID=sigmoid,
-            BLOCK_D=triton.next_power_of_2(d), BLOCK_V=channel_block(dv),
-        )
+        with on_device(x):
+            _seam_fwd_kernel[(h.numel() // d,)](
+                x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, out, write, d, dv, k_eps**2,
+                v_scale if sigmoid else 1.0, ERASE=erase, U_IS_C=u_kind == 1, SIGMOID=sigmoid, WRITE=keep_write,
+                **_blocks(d, dv),
+            )
         ctx.save_for_backward(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias)
         ctx.v_scale, ctx.k_eps, ctx.erase, ctx.u_kind = v_scale, k_eps, erase, u_kind
+        ctx.write = write if keep_write else None  # X_next = X + h (x) write (`ddl.kernels`)
         return out
 
     @staticmethod
     @once_differentiable  # its gradients are computed outside autograd: a second derivative raises
     def backward(ctx, grad_out):
-        try:
-            return _seam_gradients(ctx, grad_out.contiguous())
-        except Exception as error:  # the backward kernel failed to compile or launch: the specification's gradients
-            give_up(_SEAM, error)
-            return _reference_gradients(ctx, grad_out)
+        if not gave_up(_SEAM):
+            try:
+                with on_device(grad_out):
+                    return _seam_gradients(ctx, grad_out.contiguous())
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as error:  # the backward kernel failed to compile or launch
+                give_up(_SEAM, error)
+        return _reference_gradients(ctx, grad_out)  # (the specification's; every seam's after a failure)
 
 
 def _seam_gradients(ctx, grad_out):
@@ -247,7 +266,7 @@ def _seam_gradients(ctx, grad_out):
     _seam_bwd_kernel[(tokens,)](
         x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, grad_out, grad_x, grad_h, grad_c, grad_u,
         grad_z, grad_y, d, dv, ctx.k_eps**2, ctx.v_scale if sigmoid else 1.0, ERASE=ctx.erase, U_KIND=ctx.u_kind,
-        SIGMOID=sigmoid, BLOCK_D=triton.next_power_of_2(d), BLOCK_V=channel_block(dv),
+        SIGMOID=sigmoid, **_blocks(d, dv),
     )
     # the weights' (none when frozen, as under LoRA): sums over tokens, fp32 products (the gate is fp32 throughout)
     needs = ctx.needs_input_grad
