@@ -3,9 +3,11 @@ is timed one model per fresh process, in alternations."""
 
 import json
 import os
+import sys
 from collections import Counter
 
 import pytest
+import torch
 
 import bench
 
@@ -210,3 +212,22 @@ def test_a_second_bench_into_a_timeline_folder_being_written_is_refused(tmp_path
         assert f"is being written by another run (pid {os.getpid()})" in capsys.readouterr().err
     finally:
         lock.release()
+
+
+def test_the_triton_seam_launches_as_many_kernels_forward_as_llamas_residual_add():
+    """scripts/launch_count.py: a training step's kernel launches (what a GPU step that waits on the CPU pays for),
+    counted on CPU through Triton's interpreter. The seam replaces Llama's residual add by one kernel: d_v=1's forward
+    launches what Llama's does; the step fewer than with Triton's update alone, and that fewer than PyTorch's."""
+    pytest.importorskip("triton")
+    sys.path.insert(0, os.path.join(os.path.dirname(bench.__file__), "scripts"))
+    import launch_count
+
+    from ddl import kernels
+
+    before = {op: list(impls) for op, impls in kernels.registries().items()}
+    result = launch_count.counts(["ddl-dv1"], torch.bfloat16, bench.SIZES["tiny"])  # (CC's readouts: 40 s more)
+    assert {op: list(impls) for op, impls in kernels.registries().items()} == before  # (restored)
+    ways = result["ddl-dv1"]
+    assert ways["Triton seam"][0] == result["llama"][0]
+    for part in (0, 1):  # forward, forward + backward
+        assert ways["Triton seam"][part] < ways["Triton update"][part] < ways["PyTorch"][part], part

@@ -1,0 +1,130 @@
+"""How many kernels one training step (forward and backward) would launch on a GPU, counted on the CPU.
+
+    python scripts/launch_count.py                       # bf16, tiny size: Llama, then each DDL variant three ways
+    python scripts/launch_count.py --dtype float32
+
+A GPU step that waits on the CPU (docs/gpu.md) costs about one launch's overhead per kernel, so the count is what a
+change to the GPU paths can be judged by without a GPU. Counted: every PyTorch operation that computes (views and
+allocations excluded) and every Triton kernel launch. DDL runs three ways: PyTorch only (CUDA's default), Triton's
+update with the gate and value in PyTorch, and Triton's residual seam; the Triton kernels run through Triton's CPU
+interpreter, made to serve CPU tensors. The optimizer step is not counted (one fused or foreach step on a GPU).
+"""
+
+import argparse
+import collections
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"  # (before triton is imported)
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import SIZES, build  # noqa: E402
+
+
+NO_KERNEL = {"view", "_unsafe_view", "t", "transpose", "unsqueeze", "squeeze", "unsqueeze_", "squeeze_", "expand",
+             "detach", "alias", "as_strided", "slice", "select", "permute", "_reshape_alias", "split", "unbind",
+             "split_with_sizes", "lift_fresh", "empty", "empty_like", "empty_strided", "resolve_conj", "resolve_neg"}
+launches = collections.Counter()
+
+
+class CountOperations(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ not in NO_KERNEL:
+            launches["torch"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class CountedKernel:
+    """A Triton kernel whose launches are counted (and whose interpreted run is not: it is one launch)."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            launches["triton"] += 1
+            with _disable_current_modes():
+                return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+def triton_ways(registries):
+    """{label: {operation: [Implementation, ...]}}: DDL's registries for the three ways, Triton serving CPU tensors."""
+    import ddl_kernels
+    from ddl_kernels.readout import triton as readout
+    from ddl_kernels.residual import triton as residual
+
+    serves = lambda *args: args[0].dtype != torch.float64  # noqa: E731
+    triton = lambda name, run: ddl_kernels.Implementation(name, ("triton",), serves, run)  # noqa: E731
+    pytorch = {op: [impl for impl in impls if "PyTorch" in impl.name] for op, impls in registries.items()}
+    update = {**pytorch, "delta_update": [triton("Triton delta update", residual.run), *pytorch["delta_update"]],
+              "token_readout": [triton("Triton readout", lambda x, taps: readout.token_window(x, taps, read=True)),
+                                *pytorch["token_readout"]],
+              "token_conv": [triton("Triton EC", lambda x, taps: readout.token_window(x, taps, read=False)),
+                             *pytorch["token_conv"]]}
+    return {"PyTorch": pytorch, "Triton update": update,
+            "Triton seam": {**update, "delta_residual": [triton("Triton seam", residual.seam_run)]}}
+
+
+def count(model, ids):
+    """(forward, forward + backward) launches of one training step of `model` on `ids`."""
+    model(input_ids=ids, labels=ids).loss.backward()  # (the first step's one-time work is not counted)
+    launches.clear()
+    with CountOperations():
+        loss = model(input_ids=ids, labels=ids).loss
+        forward = sum(launches.values())
+        loss.backward()
+    return forward, sum(launches.values())
+
+
+def counts(variants, dtype, size):
+    """{"llama": (forward, step), variant: {way: (forward, step)}}; DDL's registries and Triton's kernels restored."""
+    from ddl import kernels
+    from ddl_kernels.readout import triton as readout
+    from ddl_kernels.residual import triton as residual
+
+    ids = torch.randint(3, size.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    cpu, registries = torch.device("cpu"), kernels.registries()
+    kept_registries = dict(registries)
+    kept_kernels = [(module, name, kernel) for module in (readout, residual)
+                    for name, kernel in list(vars(module).items()) if name.endswith("_kernel")]
+    try:
+        for module, name, kernel in kept_kernels:
+            setattr(module, name, CountedKernel(kernel))
+        result = {"llama": count(build("llama", size, cpu, dtype, "torch"), ids)}
+        for variant in variants:
+            result[variant] = {}
+            for label, registry in triton_ways(kept_registries).items():
+                registries.clear()
+                registries.update(registry)
+                result[variant][label] = count(build(variant, size, cpu, dtype, "triton"), ids)
+        return result
+    finally:
+        registries.clear()
+        registries.update(kept_registries)
+        for module, name, kernel in kept_kernels:
+            setattr(module, name, kernel)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--size", default="tiny", choices=sorted(SIZES))
+    parser.add_argument("--variants", nargs="+", default=["ddl-dv1", "ddl-cc", "ddl-tc"])
+    args = parser.parse_args(argv)
+    result = counts(args.variants, getattr(torch, args.dtype), SIZES[args.size])
+    print(f"launches per training step, {args.dtype}, size {args.size} (forward / forward + backward)")
+    forward, step = result.pop("llama")
+    print(f"{'llama':10s} {forward:5d} / {step:5d}")
+    for variant, ways in result.items():
+        print(f"{variant:10s} " + "   ".join(f"{label} {forward:5d} / {step:5d}"
+                                             for label, (forward, step) in ways.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
