@@ -1,0 +1,108 @@
+"""Compiles ddl_kernels' Triton kernels for an H100/H200 (sm_90) on a machine without a GPU, and reports what each
+kernel asks of the GPU: registers per thread and local memory (registers spilled), from Triton's own ptxas and
+cuobjdump (they come with the triton wheel).
+
+    python scripts/triton_sm90.py               # the paper's small size (d = 768, d_v = 4); exit 1 if one fails
+    python scripts/triton_sm90.py --d 4096      # a wide model
+
+The Triton interpreter the tests run on CPU accepts programs the compiler rejects, and says nothing of spills; this
+is the compiler's answer, without the device time a GPU check costs. Each kernel is compiled with the launch options
+its Python side uses (`num_warps` for the residual seam's), for the dtypes a bf16 model and an fp32 (autocast) one
+give it.
+"""
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)  # (the interpreter's kernels cannot be compiled)
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def variants(d, dv):
+    """(kernel, pointer dtype, fp32 pointers, constexprs, launch options) for each compiled variant."""
+    import triton
+
+    from ddl_kernels.readout import triton as readout
+    from ddl_kernels.residual import triton as residual
+
+    blocks = residual._blocks(d, dv)
+    warps = {"num_warps": blocks.pop("num_warps")}
+    window = dict(BLOCK_D=min(128, triton.next_power_of_2(d)), BLOCK_V=readout.channel_block(dv))
+    fp32_out = {"gz_ptr", "gy_ptr"}
+    return [
+        (residual._seam_fwd_kernel, "bf16", set(), dict(ERASE=True, U_IS_C=False, SIGMOID=True, WRITE=False,
+                                                        **blocks), warps),
+        (residual._seam_fwd_kernel, "fp32", set(), dict(ERASE=True, U_IS_C=False, SIGMOID=True, WRITE=True,
+                                                        **blocks), warps),
+        (residual._seam_fwd_kernel, "bf16", set(), dict(ERASE=False, U_IS_C=True, SIGMOID=False, WRITE=False,
+                                                        **blocks), warps),
+        *[(residual._seam_bwd_kernel, "bf16", fp32_out, dict(ERASE=True, U_KIND=kind, SIGMOID=True, **blocks), warps)
+          for kind in (0, 1, 2)],
+        (residual._seam_bwd_kernel, "fp32", fp32_out, dict(ERASE=False, U_KIND=2, SIGMOID=False, **blocks), warps),
+        (residual._delta_fwd_kernel, "bf16", set(), dict(ERASE=True, **blocks), warps),
+        (residual._delta_bwd_kernel, "bf16", set(), dict(ERASE=True, **blocks), warps),
+        (readout._window_kernel, "bf16", set(), dict(READ=True, K=4, DIRECTION=1, **window), {}),
+        (readout._window_kernel, "bf16", set(), dict(READ=False, K=4, DIRECTION=-1, **window), {}),
+        (readout._tap_grads_kernel, "bf16", {"part_ptr"}, dict(SRC_IS_STATE=True, K=4, CHUNK=readout._CHUNK,
+                                                               **window), {}),
+        (readout._tap_grads_kernel, "bf16", {"part_ptr"}, dict(SRC_IS_STATE=False, K=4, CHUNK=readout._CHUNK,
+                                                               **window), {}),
+    ]
+
+
+def compile_for_sm90(kernel, dtype, fp32_pointers, constexprs, options):
+    """{"registers", "local bytes"} of the kernel compiled for sm_90; raises what the compiler raises."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    scalars = {name: "fp32" for name in ("k_eps_sq", "v_scale")}
+    signature = {name: "constexpr" if name in constexprs else
+                 ("*fp32" if name in fp32_pointers else f"*{dtype}") if name.endswith("_ptr") else
+                 scalars.get(name, "i32") for name in kernel.arg_names}
+    source = ASTSource(kernel, signature, {(kernel.arg_names.index(name),): value
+                                           for name, value in constexprs.items()})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", cubin.name], capture_output=True,
+                               text=True, check=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    return {"registers": int(found.group(1)), "local bytes": int(found.group(2))}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--d", type=int, default=768, help="the hidden size (768: the paper's small)")
+    parser.add_argument("--dv", type=int, default=4, help="the state's value channels")
+    args = parser.parse_args(argv)
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        print("triton_sm90: triton is not installed here (pip install triton)", file=sys.stderr)
+        return 2
+    failures = 0
+    print(f"Triton kernels compiled for sm_90, d = {args.d}, d_v = {args.dv}")
+    print("| kernel | dtype | constexprs | warps | registers | local bytes |")
+    print("|---|---|---|---|---|---|")
+    for kernel, dtype, fp32_pointers, constexprs, options in variants(args.d, args.dv):
+        shown = ", ".join(f"{k}={v}" for k, v in constexprs.items() if not k.startswith("BLOCK"))
+        try:
+            usage = compile_for_sm90(kernel, dtype, fp32_pointers, constexprs, options)
+            result = f"{usage['registers']} | {usage['local bytes']}"
+        except Exception as error:  # (reported, and the exit status says so)
+            failures += 1
+            result = f"FAILED: {type(error).__name__}: {str(error).splitlines()[0][:200]} | -"
+        print(f"| {kernel.__name__} | {dtype} | {shown} | {options.get('num_warps', 4)} | {result} |")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
