@@ -26,7 +26,9 @@ from bench import SIZES, build  # noqa: E402
 
 NO_KERNEL = {"view", "_unsafe_view", "t", "transpose", "unsqueeze", "squeeze", "unsqueeze_", "squeeze_", "expand",
              "detach", "alias", "as_strided", "slice", "select", "permute", "_reshape_alias", "split", "unbind",
-             "split_with_sizes", "lift_fresh", "empty", "empty_like", "empty_strided", "resolve_conj", "resolve_neg"}
+             "split_with_sizes", "lift_fresh", "empty", "empty_like", "empty_strided", "resolve_conj", "resolve_neg",
+             "promote_types", "result_type", "size", "stride", "is_nonzero", "new_empty", "new_empty_strided", "unfold",
+             "narrow", "diagonal"}
 launches = collections.Counter()
 
 
