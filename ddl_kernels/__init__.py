@@ -20,6 +20,7 @@ import contextlib
 from collections import namedtuple
 
 import torch
+import torch.utils.checkpoint
 
 
 INTERFACE_VERSION = 2  # what the operations take and return (ddl.kernels); raised on any change of a contract
@@ -42,13 +43,18 @@ def fallible(name, run):
             return None
         try:
             return run(*args)
-        except torch.OutOfMemoryError:  # (not the kernel's fault: the next implementation needs as much)
+        except _NOT_THE_KERNELS:
             raise
         except Exception as error:  # a compile error, a launch error, an unsupported device
             give_up(name, error)
             return None
 
     return guarded
+
+
+# Raised through a kernel's call but not by the kernel: out of memory (transient: it must not turn a kernel off for the
+# rest of the process), and the signal by which a non-reentrant checkpoint ends its recompute early.
+_NOT_THE_KERNELS = (torch.OutOfMemoryError, torch.utils.checkpoint._StopRecomputationError)
 
 
 def give_up(name, error):

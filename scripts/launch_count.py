@@ -12,6 +12,7 @@ interpreter, made to serve CPU tensors. The optimizer step is not counted (one f
 
 import argparse
 import collections
+import json
 import os
 import sys
 
@@ -75,6 +76,7 @@ def triton_ways(registries):
 def count(model, ids):
     """(forward, forward + backward) launches of one training step of `model` on `ids`."""
     model(input_ids=ids, labels=ids).loss.backward()  # (the first step's one-time work is not counted)
+    model.zero_grad(set_to_none=True)  # (as a training step starts: no accumulation into earlier gradients)
     launches.clear()
     with CountOperations():
         loss = model(input_ids=ids, labels=ids).loss
@@ -117,8 +119,12 @@ def main(argv=None):
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--size", default="tiny", choices=sorted(SIZES))
     parser.add_argument("--variants", nargs="+", default=["ddl-dv1", "ddl-cc", "ddl-tc"])
+    parser.add_argument("--json", action="store_true", help="print the counts as one JSON object")
     args = parser.parse_args(argv)
     result = counts(args.variants, getattr(torch, args.dtype), SIZES[args.size])
+    if args.json:
+        print(json.dumps(result))
+        return 0
     print(f"launches per training step, {args.dtype}, size {args.size} (forward / forward + backward)")
     forward, step = result.pop("llama")
     print(f"{'llama':10s} {forward:5d} / {step:5d}")

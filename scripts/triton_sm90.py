@@ -30,8 +30,8 @@ def variants(d, dv):
     from ddl_kernels.readout import triton as readout
     from ddl_kernels.residual import triton as residual
 
-    blocks = residual._blocks(d, dv)
-    warps = {"num_warps": blocks.pop("num_warps")}
+    blocks, scalar = residual._blocks(d, dv), residual._blocks(d, 1)
+    warps, scalar_warps = {"num_warps": blocks.pop("num_warps")}, {"num_warps": scalar.pop("num_warps")}
     window = dict(BLOCK_D=min(128, triton.next_power_of_2(d)), BLOCK_V=readout.channel_block(dv))
     fp32_out = {"gz_ptr", "gy_ptr"}
     return [
@@ -42,8 +42,11 @@ def variants(d, dv):
         (residual._seam_fwd_kernel, "bf16", set(), dict(ERASE=False, U_IS_C=True, SIGMOID=False, WRITE=False,
                                                         **blocks), warps),
         *[(residual._seam_bwd_kernel, "bf16", fp32_out, dict(ERASE=True, U_KIND=kind, SIGMOID=True, **blocks), warps)
-          for kind in (0, 1, 2)],
-        (residual._seam_bwd_kernel, "fp32", fp32_out, dict(ERASE=False, U_KIND=2, SIGMOID=False, **blocks), warps),
+          for kind in (0, 1)],
+        # u is the state only where d_v = 1: its own tile
+        (residual._seam_bwd_kernel, "bf16", fp32_out, dict(ERASE=True, U_KIND=2, SIGMOID=True, **scalar), scalar_warps),
+        (residual._seam_bwd_kernel, "fp32", fp32_out, dict(ERASE=False, U_KIND=2, SIGMOID=False, **scalar),
+         scalar_warps),
         (residual._delta_fwd_kernel, "bf16", set(), dict(ERASE=True, **blocks), warps),
         (residual._delta_bwd_kernel, "bf16", set(), dict(ERASE=True, **blocks), warps),
         (readout._window_kernel, "bf16", set(), dict(READ=True, K=4, DIRECTION=1, **window), {}),

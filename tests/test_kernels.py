@@ -405,10 +405,15 @@ def test_triton_seam_matches_reference(dv, mode, v_scale, value_input, dtype):
                                    msg=name)
 
 
-def test_triton_seam_in_a_model_matches_reference(monkeypatch):
+@pytest.mark.parametrize("checkpointing, failing_backward", [(False, False), (True, False), (True, True)],
+                         ids=["plain", "checkpointed", "checkpointed-failing-backward"])
+def test_triton_seam_in_a_model_matches_reference(checkpointing, failing_backward, monkeypatch):
     """Under "triton" the dispatcher gives every sublayer's seam to the Triton kernels (here made to serve CPU
     tensors, through the interpreter): d_v = 1 (u is the state), CC+EC (u the compressed state), u = c; the loss and
-    every parameter's gradient equal the specification's."""
+    every parameter's gradient equal the specification's, also with gradient checkpointing (transformers' default,
+    non-reentrant: the forward is re-run in backward) and a backward kernel that fails there."""
+    import ddl_kernels
+
     residual = _triton("residual")
     calls = []
 
@@ -416,28 +421,39 @@ def test_triton_seam_in_a_model_matches_reference(monkeypatch):
         calls.append(1)
         return residual.seam_run(*args)
 
-    import ddl_kernels
+    def broken(*args, **kwargs):
+        raise RuntimeError("ptxas fatal: unsupported GPU")
 
     seam = ddl_kernels.Implementation("Triton residual seam", ("triton",), lambda *args: args[0].dtype != torch.float64,
-                                      counted)
+                                      ddl_kernels.fallible("Triton residual seam", counted))  # (as registered)
     monkeypatch.setitem(kernels.registries(), "delta_residual", [seam])
     monkeypatch.setitem(kernels.registries(), "delta_residual_readout", [])  # (C++'s, on CPU)
+    monkeypatch.setattr(ddl_kernels, "_failed", set())
+    if failing_backward:
+        monkeypatch.setattr(residual, "_seam_bwd_kernel", _Launch(broken))
     for overrides in ({"ddl_value_channels": 1}, {}, {"ddl_value_input": "context"}):
         models = {}
         for name, impl in (("reference", "reference"), ("fused", "triton")):
             torch.manual_seed(0)
             models[name] = trained_looking(DDLForCausalLM(tiny_config(ddl_implementation=impl, **overrides)))
+            if checkpointing:
+                models[name].gradient_checkpointing_enable()
+                models[name].train()
         ids = torch.randint(3, 99, (2, 8), generator=seeded(1))
         calls.clear()
         assert_same_loss_and_gradients(models, ids, grad_atol=1e-5)
-        assert len(calls) == 2 * models["fused"].config.num_hidden_layers, overrides
+        seams = 2 * models["fused"].config.num_hidden_layers
+        assert len(calls) == seams * (2 if checkpointing else 1), overrides  # (a checkpoint runs each forward twice)
+    assert ddl_kernels.gave_up("Triton residual seam's backward") == failing_backward
+    assert not ddl_kernels.gave_up("Triton residual seam")
 
 
 @pytest.mark.parametrize("dv, value_input", [(4, "u"), (4, "c"), (1, "state")])
 def test_a_failing_triton_seam_backward_gives_the_specification_gradients(dv, value_input, monkeypatch, caplog):
     """The seam's backward kernel is compiled at the first backward, after its forward ran: if it fails there, the
-    gradients are the specification's, for that seam and every other in the graph (the kernel tried once, one warning
-    naming it), and the seam serves no further forward."""
+    gradients are the specification's, for that seam, every other in the graph and every later backward (the kernel
+    tried once, one warning naming it); the forward kernel still serves (a checkpoint's recompute must save what the
+    first forward saved)."""
     import ddl_kernels
 
     residual = _triton("residual")
@@ -450,23 +466,24 @@ def test_a_failing_triton_seam_backward_gives_the_specification_gradients(dv, va
     monkeypatch.setattr(residual, "_seam_bwd_kernel", _Launch(broken))
     monkeypatch.setattr(ddl_kernels, "_failed", set())
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    grads = {}
-    for name, run in (("spec", delta_residual), ("seam", residual.seam_run)):
-        leaves = [t.to(device).requires_grad_() for t in _seam_inputs(dv, torch.float32, seed=0)]
-        x, h, c, u = leaves[:4]
-        u = {"u": u, "c": c, "state": x}[value_input]
-        with caplog.at_level("WARNING"):
-            out = run(x, h, c, u, *leaves[4:], 4.0, 1e-5, "delta")
-            out = run(out, h, c, out if value_input == "state" else u, *leaves[4:], 4.0, 1e-5, "delta")  # (a second)
-            out.backward(torch.randn(out.shape, generator=seeded(2)).to(device))
-        grads[name] = [t.grad for t in leaves]
-    for name, spec, seam in zip("x h c u w b w_v b_v".split(), grads["spec"], grads["seam"]):
-        assert (spec is None) == (seam is None), name
-        if spec is not None:
-            torch.testing.assert_close(seam, spec, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
-    assert len(attempts) == 1 and caplog.text.count("Triton residual seam kernel failed") == 1
-    assert "ptxas fatal" in caplog.text
-    assert residual.SEAM.run(*_seam_inputs(dv, torch.float32, seed=0), 4.0, 1e-5, "delta") is None  # (no more)
+    for attempt in range(2):
+        grads = {}
+        for name, run in (("spec", delta_residual), ("seam", residual.SEAM.run)):
+            leaves = [t.to(device).requires_grad_() for t in _seam_inputs(dv, torch.float32, seed=attempt)]
+            x, h, c, u = leaves[:4]
+            u = {"u": u, "c": c, "state": x}[value_input]
+            with caplog.at_level("WARNING"):
+                out = run(x, h, c, u, *leaves[4:], 4.0, 1e-5, "delta", None, None)
+                second = out if value_input == "state" else u
+                out = run(out, h, c, second, *leaves[4:], 4.0, 1e-5, "delta", None, None)  # (a second seam)
+                out.backward(torch.randn(out.shape, generator=seeded(2)).to(device))
+            grads[name] = [t.grad for t in leaves]
+        for name, spec, seam in zip("x h c u w b w_v b_v".split(), grads["spec"], grads["seam"]):
+            assert (spec is None) == (seam is None), name
+            if spec is not None:
+                torch.testing.assert_close(seam, spec, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    assert len(attempts) == 1 and caplog.text.count("Triton residual seam's backward kernel failed") == 1
+    assert "ptxas fatal" in caplog.text and not ddl_kernels.gave_up("Triton residual seam")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -485,8 +502,18 @@ def test_triton_seam_keeps_its_write_for_the_state_rebuild(dv, dtype):
     assert write.shape == (*h.shape[:-1], dv) and write.dtype == x.dtype
     rank1 = h.unsqueeze(-2) * write.unsqueeze(-1) if dv > 1 else h * write
     torch.testing.assert_close(out, x + rank1, rtol=0, atol=1e-6)
-    with torch.no_grad():
-        assert seam(x, h, c, u, *weights, 4.0, 1e-5, "delta").grad_fn is None
+    residual, launched = _triton("residual"), []
+    kernel = residual._seam_fwd_kernel
+
+    def recorded(grid, *args, **kwargs):
+        launched.append(kwargs["WRITE"])
+        return kernel[grid](*args, **kwargs)
+
+    with torch.no_grad(), pytest.MonkeyPatch.context() as patch:  # (decoding: no rebuild, no write)
+        patch.setattr(residual, "_seam_fwd_kernel", _Launch(recorded))
+        seam(x, h, c, u, *weights, 4.0, 1e-5, "delta")
+        seam(x.detach(), h.detach(), c.detach(), u.detach(), *(w.detach() for w in weights), 4.0, 1e-5, "delta")
+    assert launched == [False, False]
 
 
 def test_triton_seam_serves_the_paper_seams_on_cuda_only():
@@ -514,13 +541,13 @@ def test_triton_seam_serves_the_paper_seams_on_cuda_only():
 
 
 class _Launch:
-    """A stand-in for a Triton kernel: `kernel[grid](...)` calls `run`."""
+    """A stand-in for a Triton kernel: `kernel[grid](...)` calls `run(grid, ...)`."""
 
     def __init__(self, run):
         self.run = run
 
     def __getitem__(self, grid):
-        return self.run
+        return partial(self.run, grid)
 
 
 @pytest.mark.parametrize("kind", ["readout", "conv"])

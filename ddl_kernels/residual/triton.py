@@ -13,7 +13,8 @@ and backward, from G = dL/dX_next: g_j = k . G_j, dv_j = beta g_j, dbeta = sum_j
 dz = dbeta beta (1 - beta / 2), dy_j = dv_j v_j (1 - v_j / s_v) (or dv_j), dc = dz w, du = sum_j dy_j W_v[j] (added to
 dc when u is c, to dX when u is the d_v = 1 state). The weights' gradients are sums over tokens of dz and dy_j times c
 and u: products in PyTorch, from the per-token dz and dy the kernel writes. Why: in eager PyTorch the gate and value
-are ~12 kernels forward and as many backward per sublayer, each a launch that a GPU step waits for.
+are 9 more launches forward and 5 more backward per sublayer in bf16 (scripts/launch_count.py), each a launch that a
+GPU step waits for.
 
 Serves `reference.delta_residual` (a single linear gate, a learned value; delta or write-only) and
 `reference.delta_update` (delta or write-only) for CUDA tensors other than fp64. The seam computes v from u in fp32
@@ -218,56 +219,54 @@ class _TritonDeltaUpdate(torch.autograd.Function):
         return grad_x, grad_h, grad_v, grad_beta, None, None
 
 
-_SEAM = "Triton residual seam"
+_SEAM, _SEAM_BACKWARD = "Triton residual seam", "Triton residual seam's backward"
 
 
 class _TritonSeam(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, erase, u_kind):
+    def forward(ctx, x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, erase, u_kind,
+                keep_write):
         d, dv = h.shape[-1], value_weight.shape[0]
         out = torch.empty_like(x)
-        # the write's coefficients, for `StateRebuild` (fp32 states in training)
-        keep_write = x.dtype == torch.float32 and any(ctx.needs_input_grad)
-        write = x.new_empty(*h.shape[:-1], dv) if keep_write else out
-        sigmoid = v_scale is not None
+        write = x.new_empty(*h.shape[:-1], dv) if keep_write else out  # (else not written)
+        ctx.v_scale, ctx.k_eps, ctx.erase, ctx.u_kind = v_scale, k_eps, erase, u_kind
         with on_device(x):
             _seam_fwd_kernel[(h.numel() // d,)](
                 x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, out, write, d, dv, k_eps**2,
-                v_scale if sigmoid else 1.0, ERASE=erase, U_IS_C=u_kind == 1, SIGMOID=sigmoid, WRITE=keep_write,
-                **_blocks(d, dv),
+                ERASE=erase, U_IS_C=u_kind == 1, WRITE=keep_write, **_value(v_scale), **_blocks(d, dv),
             )
         ctx.save_for_backward(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias)
-        ctx.v_scale, ctx.k_eps, ctx.erase, ctx.u_kind = v_scale, k_eps, erase, u_kind
         ctx.write = write if keep_write else None  # X_next = X + h (x) write (`ddl.kernels`)
         return out
 
     @staticmethod
     @once_differentiable  # its gradients are computed outside autograd: a second derivative raises
     def backward(ctx, grad_out):
-        if not gave_up(_SEAM):
-            try:
-                with on_device(grad_out):
-                    return _seam_gradients(ctx, grad_out.contiguous())
-            except torch.OutOfMemoryError:
-                raise
-            except Exception as error:  # the backward kernel failed to compile or launch
-                give_up(_SEAM, error)
-        return _reference_gradients(ctx, grad_out)  # (the specification's; every seam's after a failure)
+        saved = ctx.saved_tensors  # (once: a checkpointed forward's tensors may be unpacked only once)
+        # a backward kernel that fails gives the specification's gradients, this and every later backward; the
+        # forward still serves (a checkpoint's recompute must save what the first forward saved)
+        grads = _seam_backward(ctx, saved, grad_out)
+        return grads if grads is not None else _reference_gradients(ctx, saved, grad_out)
 
 
-def _seam_gradients(ctx, grad_out):
-    x, h, c, u, gate_weight, gate_bias, value_weight, value_bias = ctx.saved_tensors
+def _value(v_scale):
+    """The kernels' v_scale and SIGMOID (v_scale None: the linear value, v = W_v u + b_v)."""
+    return dict(v_scale=1.0 if v_scale is None else v_scale, SIGMOID=v_scale is not None)
+
+
+def _seam_gradients(ctx, saved, grad_out):
+    x, h, c, u, gate_weight, gate_bias, value_weight, value_bias = saved
     d, dv, tokens = h.shape[-1], value_weight.shape[0], h.numel() // h.shape[-1]
     grad_x, grad_h, grad_c = torch.empty_like(x), torch.empty_like(h), torch.empty_like(c)
     grad_u = torch.empty_like(u) if ctx.u_kind == 0 else grad_c  # (not written otherwise)
     grad_z = torch.empty(tokens, dtype=torch.float32, device=x.device)
     grad_y = torch.empty(tokens, dv, dtype=torch.float32, device=x.device)
-    sigmoid = ctx.v_scale is not None
-    _seam_bwd_kernel[(tokens,)](
-        x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, grad_out, grad_x, grad_h, grad_c, grad_u,
-        grad_z, grad_y, d, dv, ctx.k_eps**2, ctx.v_scale if sigmoid else 1.0, ERASE=ctx.erase, U_KIND=ctx.u_kind,
-        SIGMOID=sigmoid, **_blocks(d, dv),
-    )
+    with on_device(x):
+        _seam_bwd_kernel[(tokens,)](
+            x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, grad_out.contiguous(), grad_x, grad_h,
+            grad_c, grad_u, grad_z, grad_y, d, dv, ctx.k_eps**2, ERASE=ctx.erase, U_KIND=ctx.u_kind,
+            **_value(ctx.v_scale), **_blocks(d, dv),
+        )
     # the weights' (none when frozen, as under LoRA): sums over tokens, fp32 products (the gate is fp32 throughout)
     needs = ctx.needs_input_grad
     grad_w = grad_b = grad_wv = grad_bv = None
@@ -281,21 +280,24 @@ def _seam_gradients(ctx, grad_out):
         if needs[7]:
             grad_bv = grad_y.sum(0).to(value_bias.dtype)
     return (grad_x, grad_h, grad_c, grad_u if ctx.u_kind == 0 else None, grad_w, grad_b, grad_wv, grad_bv,
-            None, None, None, None)
+            None, None, None, None, None)
 
 
-def _reference_gradients(ctx, grad_out):
+_seam_backward = fallible(_SEAM_BACKWARD, _seam_gradients)
+
+
+def _reference_gradients(ctx, saved, grad_out):
     """The gradients `_seam_gradients` gives, through autograd over `reference.delta_residual` (the same inputs)."""
     from ddl.reference import delta_residual
 
-    leaves = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, ctx.needs_input_grad)]
+    leaves = [t.detach().requires_grad_(need) for t, need in zip(saved, ctx.needs_input_grad)]
     x, h, c, u = leaves[:4]
     u = (u, c, x)[ctx.u_kind]
     with torch.enable_grad():
         out = delta_residual(x, h, c, u, *leaves[4:], ctx.v_scale, ctx.k_eps, "delta" if ctx.erase else "write_only")
     wanted = [t for t in leaves if t.requires_grad]
     grads = iter(torch.autograd.grad(out, wanted, grad_out, allow_unused=True))
-    return (*(next(grads) if t.requires_grad else None for t in leaves), None, None, None, None)
+    return (*(next(grads) if t.requires_grad else None for t in leaves), None, None, None, None, None)
 
 
 def seam_serves(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, mode, gate_hidden,
@@ -313,9 +315,11 @@ def seam_run(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_sca
     u_kind = 1 if u is c else (2 if u is x and x.dim() == h.dim() else 0)  # before any copy: by identity
     x, h, c = x.contiguous(), h.contiguous(), c.contiguous()
     u = c if u_kind == 1 else (x if u_kind == 2 else u.contiguous())
+    keep_write = x.dtype == torch.float32 and torch.is_grad_enabled()  # (for `StateRebuild`: fp32 training)
     return _TritonSeam.apply(x, h, c, u, gate_weight.contiguous(), gate_bias.contiguous(),
                              value_weight.contiguous(), value_bias.contiguous(),
-                             None if v_scale is None else float(v_scale), float(k_eps), mode == "delta", u_kind)
+                             None if v_scale is None else float(v_scale), float(k_eps), mode == "delta", u_kind,
+                             keep_write)
 
 
 def serves(x, h, v, beta, mode, k_eps):
