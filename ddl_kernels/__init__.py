@@ -54,7 +54,8 @@ def fallible(name, run):
 
 # Raised through a kernel's call but not by the kernel: out of memory (transient: it must not turn a kernel off for the
 # rest of the process), and the signal by which a non-reentrant checkpoint ends its recompute early.
-_NOT_THE_KERNELS = (torch.OutOfMemoryError, torch.utils.checkpoint._StopRecomputationError)
+_STOP_RECOMPUTATION = getattr(torch.utils.checkpoint, "_StopRecomputationError", None)  # (private: may go)
+_NOT_THE_KERNELS = (torch.OutOfMemoryError,) + ((_STOP_RECOMPUTATION,) if _STOP_RECOMPUTATION else ())
 
 
 def give_up(name, error):
