@@ -103,6 +103,7 @@ def implementations():
         found["delta_residual"].append(residual_triton.SEAM)
         found["delta_update"].append(residual_triton.UPDATE)
         found["token_readout"].append(readout_triton.READOUT)
+        found["window_step"].append(readout_triton.STEP)
         found["token_conv"].append(conv_triton.CONV)
     return found
 

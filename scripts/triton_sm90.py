@@ -51,6 +51,7 @@ def variants(d, dv):
         (residual._delta_bwd_kernel, "bf16", set(), dict(ERASE=True, **blocks), warps),
         (readout._window_kernel, "bf16", set(), dict(READ=True, K=4, DIRECTION=1, **window), {}),
         (readout._window_kernel, "bf16", set(), dict(READ=False, K=4, DIRECTION=-1, **window), {}),
+        (readout._window_step_kernel, "bf16", set(), dict(K=4, **window), {}),
         (readout._tap_grads_kernel, "bf16", {"part_ptr"}, dict(SRC_IS_STATE=True, K=4, CHUNK=readout._CHUNK,
                                                                **window), {}),
         (readout._tap_grads_kernel, "bf16", {"part_ptr"}, dict(SRC_IS_STATE=False, K=4, CHUNK=readout._CHUNK,
@@ -64,7 +65,7 @@ def compile_for_sm90(kernel, dtype, fp32_pointers, constexprs, options):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    scalars = {name: "fp32" for name in ("k_eps_sq", "v_scale")}
+    scalars = {name: "fp32" for name in ("k_eps_sq", "v_scale")}  # (the rest: i32 sizes, offsets and strides)
     signature = {name: "constexpr" if name in constexprs else
                  ("*fp32" if name in fp32_pointers else f"*{dtype}") if name.endswith("_ptr") else
                  scalars.get(name, "i32") for name in kernel.arg_names}

@@ -587,6 +587,32 @@ def test_triton_token_convolutions_match_reference(kind, kernel, dv, with_histor
     torch.testing.assert_close(weight.grad.double(), ref_w.grad.double(), rtol=tol, atol=tol * 20)  # 38-token sums
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("kernel, dv", [(2, 4), (4, 3), (4, 1)], ids=["k2-dv4", "k4-dv3", "k4-dv1"])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kept_layout", [True, False], ids=["kept-layout", "parameter-layout"])
+def test_triton_window_step_equals_the_spec_for_one_token(kernel, dv, dtype, tol, kept_layout):
+    """The Triton TC decoding step, token after token from the cache's window (advanced in place by each step), equals
+    the specification's readout of the whole sequence, and leaves the window the specification's step leaves; the
+    weight read where a decoding run keeps it (`(d_v, d, K)`, viewed as `(K, d, d_v)`) or as the parameter is."""
+    step = _triton("readout").window_step
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = seeded(kernel * 10 + dv)
+    batch, d, length = 2, 200, 7  # (two blocks of 128 features, the second partial)
+    x = torch.randn(batch, length, dv, d, generator=g).to(device=device, dtype=dtype)
+    weight = torch.randn(kernel, d, dv, generator=g).to(device=device, dtype=dtype)
+    if kept_layout:
+        weight = weight.permute(2, 1, 0).contiguous().permute(2, 1, 0)
+    past, spec_past = (torch.zeros(batch, dv * d, kernel - 1, device=device, dtype=dtype) for _ in range(2))
+    steps = torch.cat([step(past, x[:, t : t + 1], weight) for t in range(length)], dim=1)
+    for t in range(length):
+        window_step(spec_past, x[:, t : t + 1], weight, "reference")
+    whole = causal_token_readout(x.double(), weight.double())
+    assert steps.dtype == dtype
+    torch.testing.assert_close(steps.double(), whole, rtol=tol, atol=tol * 4)
+    torch.testing.assert_close(past, spec_past, rtol=0, atol=0)
+
+
 def test_a_failing_triton_kernel_falls_back_to_pytorch_with_one_warning(monkeypatch, caplog):
     """Under "triton" a kernel that fails to compile or launch gives way to the PyTorch path (same numbers), with one
     warning naming it, and is not tried again."""

@@ -90,6 +90,32 @@ def _tap_grads_kernel(
     tl.store(part_ptr + (program * K + s) * dv * d + tile, acc, mask=tile_ok)
 
 
+@triton.jit
+def _window_step_kernel(
+    past_ptr, x_ptr, w_ptr, out_ptr, d, dv, w_stride_k, w_stride_d, w_stride_v,
+    K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """A TC decoding step for one sequence and block of features: out[i] = sum_j sum_s w[s, i, j] window[j, i, s], the
+    window being the K-1 cached states (past `(d_v*d, K-1)`, channel j*d + i, time last) then x `(d_v, d)`; then
+    the window advanced in place (this program's channels only: their K-1 values are read before any is written)."""
+    b = tl.program_id(0).to(tl.int64)
+    cols, tile, tile_ok = _feature_block(d, dv, BLOCK_D, BLOCK_V)  # tile: j * d + i, the cache's channel order
+    taps = w_ptr + (cols[None, :] * w_stride_d + tl.arange(0, BLOCK_V)[:, None] * w_stride_v)
+    x = tl.load(x_ptr + b * dv * d + tile, mask=tile_ok, other=0.0)
+    acc = x.to(tl.float32) * tl.load(taps + (K - 1) * w_stride_k, mask=tile_ok, other=0.0).to(tl.float32)
+    rows = past_ptr + (b * dv * d + tile) * (K - 1)
+    previous = tl.load(rows, mask=tile_ok, other=0.0)
+    for s in tl.static_range(K - 1):
+        acc += previous.to(tl.float32) * tl.load(taps + s * w_stride_k, mask=tile_ok, other=0.0).to(tl.float32)
+        if s + 1 < K - 1:
+            following = tl.load(rows + s + 1, mask=tile_ok, other=0.0)
+        else:
+            following = x
+        tl.store(rows + s, following, mask=tile_ok)
+        previous = following
+    tl.store(out_ptr + b * d + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=cols < d)
+
+
 def channel_block(dv):
     """The d_v axis of a tile: a power of 2, at least 2 (tl.sum over a length-1 axis is avoided)."""
     return max(2, triton.next_power_of_2(dv))
@@ -161,7 +187,27 @@ def serves(x, taps):
     return x.is_cuda and x.dtype != torch.float64
 
 
+def window_step(past, x, weight):
+    """`kernels.window_step` (a TC decoding step's readout from the cached window, advanced in place): one launch."""
+    batch, _, dv, d = x.shape
+    out = x.new_empty(batch, 1, d, dtype=torch.promote_types(x.dtype, weight.dtype))
+    block_d = min(128, triton.next_power_of_2(d))
+    with on_device(out):
+        _window_step_kernel[(batch, triton.cdiv(d, block_d))](
+            past, x.contiguous(), weight, out, d, dv, *weight.stride(), K=weight.shape[0], BLOCK_D=block_d,
+            BLOCK_V=channel_block(dv),
+        )
+    return out
+
+
+def step_serves(past, x, weight):
+    """The cached window `(B, d_v*d, K-1)` contiguous (advanced in place), in x's dtype; CUDA, not fp64, no autograd."""
+    return (past.is_cuda and weight.is_cuda and past.dtype == x.dtype and past.dtype != torch.float64
+            and weight.dtype != torch.float64 and past.is_contiguous() and not torch.is_grad_enabled())
+
+
 READOUT = Implementation("Triton readout", ("triton",), serves,
                          fallible("Triton readout", lambda x, taps: token_window(x, taps, read=True)))
+STEP = Implementation("Triton window step", ("triton",), step_serves, fallible("Triton window step", window_step))
 
-__all__ = ["READOUT", "channel_block", "token_window"]
+__all__ = ["READOUT", "STEP", "channel_block", "token_window", "window_step"]
