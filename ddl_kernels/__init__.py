@@ -105,6 +105,7 @@ def implementations():
         found["token_readout"].append(readout_triton.READOUT)
         found["window_step"].append(readout_triton.STEP)
         found["token_conv"].append(conv_triton.CONV)
+        found["conv_step"].append(conv_triton.STEP)
     return found
 
 

@@ -1,13 +1,16 @@
-"""How many kernels one training step (forward and backward) would launch on a GPU, counted on the CPU.
+"""How many kernels one training step (forward and backward), or one decoding step, would launch on a GPU, counted on
+the CPU.
 
     python scripts/launch_count.py                       # bf16, tiny size: Llama, then each DDL variant three ways
     python scripts/launch_count.py --dtype float32
+    python scripts/launch_count.py --decoding --dtype float32   # one cached decoding step at batch 1
 
 A GPU step that waits on the CPU (docs/gpu.md) costs about one launch's overhead per kernel, so the count is what a
 change to the GPU paths can be judged by without a GPU. Counted: every PyTorch operation that computes (views and
 allocations excluded) and every Triton kernel launch. DDL runs three ways: PyTorch only (CUDA's default), Triton's
-update with the gate and value in PyTorch, and Triton's residual seam; the Triton kernels run through Triton's CPU
-interpreter, made to serve CPU tensors. The optimizer step is not counted (one fused or foreach step on a GPU).
+update with the gate and value in PyTorch (and PyTorch's decoding steps), and Triton's residual seam and decoding
+steps; the Triton kernels run through Triton's CPU interpreter, made to serve CPU tensors. The optimizer step is not
+counted (one fused or foreach step on a GPU).
 """
 
 import argparse
@@ -70,7 +73,9 @@ def triton_ways(registries):
               "token_conv": [triton("Triton EC", lambda x, taps: readout.token_window(x, taps, read=False)),
                              *pytorch["token_conv"]]}
     return {"PyTorch": pytorch, "Triton update": update,
-            "Triton seam": {**update, "delta_residual": [triton("Triton seam", residual.seam_run)]}}
+            "Triton seam": {**update, "delta_residual": [triton("Triton seam", residual.seam_run)],
+                            "window_step": [triton("Triton window step", readout.window_step), *pytorch["window_step"]],
+                            "conv_step": [triton("Triton EC step", readout.conv_step), *pytorch["conv_step"]]}}
 
 
 def count(model, ids):
@@ -85,8 +90,22 @@ def count(model, ids):
     return forward, sum(launches.values())
 
 
-def counts(variants, dtype, size):
-    """{"llama": (forward, step), variant: {way: (forward, step)}}; DDL's registries and Triton's kernels restored."""
+@torch.no_grad()
+def count_decoding(model, ids):
+    """Launches of one cached decoding step (one token, the first row of `ids` as the prompt), after a first one."""
+    model.eval()
+    output = model(ids[:1], use_cache=True)
+    cache = output.cache if "cache" in output else output.past_key_values  # (DDL's output names it as 5.x does)
+    model(ids[:1, -1:], cache=cache, use_cache=True)
+    launches.clear()
+    with CountOperations():
+        model(ids[:1, -1:], cache=cache, use_cache=True)
+    return sum(launches.values())
+
+
+def counts(variants, dtype, size, decoding=False):
+    """{"llama": (forward, step), variant: {way: (forward, step)}} (`decoding`: a decoding step's launches instead);
+    DDL's registries and Triton's kernels restored."""
     from ddl import kernels
     from ddl_kernels.readout import triton as readout
     from ddl_kernels.residual import triton as residual
@@ -99,13 +118,14 @@ def counts(variants, dtype, size):
     try:
         for module, name, kernel in kept_kernels:
             setattr(module, name, CountedKernel(kernel))
-        result = {"llama": count(build("llama", size, cpu, dtype, "torch"), ids)}
+        measure = count_decoding if decoding else count
+        result = {"llama": measure(build("llama", size, cpu, dtype, "torch"), ids)}
         for variant in variants:
             result[variant] = {}
             for label, registry in triton_ways(kept_registries).items():
                 registries.clear()
                 registries.update(registry)
-                result[variant][label] = count(build(variant, size, cpu, dtype, "triton"), ids)
+                result[variant][label] = measure(build(variant, size, cpu, dtype, "triton"), ids)
         return result
     finally:
         registries.clear()
@@ -119,18 +139,19 @@ def main(argv=None):
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--size", default="tiny", choices=sorted(SIZES))
     parser.add_argument("--variants", nargs="+", default=["ddl-dv1", "ddl-cc", "ddl-tc"])
+    parser.add_argument("--decoding", action="store_true", help="a cached decoding step (one token, batch 1)")
     parser.add_argument("--json", action="store_true", help="print the counts as one JSON object")
     args = parser.parse_args(argv)
-    result = counts(args.variants, getattr(torch, args.dtype), SIZES[args.size])
+    result = counts(args.variants, getattr(torch, args.dtype), SIZES[args.size], args.decoding)
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"launches per training step, {args.dtype}, size {args.size} (forward / forward + backward)")
-    forward, step = result.pop("llama")
-    print(f"{'llama':10s} {forward:5d} / {step:5d}")
+    shown = (lambda n: f"{n:5d}") if args.decoding else (lambda n: f"{n[0]:5d} / {n[1]:5d}")  # noqa: E731
+    print(f"launches per {'decoding step' if args.decoding else 'training step (forward / forward + backward)'}, "
+          f"{args.dtype}, size {args.size}")
+    print(f"{'llama':10s} {shown(result.pop('llama'))}")
     for variant, ways in result.items():
-        print(f"{variant:10s} " + "   ".join(f"{label} {forward:5d} / {step:5d}"
-                                             for label, (forward, step) in ways.items()))
+        print(f"{variant:10s} " + "   ".join(f"{label} {shown(n)}" for label, n in ways.items()))
     return 0
 
 

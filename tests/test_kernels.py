@@ -593,8 +593,9 @@ def test_triton_token_convolutions_match_reference(kind, kernel, dv, with_histor
 @pytest.mark.parametrize("kept_layout", [True, False], ids=["kept-layout", "parameter-layout"])
 def test_triton_window_step_equals_the_spec_for_one_token(kernel, dv, dtype, tol, kept_layout):
     """The Triton TC decoding step, token after token from the cache's window (advanced in place by each step), equals
-    the specification's readout of the whole sequence, and leaves the window the specification's step leaves; the
-    weight read where a decoding run keeps it (`(d_v, d, K)`, viewed as `(K, d, d_v)`) or as the parameter is."""
+    the specification's readout of the whole sequence (in fp32 Triton's own bit for bit), and leaves the window the
+    specification's step leaves; the weight read where a decoding run keeps it (`(d_v, d, K)`, viewed as `(K, d, d_v)`)
+    or as the parameter is."""
     step = _triton("readout").window_step
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = seeded(kernel * 10 + dv)
@@ -611,6 +612,34 @@ def test_triton_window_step_equals_the_spec_for_one_token(kernel, dv, dtype, tol
     assert steps.dtype == dtype
     torch.testing.assert_close(steps.double(), whole, rtol=tol, atol=tol * 4)
     torch.testing.assert_close(past, spec_past, rtol=0, atol=0)
+    if dtype == torch.float32:  # (Triton's readout of the whole sequence: the same sums in the same order)
+        readout = _triton("readout").token_window(x, weight.transpose(1, 2).contiguous(), read=True)
+        torch.testing.assert_close(steps, readout, rtol=0, atol=0)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kernel, dv", [(2, 4), (4, 3), (1, 4)], ids=["k2-dv4", "k4-dv3", "k1"])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+def test_triton_conv_step_equals_the_spec_for_one_token(kernel, dv, dtype, tol):
+    """The Triton EC decoding step, token after token from the cached embeddings (advanced in place), equals the
+    specification's EC of the whole sequence, and leaves the window the specification's step leaves; and, in fp32,
+    Triton's own EC of the whole sequence bit for bit (the same sums in the same order)."""
+    triton_conv = _triton("readout")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = seeded(kernel * 10 + dv)
+    batch, d, length = 2, 200, 6
+    x = torch.randn(batch, length, d, generator=g).to(device=device, dtype=dtype)
+    weight = torch.randn(kernel, d, dv, generator=g).to(device=device, dtype=dtype)
+    past, spec_past = (torch.zeros(batch, d, kernel - 1, device=device, dtype=dtype) for _ in range(2))
+    steps = torch.cat([triton_conv.conv_step(past, x[:, t : t + 1], weight) for t in range(length)], dim=1)
+    for t in range(length):
+        conv_step(spec_past, x[:, t : t + 1], weight, "reference")
+    assert steps.dtype == dtype
+    torch.testing.assert_close(steps.double(), causal_token_conv(x.double(), weight.double()), rtol=tol, atol=tol * 4)
+    torch.testing.assert_close(past, spec_past, rtol=0, atol=0)
+    if dtype == torch.float32:
+        whole = triton_conv.token_window(x, weight.transpose(1, 2).contiguous(), read=False)
+        torch.testing.assert_close(steps, whole, rtol=0, atol=0)
 
 
 def test_a_failing_triton_kernel_falls_back_to_pytorch_with_one_warning(monkeypatch, caplog):

@@ -91,29 +91,45 @@ def _tap_grads_kernel(
 
 
 @triton.jit
-def _window_step_kernel(
+def _step_kernel(
     past_ptr, x_ptr, w_ptr, out_ptr, d, dv, w_stride_k, w_stride_d, w_stride_v,
-    K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+    READ: tl.constexpr, K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """A TC decoding step for one sequence and block of features: out[i] = sum_j sum_s w[s, i, j] window[j, i, s], the
-    window being the K-1 cached states (past `(d_v*d, K-1)`, channel j*d + i, time last) then x `(d_v, d)`; then
-    the window advanced in place (this program's channels only: their K-1 values are read before any is written)."""
+    """A decoding step of the token convolutions for one sequence and block of features, from the window of the K-1
+    cached inputs (`past`, time last) then x, summed in fp32 in `_window_kernel`'s order (so a step gives what the
+    whole sequence gives); then the window advanced in place (this program's channels: read before written).
+    READ (TC):  out[i] = sum_j sum_s w[s, i, j] window[j*d + i, s]    past `(d_v*d, K-1)`, x `(d_v, d)`, out `(d,)`
+    otherwise (EC):  out[j, i] = sum_s w[s, i, j] window[i, s]        past `(d, K-1)`, x `(d,)`, out `(d_v, d)`"""
     b = tl.program_id(0).to(tl.int64)
-    cols, tile, tile_ok = _feature_block(d, dv, BLOCK_D, BLOCK_V)  # tile: j * d + i, the cache's channel order
+    cols, tile, tile_ok = _feature_block(d, dv, BLOCK_D, BLOCK_V)  # tile: j * d + i (the cache's channel order)
     taps = w_ptr + (cols[None, :] * w_stride_d + tl.arange(0, BLOCK_V)[:, None] * w_stride_v)
-    x = tl.load(x_ptr + b * dv * d + tile, mask=tile_ok, other=0.0)
-    acc = x.to(tl.float32) * tl.load(taps + (K - 1) * w_stride_k, mask=tile_ok, other=0.0).to(tl.float32)
-    rows = past_ptr + (b * dv * d + tile) * (K - 1)
-    previous = tl.load(rows, mask=tile_ok, other=0.0)
-    for s in tl.static_range(K - 1):
-        acc += previous.to(tl.float32) * tl.load(taps + s * w_stride_k, mask=tile_ok, other=0.0).to(tl.float32)
+    if READ:
+        rows, rows_ok, x = past_ptr + (b * dv * d + tile) * (K - 1), tile_ok, x_ptr + b * dv * d + tile
+    else:
+        rows, rows_ok, x = past_ptr + (b * d + cols) * (K - 1), cols < d, x_ptr + b * d + cols
+    x = tl.load(x, mask=rows_ok, other=0.0)
+    acc = tl.zeros((BLOCK_V, BLOCK_D), dtype=tl.float32)
+    if K > 1:
+        following = tl.load(rows, mask=rows_ok, other=0.0)
+    else:
+        following = x
+    for s in tl.static_range(K):
+        value = following
         if s + 1 < K - 1:
-            following = tl.load(rows + s + 1, mask=tile_ok, other=0.0)
+            following = tl.load(rows + s + 1, mask=rows_ok, other=0.0)
         else:
             following = x
-        tl.store(rows + s, following, mask=tile_ok)
-        previous = following
-    tl.store(out_ptr + b * d + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=cols < d)
+        if s < K - 1:
+            tl.store(rows + s, following, mask=rows_ok)
+        w = tl.load(taps + s * w_stride_k, mask=tile_ok, other=0.0).to(tl.float32)
+        if READ:
+            acc += value.to(tl.float32) * w
+        else:
+            acc += w * value.to(tl.float32)[None, :]
+    if READ:
+        tl.store(out_ptr + b * d + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=cols < d)
+    else:
+        tl.store(out_ptr + b * dv * d + tile, acc.to(out_ptr.dtype.element_ty), mask=tile_ok)
 
 
 def channel_block(dv):
@@ -187,21 +203,32 @@ def serves(x, taps):
     return x.is_cuda and x.dtype != torch.float64
 
 
-def window_step(past, x, weight):
-    """`kernels.window_step` (a TC decoding step's readout from the cached window, advanced in place): one launch."""
-    batch, _, dv, d = x.shape
-    out = x.new_empty(batch, 1, d, dtype=torch.promote_types(x.dtype, weight.dtype))
+def _step(read, past, x, weight):
+    """Launch `_step_kernel`: one program per sequence and block of features."""
+    kernel_size, d, dv = weight.shape
+    shape = (x.shape[0], 1, d) if read else (x.shape[0], 1, dv, d)
+    out = x.new_empty(shape, dtype=torch.promote_types(x.dtype, weight.dtype))
     block_d = min(128, triton.next_power_of_2(d))
     with on_device(out):
-        _window_step_kernel[(batch, triton.cdiv(d, block_d))](
-            past, x.contiguous(), weight, out, d, dv, *weight.stride(), K=weight.shape[0], BLOCK_D=block_d,
+        _step_kernel[(x.shape[0], triton.cdiv(d, block_d))](
+            past, x.contiguous(), weight, out, d, dv, *weight.stride(), READ=read, K=kernel_size, BLOCK_D=block_d,
             BLOCK_V=channel_block(dv),
         )
     return out
 
 
+def window_step(past, x, weight):
+    """`kernels.window_step` (TC: a decoding step's readout from the cached window, advanced in place): one launch."""
+    return _step(True, past, x, weight)
+
+
+def conv_step(past, x, weight):
+    """`kernels.conv_step` (EC: a decoding step's state from the cached embeddings, advanced in place): one launch."""
+    return _step(False, past, x, weight)
+
+
 def step_serves(past, x, weight):
-    """The cached window `(B, d_v*d, K-1)` contiguous (advanced in place), in x's dtype; CUDA, not fp64, no autograd."""
+    """The cached window (advanced in place) contiguous and in x's dtype; CUDA, not fp64, no autograd."""
     return (past.is_cuda and weight.is_cuda and past.dtype == x.dtype and past.dtype != torch.float64
             and weight.dtype != torch.float64 and past.is_contiguous() and not torch.is_grad_enabled())
 
@@ -210,4 +237,4 @@ READOUT = Implementation("Triton readout", ("triton",), serves,
                          fallible("Triton readout", lambda x, taps: token_window(x, taps, read=True)))
 STEP = Implementation("Triton window step", ("triton",), step_serves, fallible("Triton window step", window_step))
 
-__all__ = ["READOUT", "STEP", "channel_block", "token_window", "window_step"]
+__all__ = ["READOUT", "STEP", "channel_block", "conv_step", "step_serves", "token_window", "window_step"]
