@@ -96,8 +96,8 @@ def _step_kernel(
     READ: tl.constexpr, K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """A decoding step of the token convolutions for one sequence and block of features, from the window of the K-1
-    cached inputs (`past`, time last) then x, summed in fp32 in `_window_kernel`'s order (so a step gives what the
-    whole sequence gives); then the window advanced in place (this program's channels: read before written).
+    cached inputs (`past`, time last) then x, the products summed in fp32 in `_window_kernel`'s order of taps; then
+    the window advanced in place (this program's channels; barriers order every read of a slot before its write).
     READ (TC):  out[i] = sum_j sum_s w[s, i, j] window[j*d + i, s]    past `(d_v*d, K-1)`, x `(d_v, d)`, out `(d,)`
     otherwise (EC):  out[j, i] = sum_s w[s, i, j] window[i, s]        past `(d, K-1)`, x `(d,)`, out `(d_v, d)`"""
     b = tl.program_id(0).to(tl.int64)
@@ -109,23 +109,24 @@ def _step_kernel(
         rows, rows_ok, x = past_ptr + (b * d + cols) * (K - 1), cols < d, x_ptr + b * d + cols
     x = tl.load(x, mask=rows_ok, other=0.0)
     acc = tl.zeros((BLOCK_V, BLOCK_D), dtype=tl.float32)
-    if K > 1:
-        following = tl.load(rows, mask=rows_ok, other=0.0)
-    else:
-        following = x
     for s in tl.static_range(K):
-        value = following
-        if s + 1 < K - 1:
-            following = tl.load(rows + s + 1, mask=rows_ok, other=0.0)
-        else:
-            following = x
         if s < K - 1:
-            tl.store(rows + s, following, mask=rows_ok)
+            value = tl.load(rows + s, mask=rows_ok, other=0.0)
+        else:
+            value = x
         w = tl.load(taps + s * w_stride_k, mask=tile_ok, other=0.0).to(tl.float32)
         if READ:
             acc += value.to(tl.float32) * w
         else:
             acc += w * value.to(tl.float32)[None, :]
+    for s in tl.static_range(K - 1):  # the advance: slot s takes slot s + 1 (the last takes x)
+        tl.debug_barrier()  # (every thread's reads of slot s done, above or in the step before)
+        if s + 1 < K - 1:
+            following = tl.load(rows + s + 1, mask=rows_ok, other=0.0)
+        else:
+            following = x
+        tl.debug_barrier()
+        tl.store(rows + s, following, mask=rows_ok)
     if READ:
         tl.store(out_ptr + b * d + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=cols < d)
     else:
@@ -228,13 +229,24 @@ def conv_step(past, x, weight):
 
 
 def step_serves(past, x, weight):
-    """The cached window (advanced in place) contiguous and in x's dtype; CUDA, not fp64, no autograd."""
-    return (past.is_cuda and weight.is_cuda and past.dtype == x.dtype and past.dtype != torch.float64
-            and weight.dtype != torch.float64 and past.is_contiguous() and not torch.is_grad_enabled())
+    """A decoding step (`step_shapes`) whose window is contiguous (advanced in place) and in x's dtype, all on one
+    CUDA device; not fp64, no autograd."""
+    return (past.is_cuda and past.device == x.device == weight.device and past.dtype == x.dtype
+            and past.dtype != torch.float64 and weight.dtype != torch.float64 and past.is_contiguous()
+            and not torch.is_grad_enabled() and step_shapes(past, x, weight))
+
+
+def step_shapes(past, x, weight):
+    """One token x (TC: `(B, 1, d_v, d)`, EC: `(B, 1, d)`), its window `(B, d_v*d or d, K-1)` and a weight
+    `(K, d, d_v)`: the kernel writes where these shapes say (checked, as the C++ step checks them)."""
+    kernel_size, d, dv = weight.shape
+    token = (x.shape[0], 1, dv, d) if x.dim() == 4 else (x.shape[0], 1, d)
+    return x.shape == token and past.shape == (x.shape[0], dv * d if x.dim() == 4 else d, kernel_size - 1)
 
 
 READOUT = Implementation("Triton readout", ("triton",), serves,
                          fallible("Triton readout", lambda x, taps: token_window(x, taps, read=True)))
 STEP = Implementation("Triton window step", ("triton",), step_serves, fallible("Triton window step", window_step))
 
-__all__ = ["READOUT", "STEP", "channel_block", "conv_step", "step_serves", "token_window", "window_step"]
+__all__ = ["READOUT", "STEP", "channel_block", "conv_step", "step_serves", "step_shapes", "token_window",
+           "window_step"]
