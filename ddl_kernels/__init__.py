@@ -46,7 +46,12 @@ def fallible(name, run):
         except _NOT_THE_KERNELS:
             raise
         except Exception as error:  # a compile error, a launch error, an unsupported device
-            give_up(name, error)
+            from transformers.utils import logging
+
+            _failed.add(name)
+            logging.get_logger(__name__).warning(
+                f"DDL: the {name} kernel failed ({type(error).__name__}: {str(error)[:300]}); DDL uses the next "
+                "implementation (PyTorch) for it from now on.")
             return None
 
     return guarded
@@ -56,21 +61,6 @@ def fallible(name, run):
 # rest of the process), and the signal by which a non-reentrant checkpoint ends its recompute early.
 _STOP_RECOMPUTATION = getattr(torch.utils.checkpoint, "_StopRecomputationError", None)  # (private: may go)
 _NOT_THE_KERNELS = (torch.OutOfMemoryError,) + ((_STOP_RECOMPUTATION,) if _STOP_RECOMPUTATION else ())
-
-
-def give_up(name, error):
-    """Marks kernel `name` failed in this process (`fallible` then serves its inputs no more), with a warning."""
-    from transformers.utils import logging
-
-    _failed.add(name)
-    logging.get_logger(__name__).warning(
-        f"DDL: the {name} kernel failed ({type(error).__name__}: {str(error)[:300]}); DDL uses the next "
-        "implementation (PyTorch) for it from now on.")
-
-
-def gave_up(name):
-    """Whether kernel `name` failed in this process."""
-    return name in _failed
 
 
 def on_device(tensor):
@@ -109,5 +99,4 @@ def implementations():
     return found
 
 
-__all__ = ["INTERFACE_VERSION", "Implementation", "fallible", "gave_up", "give_up", "implementations",
-           "on_device"]
+__all__ = ["INTERFACE_VERSION", "Implementation", "fallible", "implementations", "on_device"]

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from .. import Implementation, fallible, gave_up, give_up, on_device
+from .. import Implementation, fallible, on_device
 from ..readout.triton import channel_block
 
 
@@ -55,11 +55,27 @@ def _load_token(
     rows, row_ok, cols, col_ok, tile, tile_ok, x, k, inv_norm, h = _token_state(
         x_ptr, h_ptr, token, d, dv, k_eps_sq, BLOCK_D, BLOCK_V
     )
-    target = tl.load(v_ptr + token * dv + cols, mask=col_ok, other=0.0).to(tl.float32)
-    if ERASE:
-        target = target - tl.sum(k[:, None] * x, axis=0)  # v - k^T X
+    target = _target(tl.load(v_ptr + token * dv + cols, mask=col_ok, other=0.0).to(tl.float32), k, x, ERASE)
     beta = tl.load(beta_ptr + token).to(tl.float32)
     return rows, row_ok, cols, col_ok, tile, tile_ok, x, k, inv_norm, target, beta
+
+@triton.jit
+def _target(v, k, x, ERASE: tl.constexpr):
+    """t = v - k^T X (delta), or v (write-only): `(BLOCK_V,)`."""
+    if ERASE:
+        v = v - tl.sum(k[:, None] * x, axis=0)
+    return v
+
+@triton.jit
+def _update_grads(x, k, inv_norm, target, beta, g, ERASE: tl.constexpr):
+    """The update's gradients from G = dL/dX_next: k^T G `(BLOCK_V,)`, dX (the state's tile) and dh `(BLOCK_D,)`."""
+    grad_coef = tl.sum(k[:, None] * g, axis=0)  # k^T G
+    grad_k = tl.sum(g * (beta * target)[None, :], axis=1)
+    gx = g
+    if ERASE:
+        grad_k = grad_k - tl.sum(x * (beta * grad_coef)[None, :], axis=1)
+        gx = g - k[:, None] * (beta * grad_coef)[None, :]
+    return grad_coef, gx, inv_norm * (grad_k - k * tl.sum(k * grad_k, axis=0))
 
 @triton.jit
 def _delta_fwd_kernel(
@@ -83,13 +99,7 @@ def _delta_bwd_kernel(
         x_ptr, h_ptr, v_ptr, beta_ptr, token, d, dv, k_eps_sq, ERASE, BLOCK_D, BLOCK_V
     )
     g = tl.load(grad_ptr + token * d * dv + tile, mask=tile_ok, other=0.0).to(tl.float32)
-    grad_coef = tl.sum(k[:, None] * g, axis=0)  # k^T G
-    grad_k = tl.sum(g * (beta * target)[None, :], axis=1)
-    gx = g
-    if ERASE:
-        grad_k = grad_k - tl.sum(x * (beta * grad_coef)[None, :], axis=1)
-        gx = g - k[:, None] * (beta * grad_coef)[None, :]
-    grad_h = inv_norm * (grad_k - k * tl.sum(k * grad_k, axis=0))
+    grad_coef, gx, grad_h = _update_grads(x, k, inv_norm, target, beta, g, ERASE)
     tl.store(gx_ptr + token * d * dv + tile, gx.to(gx_ptr.dtype.element_ty), mask=tile_ok)
     tl.store(gh_ptr + token * d + rows, grad_h.to(gh_ptr.dtype.element_ty), mask=row_ok)
     tl.store(gv_ptr + token * dv + cols, (beta * grad_coef).to(gv_ptr.dtype.element_ty), mask=col_ok)
@@ -126,12 +136,11 @@ def _seam_fwd_kernel(
     rows, row_ok, cols, col_ok, tile, tile_ok, x, k, inv_norm, h = _token_state(
         x_ptr, h_ptr, token, d, dv, k_eps_sq, BLOCK_D, BLOCK_V
     )
-    c, w, u, wv, beta, target = _gate_and_value(
+    c, w, u, wv, beta, v = _gate_and_value(
         c_ptr, u_ptr, w_ptr, b_ptr, wv_ptr, bv_ptr, token, d, v_scale, rows, row_ok, cols, col_ok, tile, tile_ok,
         U_IS_C, SIGMOID,
     )
-    if ERASE:
-        target = target - tl.sum(k[:, None] * x, axis=0)  # v - k^T X
+    target = _target(v, k, x, ERASE)
     write = inv_norm * beta * target
     out = x + h[:, None] * write[None, :]
     tl.store(out_ptr + token * d * dv + tile, out.to(out_ptr.dtype.element_ty), mask=tile_ok)
@@ -155,17 +164,9 @@ def _seam_bwd_kernel(
         c_ptr, u_ptr, w_ptr, b_ptr, wv_ptr, bv_ptr, token, d, v_scale, rows, row_ok, cols, col_ok, tile, tile_ok,
         U_KIND == 1, SIGMOID,
     )
-    target = v
-    if ERASE:
-        target = v - tl.sum(k[:, None] * x, axis=0)
+    target = _target(v, k, x, ERASE)
     g = tl.load(grad_ptr + token * d * dv + tile, mask=tile_ok, other=0.0).to(tl.float32)
-    grad_coef = tl.sum(k[:, None] * g, axis=0)  # k^T G
-    grad_k = tl.sum(g * (beta * target)[None, :], axis=1)
-    gx = g
-    if ERASE:
-        grad_k = grad_k - tl.sum(x * (beta * grad_coef)[None, :], axis=1)
-        gx = g - k[:, None] * (beta * grad_coef)[None, :]
-    grad_h = inv_norm * (grad_k - k * tl.sum(k * grad_k, axis=0))
+    grad_coef, gx, grad_h = _update_grads(x, k, inv_norm, target, beta, g, ERASE)
     grad_z = tl.sum(grad_coef * target, axis=0) * beta * (1.0 - 0.5 * beta)  # d beta / dz = beta (1 - beta/2)
     grad_y = beta * grad_coef  # dv
     if SIGMOID:
