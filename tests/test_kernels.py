@@ -405,6 +405,23 @@ def test_triton_seam_matches_reference(dv, mode, v_scale, value_input, dtype):
                                    msg=name)
 
 
+def test_triton_seam_with_frozen_gate_and_value_gives_the_inputs_gradients():
+    """With the gate's and value's weights frozen (LoRA trains the projections, not these), the seam returns no weight
+    gradients and the inputs' gradients of the specification."""
+    seam = _triton("residual").seam_run
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    grads = {}
+    for name, run in (("spec", delta_residual), ("seam", seam)):
+        x, h, c, u, *weights = (t.to(device) for t in _seam_inputs(4, torch.float32, seed=5))
+        x, h, c, u = (t.requires_grad_() for t in (x, h, c, u))
+        out = run(x, h, c, u, *weights, 4.0, 1e-5, "delta")
+        out.backward(torch.randn(out.shape, generator=seeded(6)).to(device))
+        assert all(w.grad is None for w in weights), name
+        grads[name] = [t.grad for t in (x, h, c, u)]
+    for name, spec, fast in zip("x h c u".split(), grads["spec"], grads["seam"]):
+        torch.testing.assert_close(fast, spec, rtol=1e-5, atol=1e-5, msg=name)
+
+
 @pytest.mark.parametrize("checkpointing, failing_backward", [(False, False), (True, False), (True, True)],
                          ids=["plain", "checkpointed", "checkpointed-failing-backward"])
 def test_triton_seam_in_a_model_matches_reference(checkpointing, failing_backward, monkeypatch):
