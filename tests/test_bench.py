@@ -247,3 +247,28 @@ def test_every_triton_kernel_compiles_for_an_h200_without_spilling():
     rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| _")]
     assert done.returncode == 0 and len(rows) == 15, done.stdout + done.stderr
     assert all(row[-1].strip() == "0" for row in rows), done.stdout
+
+
+def test_ab_cpu_kernels_times_two_builds_in_one_process(tmp_path):
+    """scripts/ab_cpu_kernels.py: two checkouts' C++ kernels loaded into one process and alternated call by call; with
+    this checkout on both sides (an A/A run) every figure is a ratio of two timings of one build. A folder that holds
+    no checkout gets one line saying what to give, before anything is built."""
+    from ddl_kernels import build
+
+    if build.kernels() is None:
+        pytest.skip("the C++ CPU kernels could not be built here")
+    script = os.path.join(os.path.dirname(bench.__file__), "scripts", "ab_cpu_kernels.py")
+    checkout = os.path.dirname(os.path.dirname(script))
+    done = subprocess.run([sys.executable, script, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "holds no ddl_kernels/build.py" in done.stderr, done.stderr
+    for mode in ([], ["--train"]):
+        done = subprocess.run([sys.executable, script, checkout, "--size", "tiny", "--variants", "ddl-cc", "--batch",
+                               "1", "--new_tokens", "4", "--pairs", "2", *mode], capture_output=True, text=True,
+                              cwd=tmp_path, timeout=300)
+        assert done.returncode == 0, done.stderr
+        lines = done.stdout.splitlines()
+        assert "the same build: an A/A run" in lines[0], lines
+        figures = [line for line in lines if "new/old speed:" in line]
+        assert len(figures) == 1 and ("training step" in figures[0]) == bool(mode), lines
+        ratio = float(figures[0].split("new/old speed: ")[1].split()[0])
+        assert 0.2 < ratio < 5, figures
