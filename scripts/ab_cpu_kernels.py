@@ -110,8 +110,8 @@ def main(argv=None):
     for variant in args.variants:
         runner = Runner(variant, build(variant, size, device, torch.float32), size, device, compile_model=False)
         if args.train:
-            print(f"{variant} training step, new/old speed: {summary(compare(runner.train_step, new, old, args.pairs))}",
-                  flush=True)
+            ratios = compare(runner.train_step, new, old, args.pairs)
+            print(f"{variant} training step, new/old speed: {summary(ratios)}", flush=True)
             continue
         for batch in args.batch:
             ratios = compare(lambda: runner.time_decode(batch, args.new_tokens), new, old, args.pairs)
