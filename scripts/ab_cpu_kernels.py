@@ -50,6 +50,16 @@ def old_kernels(checkout):
     return module
 
 
+def mismatched(old, new):
+    """The functions of the `new` build that `old` lacks or declares with other arguments or results (a pybind11
+    function states them on its docstring's first line)."""
+    def signature(function):
+        return None if function is None else (function.__doc__ or "").split("\n")[0]
+
+    return [name for name in dir(new) if not name.startswith("_") and callable(getattr(new, name)) and
+            signature(getattr(old, name, None)) != signature(getattr(new, name))]
+
+
 def timed(run, kernels):
     kernel_build._ops = kernels
     start = time.perf_counter()
@@ -104,6 +114,10 @@ def main(argv=None):
     if new is None:
         sys.exit("ab_cpu_kernels: this checkout's C++ kernels are not built (DDL_CPU_KERNEL=0, or the build failed).")
     old = old_kernels(args.old)
+    differ = mismatched(old, new)
+    if differ:
+        sys.exit(f"ab_cpu_kernels: the two builds' {', '.join(differ)} take different arguments; only kernels "
+                 "called the same way can be swapped under this checkout's Python.")
     same = " (the same build: an A/A run, the method's noise)" if old is new else ""
     print(f"new: {new.__name__} ({ROOT}); old: {old.__name__} ({args.old}){same}")
     size, device = SIZES[args.size], torch.device("cpu")

@@ -272,3 +272,27 @@ def test_ab_cpu_kernels_times_two_builds_in_one_process(tmp_path):
         assert len(figures) == 1 and ("training step" in figures[0]) == bool(mode), lines
         ratio = float(figures[0].split("new/old speed: ")[1].split()[0])
         assert 0.2 < ratio < 5, figures
+
+
+def test_ab_cpu_kernels_refuses_builds_called_differently():
+    """Two builds are swapped under one checkout's Python only where every kernel takes the same arguments."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    path = os.path.join(os.path.dirname(bench.__file__), "scripts", "ab_cpu_kernels.py")
+    spec = importlib.util.spec_from_file_location("ab_cpu_kernels", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    def kernel(doc):
+        def run():
+            pass
+        run.__doc__ = doc
+        return run
+
+    new = SimpleNamespace(step=kernel("step(arg0: Tensor) -> Tensor\n\nthe step"), forward=kernel("forward(a) -> b"))
+    assert script.mismatched(SimpleNamespace(step=kernel("step(arg0: Tensor) -> Tensor\n\nolder words"),
+                                             forward=kernel("forward(a) -> b")), new) == []
+    assert script.mismatched(SimpleNamespace(step=kernel("step(arg0: Tensor, arg1: float) -> Tensor"),
+                                             forward=kernel("forward(a) -> b")), new) == ["step"]
+    assert script.mismatched(SimpleNamespace(forward=kernel("forward(a) -> b")), new) == ["step"]
