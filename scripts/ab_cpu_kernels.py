@@ -36,6 +36,7 @@ BUILT_PATH = "import sys; sys.path.insert(0, sys.argv[1]); from ddl_kernels.buil
 
 def old_kernels(checkout):
     """The other checkout's C++ kernels, built there (by its own build.py) and loaded into this process."""
+    print(f"{checkout}: its C++ kernels, built once per checkout (1-2 min) or loaded from torch's cache", flush=True)
     done = subprocess.run([sys.executable, "-c", BUILT_PATH, checkout], capture_output=True, text=True, cwd=checkout)
     built = [line[len("BUILT "):] for line in done.stdout.splitlines() if line.startswith("BUILT ")]
     if done.returncode or not built or not built[0]:
