@@ -34,7 +34,7 @@ BUILT_PATH = "import sys; sys.path.insert(0, sys.argv[1]); from ddl_kernels.buil
              "print('BUILT', k.__file__ if k else '')"
 
 
-def old_kernels(checkout):
+def old_kernels(checkout, new):
     """The other checkout's C++ kernels, built there (by its own build.py) and loaded into this process."""
     print(f"{checkout}: its C++ kernels, built once per checkout (1-2 min) or loaded from torch's cache", flush=True)
     done = subprocess.run([sys.executable, "-c", BUILT_PATH, checkout], capture_output=True, text=True, cwd=checkout)
@@ -42,9 +42,9 @@ def old_kernels(checkout):
     if done.returncode or not built or not built[0]:
         sys.exit(f"ab_cpu_kernels: {checkout}'s C++ kernels did not build: {done.stderr.strip()[-2000:]}")
     path = built[0]
+    if os.path.samefile(path, new.__file__):  # the same build as this checkout's (an A/A run)
+        return new
     name = os.path.splitext(os.path.basename(path))[0].split(".")[0]
-    if name in sys.modules:  # the same build as this checkout's (an A/A run)
-        return sys.modules[name]
     loader = importlib.machinery.ExtensionFileLoader(name, path)
     module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(name, path, loader=loader))
     loader.exec_module(module)
@@ -114,7 +114,7 @@ def main(argv=None):
     new = kernel_build.kernels()
     if new is None:
         sys.exit("ab_cpu_kernels: this checkout's C++ kernels are not built (DDL_CPU_KERNEL=0, or the build failed).")
-    old = old_kernels(args.old)
+    old = old_kernels(args.old, new)
     differ = mismatched(old, new)
     if differ:
         sys.exit(f"ab_cpu_kernels: the two builds' {', '.join(differ)} take different arguments; only kernels "
