@@ -274,15 +274,39 @@ def test_ab_cpu_kernels_times_two_builds_in_one_process(tmp_path):
         assert 0.2 < ratio < 5, figures
 
 
-def test_ab_cpu_kernels_refuses_builds_called_differently():
-    """Two builds are swapped under one checkout's Python only where every kernel takes the same arguments."""
+def _ab_cpu_kernels():
     import importlib.util
-    from types import SimpleNamespace
 
     path = os.path.join(os.path.dirname(bench.__file__), "scripts", "ab_cpu_kernels.py")
     spec = importlib.util.spec_from_file_location("ab_cpu_kernels", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
+    return script
+
+
+def test_ab_cpu_kernels_sends_the_calls_to_each_build_in_turn(monkeypatch):
+    """What the model's kernel calls reach (`ddl_kernels.build.kernels()`) is the old build, then the new, in ABBA
+    order after one untimed call each; each ratio is old time over new time; the new build is left in place."""
+    from types import SimpleNamespace
+
+    from ddl_kernels import build
+
+    script = _ab_cpu_kernels()
+    monkeypatch.setattr(build, "_ops", build._ops)  # (restored after the test)
+    old, new, reached = SimpleNamespace(name="old"), SimpleNamespace(name="new"), []
+    clock = iter(range(100))
+    monkeypatch.setattr(script, "time", SimpleNamespace(perf_counter=lambda: next(clock) * (1 + (build._ops is old))))
+    ratios = script.compare(lambda: reached.append(build.kernels().name), new, old, pairs=3)
+    assert reached == ["old", "new", "old", "new", "new", "old", "old", "new"]
+    assert ratios == [2.0, 2.0, 2.0]  # (each old call timed as twice as long)
+    assert build.kernels() is new
+
+
+def test_ab_cpu_kernels_refuses_builds_called_differently():
+    """Two builds are swapped under one checkout's Python only where every kernel takes the same arguments."""
+    from types import SimpleNamespace
+
+    script = _ab_cpu_kernels()
 
     def kernel(doc):
         def run():
