@@ -405,21 +405,23 @@ def test_triton_seam_matches_reference(dv, mode, v_scale, value_input, dtype):
                                    msg=name)
 
 
-def test_triton_seam_with_frozen_gate_and_value_gives_the_inputs_gradients():
-    """With the gate's and value's weights frozen (LoRA trains the projections, not these), the seam returns no weight
-    gradients and the inputs' gradients of the specification."""
+@pytest.mark.parametrize("frozen", [(4, 5, 6, 7), (4, 5), (6, 7)], ids=["gate-and-value", "gate", "value"])
+def test_triton_seam_with_frozen_weights_gives_the_trained_ones_gradients(frozen):
+    """With some of the gate's and value's weights frozen (LoRA trains the projections, not these; a user may freeze
+    the gate alone), the seam gives the frozen ones no gradient and every other tensor its specification's."""
     seam = _triton("residual").seam_run
     device = "cuda" if torch.cuda.is_available() else "cpu"
     grads = {}
     for name, run in (("spec", delta_residual), ("seam", seam)):
-        x, h, c, u, *weights = (t.to(device) for t in _seam_inputs(4, torch.float32, seed=5))
-        x, h, c, u = (t.requires_grad_() for t in (x, h, c, u))
-        out = run(x, h, c, u, *weights, 4.0, 1e-5, "delta")
+        leaves = [t.to(device).requires_grad_(i not in frozen) for i, t in enumerate(_seam_inputs(4, torch.float32, 5))]
+        out = run(*leaves, 4.0, 1e-5, "delta")
         out.backward(torch.randn(out.shape, generator=seeded(6)).to(device))
-        assert all(w.grad is None for w in weights), name
-        grads[name] = [t.grad for t in (x, h, c, u)]
-    for name, spec, fast in zip("x h c u".split(), grads["spec"], grads["seam"]):
-        torch.testing.assert_close(fast, spec, rtol=1e-5, atol=1e-5, msg=name)
+        grads[name] = [t.grad for t in leaves]
+    for i, (spec, fast) in enumerate(zip(grads["spec"], grads["seam"])):
+        if i in frozen:
+            assert spec is None and fast is None, i
+        else:
+            torch.testing.assert_close(fast, spec, rtol=1e-5, atol=1e-5, msg=str(i))
 
 
 @pytest.mark.parametrize("checkpointing, failing_backward", [(False, False), (True, False), (True, True)],
