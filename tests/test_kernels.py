@@ -467,12 +467,14 @@ def test_triton_seam_in_a_model_matches_reference(checkpointing, failing_backwar
     assert "Triton residual seam" not in ddl_kernels._failed
 
 
-@pytest.mark.parametrize("dv, value_input", [(4, "u"), (4, "c"), (1, "state")])
-def test_a_failing_triton_seam_backward_gives_the_specification_gradients(dv, value_input, monkeypatch, caplog):
+@pytest.mark.parametrize("dv, value_input, autocast", [(4, "u", False), (4, "c", False), (1, "state", False),
+                                                      (4, "u", True)])
+def test_a_failing_triton_seam_backward_gives_the_specification_gradients(dv, value_input, autocast, monkeypatch,
+                                                                          caplog):
     """The seam's backward kernel is compiled at the first backward, after its forward ran: if it fails there, the
     gradients are the specification's, for that seam, every other in the graph and every later backward (the kernel
     tried once, one warning naming it); the forward kernel still serves (a checkpoint's recompute must save what the
-    first forward saved)."""
+    first forward saved). Also when that backward runs under autocast: fp32 inputs get fp32 gradients."""
     import ddl_kernels
 
     residual = _triton("residual")
@@ -495,7 +497,8 @@ def test_a_failing_triton_seam_backward_gives_the_specification_gradients(dv, va
                 out = run(x, h, c, u, *leaves[4:], 4.0, 1e-5, "delta", None, None)
                 second = out if value_input == "state" else u
                 out = run(out, h, c, second, *leaves[4:], 4.0, 1e-5, "delta", None, None)  # (a second seam)
-                out.backward(torch.randn(out.shape, generator=seeded(2)).to(device))
+                with torch.autocast(device, torch.bfloat16, enabled=autocast and name == "seam"):
+                    out.backward(torch.randn(out.shape, generator=seeded(2)).to(device))
             grads[name] = [t.grad for t in leaves]
         for name, spec, seam in zip("x h c u w b w_v b_v".split(), grads["spec"], grads["seam"]):
             assert (spec is None) == (seam is None), name

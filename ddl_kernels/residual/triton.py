@@ -294,10 +294,10 @@ def _reference_gradients(ctx, saved, grad_out):
     leaves = [t.detach().requires_grad_(need) for t, need in zip(saved, ctx.needs_input_grad)]
     x, h, c, u = leaves[:4]
     u = (u, c, x)[ctx.u_kind]
-    with torch.enable_grad():
-        out = delta_residual(x, h, c, u, *leaves[4:], ctx.v_scale, ctx.k_eps, "delta" if ctx.erase else "write_only")
     wanted = [t for t in leaves if t.requires_grad]
-    grads = iter(torch.autograd.grad(out, wanted, grad_out, allow_unused=True))
+    with torch.enable_grad(), torch.autocast(x.device.type, enabled=False):  # (as the kernel: the inputs' dtypes)
+        out = delta_residual(x, h, c, u, *leaves[4:], ctx.v_scale, ctx.k_eps, "delta" if ctx.erase else "write_only")
+        grads = iter(torch.autograd.grad(out, wanted, grad_out, allow_unused=True))
     return (*(next(grads) if t.requires_grad else None for t in leaves), None, None, None, None, None)
 
 
