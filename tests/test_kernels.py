@@ -681,6 +681,35 @@ def test_triton_steps_serve_one_token_with_its_window_only():
     assert not shapes(torch.zeros(2, 6, 3), torch.zeros(2, 1, 5), weight)  # another width
 
 
+def test_triton_readout_and_steps_serve_eager_cuda_inputs_only():
+    """The Triton readout serves CUDA tensors, not fp64; the decoding steps a contiguous window in the token's dtype,
+    on the token's device, without autograd. Neither serves inside a trace (Inductor fuses the PyTorch path, which
+    advances the cache as the cache's own code does). (The inputs stand in for tensors: only these are read.)"""
+    from types import SimpleNamespace
+
+    readout = _triton("readout")
+
+    def tensor(shape, dtype=torch.float32, device="cuda:0", contiguous=True):
+        return SimpleNamespace(shape=torch.Size(shape), dtype=dtype, device=torch.device(device),
+                               is_cuda=device.startswith("cuda"), is_contiguous=lambda: contiguous,
+                               dim=lambda: len(shape))
+
+    def step(**past):
+        return tensor((2, 18, 3), **past), tensor((2, 1, 3, 6)), tensor((4, 6, 3))
+
+    with torch.no_grad():
+        assert readout.step_serves(*step()) and readout.serves(tensor((2, 5, 3, 6)), tensor((4, 3, 6)))
+        assert not readout.step_serves(*step(device="cpu")) and not readout.step_serves(*step(device="cuda:1"))
+        assert not readout.step_serves(*step(dtype=torch.bfloat16)) and not readout.step_serves(*step(contiguous=False))
+        assert not readout.serves(tensor((2, 5, 3, 6), torch.float64), tensor((4, 3, 6), torch.float64))
+        assert not readout.serves(tensor((2, 5, 3, 6), device="cpu"), tensor((4, 3, 6), device="cpu"))
+        inputs = step()
+        assert not torch.compile(lambda: readout.step_serves(*inputs), backend="eager", fullgraph=True)()
+        x, taps = tensor((2, 5, 3, 6)), tensor((4, 3, 6))
+        assert not torch.compile(lambda: readout.serves(x, taps), backend="eager", fullgraph=True)()
+    assert not readout.step_serves(*step())  # (autograd on)
+
+
 def test_a_failing_triton_kernel_falls_back_to_pytorch_with_one_warning(monkeypatch, caplog):
     """Under "triton" a kernel that fails to compile or launch gives way to the PyTorch path (same numbers), with one
     warning naming it, and is not tried again."""

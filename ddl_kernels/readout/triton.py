@@ -201,7 +201,8 @@ def token_window(x, taps, read):
 
 
 def serves(x, taps):
-    return x.is_cuda and x.dtype != torch.float64
+    """CUDA, not fp64, eager (in a trace Inductor fuses the PyTorch path itself)."""
+    return x.is_cuda and x.dtype != torch.float64 and not torch.compiler.is_compiling()
 
 
 def _step(read, past, x, weight):
@@ -230,10 +231,10 @@ def conv_step(past, x, weight):
 
 def step_serves(past, x, weight):
     """A decoding step (`step_shapes`) whose window is contiguous (advanced in place) and in x's dtype, all on one
-    CUDA device; not fp64, no autograd."""
+    CUDA device; not fp64, no autograd, eager (a trace advances the cache by the PyTorch path)."""
     return (past.is_cuda and past.device == x.device == weight.device and past.dtype == x.dtype
             and past.dtype != torch.float64 and weight.dtype != torch.float64 and past.is_contiguous()
-            and not torch.is_grad_enabled() and step_shapes(past, x, weight))
+            and not torch.is_grad_enabled() and not torch.compiler.is_compiling() and step_shapes(past, x, weight))
 
 
 def step_shapes(past, x, weight):
