@@ -16,7 +16,6 @@ Every implementation is tested against the specification on outputs and every gr
 tests/test_kernels.py).
 """
 
-import contextlib
 from collections import namedtuple
 
 import torch
@@ -63,12 +62,6 @@ _STOP_RECOMPUTATION = getattr(torch.utils.checkpoint, "_StopRecomputationError",
 _NOT_THE_KERNELS = (torch.OutOfMemoryError,) + ((_STOP_RECOMPUTATION,) if _STOP_RECOMPUTATION else ())
 
 
-def on_device(tensor):
-    """The context a Triton launch for `tensor` runs in: its CUDA device current (a model split over GPUs by
-    `device_map` runs each layer's kernels on its own device; Triton launches on the current one)."""
-    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
-
-
 def implementations():
     """{operation: [Implementation, ...]} in the order the dispatcher tries them. Triton's are listed where CUDA
     and triton are there (importing triton costs seconds; its kernels serve CUDA tensors only)."""
@@ -99,4 +92,4 @@ def implementations():
     return found
 
 
-__all__ = ["INTERFACE_VERSION", "Implementation", "fallible", "implementations", "on_device"]
+__all__ = ["INTERFACE_VERSION", "Implementation", "fallible", "implementations"]

@@ -8,13 +8,15 @@ Each program handles one token (or chunk) and one block of features; accumulatio
 Serves `reference.causal_token_readout` without history (x `(B, T, d_v, d)`, taps `(K, d_v, d)`, zeros before the
 first token) for CUDA tensors other than fp64. Opt-in (`ddl_implementation="triton"`; docs/gpu.md says why);
 tested on CPU through Triton's interpreter (tests/test_kernels.py), and compiled on an H200.
+Each launch runs under `torch.cuda.device_of` its tensors: Triton launches on the current device, and a model split
+over GPUs by `device_map` runs each layer on its own.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from .. import Implementation, fallible, on_device
+from .. import Implementation, fallible
 
 
 # Token convolutions. A program's output row `t` reads source rows src = t + offset + direction * s for the lags
@@ -146,7 +148,7 @@ def _window(read, inputs, taps, out, t_out, l_src, offset, direction):
     kernel_size, dv, d = taps.shape
     block_d = min(128, triton.next_power_of_2(d))
     grid = (out.shape[0] * t_out, triton.cdiv(d, block_d))
-    with on_device(out):
+    with torch.cuda.device_of(out):
         _window_kernel[grid](inputs, taps, out, t_out, l_src, offset, d, dv, READ=read, K=kernel_size,
                              DIRECTION=direction, BLOCK_D=block_d, BLOCK_V=channel_block(dv))
     return out
@@ -159,7 +161,7 @@ def _tap_grads(src, grad, taps, t_out, offset, src_is_state):
     n_chunks = triton.cdiv(t_out, _CHUNK)
     block_d = min(128, triton.next_power_of_2(d))
     parts = torch.empty(batch * n_chunks, kernel_size, dv, d, dtype=torch.float32, device=src.device)
-    with on_device(parts):
+    with torch.cuda.device_of(parts):
         _tap_grads_kernel[(batch * n_chunks, triton.cdiv(d, block_d), kernel_size)](
             src, grad, parts, t_out, l_src, offset, d, dv, n_chunks, SRC_IS_STATE=src_is_state, K=kernel_size,
             CHUNK=_CHUNK, BLOCK_D=block_d, BLOCK_V=channel_block(dv),
@@ -211,7 +213,7 @@ def _step(read, past, x, weight):
     shape = (x.shape[0], 1, d) if read else (x.shape[0], 1, dv, d)
     out = x.new_empty(shape, dtype=torch.promote_types(x.dtype, weight.dtype))
     block_d = min(128, triton.next_power_of_2(d))
-    with on_device(out):
+    with torch.cuda.device_of(out):
         _step_kernel[(x.shape[0], triton.cdiv(d, block_d))](
             past, x.contiguous(), weight, out, d, dv, *weight.stride(), READ=read, K=kernel_size, BLOCK_D=block_d,
             BLOCK_V=channel_block(dv),

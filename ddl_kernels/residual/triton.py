@@ -21,6 +21,8 @@ Serves `reference.delta_residual` (a single linear gate, a learned value; delta 
 where the specification, in a bf16 model, rounds W_v u to bf16 first (so a bf16 seam is closer to the fp64 numbers).
 Opt-in (`ddl_implementation="triton"`; docs/gpu.md says why); tested on CPU through Triton's interpreter
 (`TRITON_INTERPRET=1`, tests/test_kernels.py).
+Each launch runs under `torch.cuda.device_of` its tensors: Triton launches on the current device, and a model split
+over GPUs by `device_map` runs each layer on its own.
 """
 
 import torch
@@ -28,7 +30,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from .. import Implementation, fallible, on_device
+from .. import Implementation, fallible
 from ..readout.triton import channel_block
 
 
@@ -200,7 +202,7 @@ class _TritonDeltaUpdate(torch.autograd.Function):
         d, dv = h.shape[-1], v.shape[-1]
         x, h, v, beta = x.contiguous(), h.contiguous(), v.contiguous(), beta.contiguous()
         out = torch.empty_like(x)
-        with on_device(x):
+        with torch.cuda.device_of(x):
             _delta_fwd_kernel[(h.numel() // d,)](x, h, v, beta, out, d, dv, k_eps**2, ERASE=erase, **_blocks(d, dv))
         ctx.save_for_backward(x, h, v, beta)
         ctx.k_eps, ctx.erase = k_eps, erase
@@ -212,7 +214,7 @@ class _TritonDeltaUpdate(torch.autograd.Function):
         d, dv = h.shape[-1], v.shape[-1]
         grad_x, grad_h = torch.empty_like(x), torch.empty_like(h)
         grad_v, grad_beta = torch.empty_like(v), torch.empty_like(beta)
-        with on_device(x):
+        with torch.cuda.device_of(x):
             _delta_bwd_kernel[(h.numel() // d,)](
                 x, h, v, beta, grad_out.contiguous(), grad_x, grad_h, grad_v, grad_beta, d, dv, ctx.k_eps**2,
                 ERASE=ctx.erase, **_blocks(d, dv),
@@ -231,7 +233,7 @@ class _TritonSeam(torch.autograd.Function):
         out = torch.empty_like(x)
         write = x.new_empty(*h.shape[:-1], dv) if keep_write else out  # (else not written)
         ctx.v_scale, ctx.k_eps, ctx.erase, ctx.u_kind = v_scale, k_eps, erase, u_kind
-        with on_device(x):
+        with torch.cuda.device_of(x):
             _seam_fwd_kernel[(h.numel() // d,)](
                 x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, out, write, d, dv, k_eps**2,
                 ERASE=erase, U_IS_C=u_kind == 1, WRITE=keep_write, **_value(v_scale), **_blocks(d, dv),
@@ -262,7 +264,7 @@ def _seam_gradients(ctx, saved, grad_out):
     grad_u = torch.empty_like(u) if ctx.u_kind == 0 else grad_c  # (not written otherwise)
     grad_z = torch.empty(tokens, dtype=torch.float32, device=x.device)
     grad_y = torch.empty(tokens, dv, dtype=torch.float32, device=x.device)
-    with on_device(x):
+    with torch.cuda.device_of(x):
         _seam_bwd_kernel[(tokens,)](
             x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, grad_out.contiguous(), grad_x, grad_h,
             grad_c, grad_u, grad_z, grad_y, d, dv, ctx.k_eps**2, ERASE=ctx.erase, U_KIND=ctx.u_kind,
