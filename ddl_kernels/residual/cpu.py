@@ -28,6 +28,7 @@ from torch.autograd.function import once_differentiable
 
 from .. import Implementation
 from ..build import kernels, ready
+from . import value_input_kind
 
 
 def serves(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, mode, gate_hidden,
@@ -86,7 +87,7 @@ def run(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k
         v_constant=None, readout=None):
     """`reference.delta_residual` (where `serves`) through the C++ kernel, for any number of tokens, with autograd;
     with `readout` `(K, d, d_v)`, (X_next, its `reference.causal_token_readout` `(B, T, d)` without history)."""
-    u_kind = 1 if u is c else (2 if u is x and x.dim() == h.dim() else 0)  # before any copy: by identity
+    u_kind = value_input_kind(x, h, c, u)
     x = x.contiguous()  # the stride-0 repeated embeddings of a d_v > 1 model without EC
     u = x if u_kind == 2 else u.contiguous()
     args = (x, h.contiguous(), c.contiguous(), u, gate_weight.contiguous(), gate_bias.contiguous(),

@@ -32,6 +32,7 @@ from torch.autograd.function import once_differentiable
 
 from .. import Implementation, fallible
 from ..readout.triton import channel_block
+from . import value_input_kind
 
 
 @triton.jit
@@ -315,7 +316,7 @@ def seam_serves(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_
 def seam_run(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, mode, gate_hidden=None,
              v_constant=None):
     """`reference.delta_residual` (where `seam_serves`) through the seam's kernels, with autograd."""
-    u_kind = 1 if u is c else (2 if u is x and x.dim() == h.dim() else 0)  # before any copy: by identity
+    u_kind = value_input_kind(x, h, c, u)
     x, h, c = x.contiguous(), h.contiguous(), c.contiguous()
     u = c if u_kind == 1 else (x if u_kind == 2 else u.contiguous())
     keep_write = x.dtype == torch.float32 and torch.is_grad_enabled()  # (for `StateRebuild`: fp32 training)
