@@ -122,12 +122,11 @@ def _step_kernel(
         else:
             acc += w * value.to(tl.float32)[None, :]
     for s in tl.static_range(K - 1):  # the advance: slot s takes slot s + 1 (the last takes x)
-        tl.debug_barrier()  # (every thread's reads of slot s done, above or in the step before)
         if s + 1 < K - 1:
             following = tl.load(rows + s + 1, mask=rows_ok, other=0.0)
         else:
             following = x
-        tl.debug_barrier()
+        tl.debug_barrier()  # (every thread's reads of slot s done: above, or just before as slot s + 1)
         tl.store(rows + s, following, mask=rows_ok)
     if READ:
         tl.store(out_ptr + b * d + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=cols < d)
@@ -140,17 +139,22 @@ def channel_block(dv):
     return max(2, triton.next_power_of_2(dv))
 
 
+def _tiles(d, dv):
+    """A program's tile of features and channels (up to 128 features, a power of 2), and how many cover d."""
+    block_d = min(128, triton.next_power_of_2(d))
+    return triton.cdiv(d, block_d), dict(BLOCK_D=block_d, BLOCK_V=channel_block(dv))
+
+
 _CHUNK = 64  # tokens per tap-gradient program
 
 
 def _window(read, inputs, taps, out, t_out, l_src, offset, direction):
     """Launch `_window_kernel`: one program per output token and block of features."""
     kernel_size, dv, d = taps.shape
-    block_d = min(128, triton.next_power_of_2(d))
-    grid = (out.shape[0] * t_out, triton.cdiv(d, block_d))
+    feature_blocks, tile = _tiles(d, dv)
     with torch.cuda.device_of(out):
-        _window_kernel[grid](inputs, taps, out, t_out, l_src, offset, d, dv, READ=read, K=kernel_size,
-                             DIRECTION=direction, BLOCK_D=block_d, BLOCK_V=channel_block(dv))
+        _window_kernel[(out.shape[0] * t_out, feature_blocks)](
+            inputs, taps, out, t_out, l_src, offset, d, dv, READ=read, K=kernel_size, DIRECTION=direction, **tile)
     return out
 
 
@@ -159,12 +163,12 @@ def _tap_grads(src, grad, taps, t_out, offset, src_is_state):
     kernel_size, dv, d = taps.shape
     batch, l_src = src.shape[:2]
     n_chunks = triton.cdiv(t_out, _CHUNK)
-    block_d = min(128, triton.next_power_of_2(d))
+    feature_blocks, tile = _tiles(d, dv)
     parts = torch.empty(batch * n_chunks, kernel_size, dv, d, dtype=torch.float32, device=src.device)
     with torch.cuda.device_of(parts):
-        _tap_grads_kernel[(batch * n_chunks, triton.cdiv(d, block_d), kernel_size)](
+        _tap_grads_kernel[(batch * n_chunks, feature_blocks, kernel_size)](
             src, grad, parts, t_out, l_src, offset, d, dv, n_chunks, SRC_IS_STATE=src_is_state, K=kernel_size,
-            CHUNK=_CHUNK, BLOCK_D=block_d, BLOCK_V=channel_block(dv),
+            CHUNK=_CHUNK, **tile,
         )
     return parts.sum(0)
 
@@ -212,12 +216,10 @@ def _step(read, past, x, weight):
     kernel_size, d, dv = weight.shape
     shape = (x.shape[0], 1, d) if read else (x.shape[0], 1, dv, d)
     out = x.new_empty(shape, dtype=torch.promote_types(x.dtype, weight.dtype))
-    block_d = min(128, triton.next_power_of_2(d))
+    feature_blocks, tile = _tiles(d, dv)
     with torch.cuda.device_of(out):
-        _step_kernel[(x.shape[0], triton.cdiv(d, block_d))](
-            past, x.contiguous(), weight, out, d, dv, *weight.stride(), READ=read, K=kernel_size, BLOCK_D=block_d,
-            BLOCK_V=channel_block(dv),
-        )
+        _step_kernel[(x.shape[0], feature_blocks)](
+            past, x.contiguous(), weight, out, d, dv, *weight.stride(), READ=read, K=kernel_size, **tile)
     return out
 
 
