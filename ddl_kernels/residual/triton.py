@@ -319,11 +319,12 @@ def seam_run(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_sca
     u_kind = value_input_kind(x, h, c, u)
     x, h, c = x.contiguous(), h.contiguous(), c.contiguous()
     u = c if u_kind == 1 else (x if u_kind == 2 else u.contiguous())
-    keep_write = x.dtype == torch.float32 and torch.is_grad_enabled()  # (for `StateRebuild`: fp32 training)
-    return _TritonSeam.apply(x, h, c, u, gate_weight.contiguous(), gate_bias.contiguous(),
-                             value_weight.contiguous(), value_bias.contiguous(),
-                             None if v_scale is None else float(v_scale), float(k_eps), mode == "delta", u_kind,
-                             keep_write)
+    inputs = (x, h, c, u, gate_weight.contiguous(), gate_bias.contiguous(), value_weight.contiguous(),
+              value_bias.contiguous())
+    keep_write = (x.dtype == torch.float32 and torch.is_grad_enabled()  # (for `StateRebuild`: fp32 training)
+                  and any(t.requires_grad for t in inputs))
+    return _TritonSeam.apply(*inputs, None if v_scale is None else float(v_scale), float(k_eps), mode == "delta",
+                             u_kind, keep_write)
 
 
 def serves(x, h, v, beta, mode, k_eps):
