@@ -428,9 +428,10 @@ def test_triton_seam_with_frozen_weights_gives_the_trained_ones_gradients(frozen
                          ids=["plain", "checkpointed", "checkpointed-failing-backward"])
 def test_triton_seam_in_a_model_matches_reference(checkpointing, failing_backward, monkeypatch):
     """Under "triton" the dispatcher gives every sublayer's seam to the Triton kernels (here made to serve CPU
-    tensors, through the interpreter): d_v = 1 (u is the state), CC+EC (u the compressed state), u = c; the loss and
-    every parameter's gradient equal the specification's, also with gradient checkpointing (transformers' default,
-    non-reentrant: the forward is re-run in backward) and a backward kernel that fails there."""
+    tensors, through the interpreter): d_v = 1 (u is the state), CC+EC (u the compressed state), u = c, CC without EC
+    (the embeddings repeated d_v times: a stride-0 view); the loss and every parameter's gradient equal the
+    specification's, also with gradient checkpointing (transformers' default, non-reentrant: the forward is re-run in
+    backward) and a backward kernel that fails there."""
     import ddl_kernels
 
     residual = _triton("residual")
@@ -450,7 +451,7 @@ def test_triton_seam_in_a_model_matches_reference(checkpointing, failing_backwar
     monkeypatch.setattr(ddl_kernels, "_failed", set())
     if failing_backward:
         monkeypatch.setattr(residual, "_seam_bwd_kernel", _Launch(broken))
-    for overrides in ({"ddl_value_channels": 1}, {}, {"ddl_value_input": "context"}):
+    for overrides in ({"ddl_value_channels": 1}, {}, {"ddl_value_input": "context"}, {"ddl_embed_conv": False}):
         models = {}
         for name, impl in (("reference", "reference"), ("fused", "triton")):
             torch.manual_seed(0)
@@ -710,6 +711,34 @@ def test_triton_readout_and_steps_serve_eager_cuda_inputs_only():
         x, taps = tensor((2, 5, 3, 6)), tensor((4, 3, 6))
         assert not torch.compile(lambda: readout.serves(x, taps), backend="eager", fullgraph=True)()
     assert not readout.step_serves(*step())  # (autograd on)
+
+
+@pytest.mark.parametrize("error", ["out of memory", "checkpoint's early stop"])
+def test_a_kernel_passes_on_what_it_did_not_cause(error, monkeypatch):
+    """Out of memory (transient) and a non-reentrant checkpoint's signal to end its recompute pass through a kernel's
+    guard to the caller, and leave the kernel on: they say nothing about whether the kernel can run."""
+    import ddl_kernels
+
+    if error == "out of memory":
+        raised = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    else:
+        stop = getattr(torch.utils.checkpoint, "_StopRecomputationError", None)
+        if stop is None:
+            pytest.skip("this torch has no _StopRecomputationError")
+        raised = stop()
+    calls = []
+
+    def run(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise raised
+        return "ran"
+
+    monkeypatch.setattr(ddl_kernels, "_failed", set())
+    guarded = ddl_kernels.fallible("Triton residual seam", run)
+    with pytest.raises(type(raised)):
+        guarded()
+    assert guarded() == "ran" and not ddl_kernels._failed and len(calls) == 2
 
 
 def test_a_failing_triton_kernel_falls_back_to_pytorch_with_one_warning(monkeypatch, caplog):
