@@ -62,6 +62,12 @@ _STOP_RECOMPUTATION = getattr(torch.utils.checkpoint, "_StopRecomputationError",
 _NOT_THE_KERNELS = (torch.OutOfMemoryError,) + ((_STOP_RECOMPUTATION,) if _STOP_RECOMPUTATION else ())
 
 
+def eager():
+    """Neither torch.compile nor torch.jit.trace is tracing: a Triton launch inside a trace would be recorded wrongly
+    or not at all (Inductor fuses the PyTorch path itself; a jit trace would keep the allocation, not the writes)."""
+    return not (torch.compiler.is_compiling() or torch.jit.is_tracing())
+
+
 def implementations():
     """{operation: [Implementation, ...]} in the order the dispatcher tries them. Triton's are listed where CUDA
     and triton are there (importing triton costs seconds; its kernels serve CUDA tensors only)."""
@@ -92,4 +98,4 @@ def implementations():
     return found
 
 
-__all__ = ["INTERFACE_VERSION", "Implementation", "fallible", "implementations"]
+__all__ = ["INTERFACE_VERSION", "Implementation", "eager", "fallible", "implementations"]

@@ -25,14 +25,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def variants(d, dv):
     """(kernel, pointer dtype, fp32 pointers, constexprs, launch options) for each compiled variant."""
-    import triton
-
     from ddl_kernels.readout import triton as readout
     from ddl_kernels.residual import triton as residual
 
     blocks, scalar = residual._blocks(d, dv), residual._blocks(d, 1)
     warps, scalar_warps = {"num_warps": blocks.pop("num_warps")}, {"num_warps": scalar.pop("num_warps")}
-    window = dict(BLOCK_D=min(128, triton.next_power_of_2(d)), BLOCK_V=readout.channel_block(dv))
+    window = readout._tiles(d, dv)[1]
     fp32_out = {"gz_ptr", "gy_ptr"}
     return [
         (residual._seam_fwd_kernel, "bf16", set(), dict(ERASE=True, U_IS_C=False, SIGMOID=True, WRITE=False,

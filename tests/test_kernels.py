@@ -2,6 +2,7 @@
 outputs and gradients; ddl_kernels' Triton kernels too, through Triton's CPU interpreter; the registries take the
 first implementation that serves, in their order, and a checkpoint's code runs without ddl_kernels."""
 
+import warnings
 from functools import partial
 
 import pytest
@@ -405,11 +406,19 @@ def test_triton_seam_matches_reference(dv, mode, v_scale, value_input, dtype):
                                    msg=name)
 
 
+@pytest.mark.parametrize("backward", ["kernel", "fallback"])
 @pytest.mark.parametrize("frozen", [(4, 5, 6, 7), (4, 5), (6, 7)], ids=["gate-and-value", "gate", "value"])
-def test_triton_seam_with_frozen_weights_gives_the_trained_ones_gradients(frozen):
+def test_triton_seam_with_frozen_weights_gives_the_trained_ones_gradients(frozen, backward, monkeypatch):
     """With some of the gate's and value's weights frozen (LoRA trains the projections, not these; a user may freeze
-    the gate alone), the seam gives the frozen ones no gradient and every other tensor its specification's."""
-    seam = _triton("residual").seam_run
+    the gate alone), the seam gives the frozen ones no gradient and every other tensor its specification's; also
+    where its backward kernel failed (the specification's gradients in its place)."""
+    import ddl_kernels
+
+    residual = _triton("residual")
+    seam = residual.seam_run
+    monkeypatch.setattr(ddl_kernels, "_failed", set())
+    if backward == "fallback":
+        monkeypatch.setattr(residual, "_seam_bwd_kernel", _Launch(lambda *args, **kwargs: 1 / 0))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     grads = {}
     for name, run in (("spec", delta_residual), ("seam", seam)):
@@ -422,6 +431,7 @@ def test_triton_seam_with_frozen_weights_gives_the_trained_ones_gradients(frozen
             assert spec is None and fast is None, i
         else:
             torch.testing.assert_close(fast, spec, rtol=1e-5, atol=1e-5, msg=str(i))
+    assert ("Triton residual seam's backward" in ddl_kernels._failed) == (backward == "fallback")
 
 
 @pytest.mark.parametrize("checkpointing, failing_backward", [(False, False), (True, False), (True, True)],
@@ -563,6 +573,25 @@ def test_triton_seam_serves_the_paper_seams_on_cuda_only():
     assert not serves(*mixed, "delta", None, None)
     paper = inputs()
     assert not torch.compile(lambda: serves(*paper, "delta", None, None), backend="eager", fullgraph=True)()
+    assert not _in_jit_trace(lambda: serves(*paper, "delta", None, None))
+    update = _triton("residual").serves  # (what serves the other seams, and the seam's PyTorch fallback)
+    assert update(*paper[:4], "delta", 1e-5) and not update(*paper[:4], "additive", 1e-5)
+    assert not torch.compile(lambda: update(*paper[:4], "delta", 1e-5), backend="eager", fullgraph=True)()
+    assert not _in_jit_trace(lambda: update(*paper[:4], "delta", 1e-5))
+
+
+def _in_jit_trace(serves):
+    """What `serves()` says while torch.jit.trace records a function that asks it."""
+    said = []
+
+    def traced(t):
+        said.append(serves())
+        return t * 2
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the trace warns that the Python value will not be recorded)
+        torch.jit.trace(traced, torch.zeros(1), check_trace=False)
+    return said[0]
 
 
 class _Launch:
@@ -710,6 +739,8 @@ def test_triton_readout_and_steps_serve_eager_cuda_inputs_only():
         assert not torch.compile(lambda: readout.step_serves(*inputs), backend="eager", fullgraph=True)()
         x, taps = tensor((2, 5, 3, 6)), tensor((4, 3, 6))
         assert not torch.compile(lambda: readout.serves(x, taps), backend="eager", fullgraph=True)()
+        assert not _in_jit_trace(lambda: readout.step_serves(*inputs)) and not _in_jit_trace(
+            lambda: readout.serves(x, taps))
     assert not readout.step_serves(*step())  # (autograd on)
 
 

@@ -6,8 +6,9 @@ K-token window of states -> a d-vector per token, or of d-vectors -> a (d_v x d)
 Each program handles one token (or chunk) and one block of features; accumulation is in fp32.
 
 Serves `reference.causal_token_readout` without history (x `(B, T, d_v, d)`, taps `(K, d_v, d)`, zeros before the
-first token) for CUDA tensors other than fp64. Opt-in (`ddl_implementation="triton"`; docs/gpu.md says why);
-tested on CPU through Triton's interpreter (tests/test_kernels.py), and compiled on an H200.
+first token) for CUDA tensors other than fp64, outside traces (`ddl_kernels.eager`). Opt-in
+(`ddl_implementation="triton"`; docs/gpu.md says why); tested on CPU through Triton's interpreter
+(tests/test_kernels.py), and compiled on an H200.
 Each launch runs under `torch.cuda.device_of` its tensors: Triton launches on the current device, and a model split
 over GPUs by `device_map` runs each layer on its own.
 """
@@ -16,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import Implementation, fallible
+from .. import Implementation, eager, fallible
 
 
 # Token convolutions. A program's output row `t` reads source rows src = t + offset + direction * s for the lags
@@ -207,8 +208,8 @@ def token_window(x, taps, read):
 
 
 def serves(x, taps):
-    """CUDA, not fp64, eager (in a trace Inductor fuses the PyTorch path itself)."""
-    return x.is_cuda and x.dtype != torch.float64 and not torch.compiler.is_compiling()
+    """CUDA, not fp64, `eager`."""
+    return x.is_cuda and x.dtype != torch.float64 and eager()
 
 
 def _step(read, past, x, weight):
@@ -235,10 +236,10 @@ def conv_step(past, x, weight):
 
 def step_serves(past, x, weight):
     """A decoding step (`step_shapes`) whose window is contiguous (advanced in place) and in x's dtype, all on one
-    CUDA device; not fp64, no autograd, eager (a trace advances the cache by the PyTorch path)."""
+    CUDA device; not fp64, no autograd, `eager` (a trace advances the cache by the PyTorch path)."""
     return (past.is_cuda and past.device == x.device == weight.device and past.dtype == x.dtype
             and past.dtype != torch.float64 and weight.dtype != torch.float64 and past.is_contiguous()
-            and not torch.is_grad_enabled() and not torch.compiler.is_compiling() and step_shapes(past, x, weight))
+            and not torch.is_grad_enabled() and eager() and step_shapes(past, x, weight))
 
 
 def step_shapes(past, x, weight):

@@ -17,10 +17,10 @@ are 9 more launches forward and 5 more backward per sublayer in bf16 (scripts/la
 GPU step waits for.
 
 Serves `reference.delta_residual` (a single linear gate, a learned value; delta or write-only) and
-`reference.delta_update` (delta or write-only) for CUDA tensors other than fp64. The seam computes v from u in fp32
-where the specification, in a bf16 model, rounds W_v u to bf16 first (so a bf16 seam is closer to the fp64 numbers).
-Opt-in (`ddl_implementation="triton"`; docs/gpu.md says why); tested on CPU through Triton's interpreter
-(`TRITON_INTERPRET=1`, tests/test_kernels.py).
+`reference.delta_update` (delta or write-only) for CUDA tensors other than fp64, outside traces (`ddl_kernels.eager`).
+The seam computes v from u in fp32 where the specification, in a bf16 model, rounds W_v u to bf16 first (so a bf16
+seam is closer to the fp64 numbers). Opt-in (`ddl_implementation="triton"`; docs/gpu.md says why); tested on CPU
+through Triton's interpreter (`TRITON_INTERPRET=1`, tests/test_kernels.py).
 Each launch runs under `torch.cuda.device_of` its tensors: Triton launches on the current device, and a model split
 over GPUs by `device_map` runs each layer on its own.
 """
@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from .. import Implementation, fallible
+from .. import Implementation, eager, fallible
 from ..readout.triton import channel_block
 from . import value_input_kind
 
@@ -306,10 +306,9 @@ def _reference_gradients(ctx, saved, grad_out):
 
 def seam_serves(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, mode, gate_hidden,
                 v_constant):
-    """A single linear gate, a learned value, delta or write-only; every tensor on CUDA and none fp64; eager (in a
-    trace Inductor fuses the PyTorch path itself)."""
+    """A single linear gate, a learned value, delta or write-only; every tensor on CUDA and none fp64; `eager`."""
     tensors = (x, h, c, u, gate_weight, gate_bias, value_weight, value_bias)
-    return (gate_hidden is None and v_constant is None and mode != "additive" and not torch.compiler.is_compiling()
+    return (gate_hidden is None and v_constant is None and mode != "additive" and eager()
             and all(t.is_cuda and t.dtype != torch.float64 for t in tensors))
 
 
@@ -328,7 +327,7 @@ def seam_run(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_sca
 
 
 def serves(x, h, v, beta, mode, k_eps):
-    return x.is_cuda and x.dtype != torch.float64 and mode != "additive"
+    return x.is_cuda and x.dtype != torch.float64 and mode != "additive" and eager()
 
 
 def run(x, h, v, beta, mode, k_eps):
