@@ -18,6 +18,8 @@ import time
 import torch
 from transformers.utils import logging
 
+from . import eager
+
 
 logger = logging.get_logger(__name__)
 
@@ -83,13 +85,11 @@ def eager_cpu_float(x):
         x.is_cpu
         and (dtype is torch.float32 or dtype is torch.float64)
         and not _autocast_enabled("cpu")
-        and not _is_compiling()
-        and not _is_tracing()
+        and eager()
     )
 
 
-# looked up once: attribute lookups through `torch.` cost microseconds per sublayer of a decoding step
-_autocast_enabled, _is_compiling, _is_tracing = torch.is_autocast_enabled, torch.compiler.is_compiling, torch.jit.is_tracing
+_autocast_enabled = torch.is_autocast_enabled  # (looked up once, as `eager`'s)
 
 
 def ready(x):
