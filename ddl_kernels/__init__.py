@@ -13,7 +13,8 @@ front of its own, in this order; each says next to its code which inputs it serv
     build.py    building the C++ kernels once per machine (`python -m ddl_kernels.build`; else on first use)
 
 Every implementation is tested against the specification on outputs and every gradient (tests/test_cpu_kernel.py,
-tests/test_kernels.py).
+tests/test_kernels.py). Every Triton launch runs under `torch.cuda.device_of` its tensors: Triton launches on the
+current device, and a model split over GPUs by `device_map` runs each layer on its own.
 """
 
 from collections import namedtuple

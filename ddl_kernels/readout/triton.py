@@ -9,8 +9,6 @@ Serves `reference.causal_token_readout` without history (x `(B, T, d_v, d)`, tap
 first token) for CUDA tensors other than fp64, outside traces (`ddl_kernels.eager`). Opt-in
 (`ddl_implementation="triton"`; docs/gpu.md says why); tested on CPU through Triton's interpreter
 (tests/test_kernels.py), and compiled on an H200.
-Each launch runs under `torch.cuda.device_of` its tensors: Triton launches on the current device, and a model split
-over GPUs by `device_map` runs each layer on its own.
 """
 
 import torch

@@ -21,8 +21,6 @@ Serves `reference.delta_residual` (a single linear gate, a learned value; delta 
 The seam computes v from u in fp32 where the specification, in a bf16 model, rounds W_v u to bf16 first (so a bf16
 seam is closer to the fp64 numbers). Opt-in (`ddl_implementation="triton"`; docs/gpu.md says why); tested on CPU
 through Triton's interpreter (`TRITON_INTERPRET=1`, tests/test_kernels.py).
-Each launch runs under `torch.cuda.device_of` its tensors: Triton launches on the current device, and a model split
-over GPUs by `device_map` runs each layer on its own.
 """
 
 import torch
