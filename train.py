@@ -132,7 +132,8 @@ from ddl_tools.resume import (
     tokens_seen,
     training_record,
 )
-from ddl_tools.runs import claim_output_dir, finish_output_dir, interruption_note, release_output_dirs, saving_into
+from ddl_tools.runs import (claim_output_dir, finish_output_dir, interruption_note, mark_unfinished,
+                            release_output_dirs, saving_into)
 from ddl_tools.training import DDLTrainer
 
 
@@ -620,6 +621,8 @@ def main(argv: list[str]) -> None:
     record = run_record(data_args, data_info, tokenizer)
     if resume:
         check_resumed_data(resume, resumed_state(resume), *record, model_args.tokenizer_name or "the checkpoint's")
+        if training_args.process_index == 0:
+            mark_unfinished(training_args.output_dir)  # (checked: now it may write)
     model = build_model(model_args, tokenizer, resume)  # 2. the model
     finalize_for_saving(model, tokenizer)  # already for the checkpoints, and the revisions pushed from them
     if model_args.lora:

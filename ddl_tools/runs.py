@@ -111,7 +111,8 @@ def claim_output_dir(out: str, resume: str | None, overwrite: bool, do_train: bo
     A non-empty folder is refused unless it is resumed from (`--resume_from_checkpoint` names a checkpoint in it),
     holds only what an unfinished run left (the mark, no complete checkpoint: e.g. the tokenizer of a run that
     failed), or `overwrite` is given; in that case its old checkpoints are deleted (a later `--resume_from_checkpoint
-    true` must not pick them up)."""
+    true` must not pick them up). A run resumed in its own folder is marked by `mark_unfinished` once its checks
+    passed: a refused resume must leave a finished run finished (a later run would take it for an unfinished one)."""
     if main_process:
         lock, created = claim_folder(out, "--output_dir", own_files=[UNFINISHED_RUN])
         _held_claims.append((out, lock, created))
@@ -139,9 +140,16 @@ def claim_output_dir(out: str, resume: str | None, overwrite: bool, do_train: bo
         if overwrite and not resumes_here:
             for path in checkpoints(out):
                 shutil.rmtree(path)
-        if UNFINISHED_RUN not in contents or overwrite:
-            write_json(os.path.join(out, UNFINISHED_RUN), {"command": sys.argv, "started": time.ctime()})
+        if (UNFINISHED_RUN not in contents or overwrite) and not resumes_here:
+            mark_unfinished(out)
     return checkpoint
+
+
+def mark_unfinished(out: str) -> None:
+    """Mark `out` as holding an unfinished run (until `finish_output_dir`); a mark already there is kept."""
+    path = os.path.join(out, UNFINISHED_RUN)
+    if not os.path.exists(path):
+        write_json(path, {"command": sys.argv, "started": time.ctime()})
 
 
 def finish_output_dir(out: str) -> None:
@@ -215,6 +223,7 @@ __all__ = [
     "interruption_note",
     "is_complete_checkpoint",
     "last_complete_checkpoint",
+    "mark_unfinished",
     "release_output_dirs",
     "saving_into",
 ]

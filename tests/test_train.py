@@ -574,10 +574,12 @@ def test_resuming_refuses_a_changed_model_or_block_size(flags, message, trained,
     """The checkpoint's config used to win silently over changed --ddl_* flags, and a new --block_size re-packed the
     data under the resumed position."""
     folder = copy_run(trained, tmp_path / "run")
+    before = sorted(os.listdir(folder))  # (a finished run: no unfinished-run mark)
     args = ["--train_file", text_file, "--output_dir", folder, *TINY_RUN, "--max_steps", "6"]
     status, err = run_cli([*args, *flags, "--resume_from_checkpoint", "true"], capsys)
     assert status == 2 and message in err, err[-2000:]
     assert json.loads((folder / "trainer_state.json").read_text())["global_step"] == 3  # untouched
+    assert sorted(os.listdir(folder)) == before  # (nothing written: not even the mark)
 
 
 def test_resume_accepts_the_same_flags_and_keeps_the_block_size(trained):
@@ -605,11 +607,13 @@ def test_resuming_refuses_training_arguments_it_would_not_honour(flags, message,
     Adam beta), another --optim was a KeyError traceback, and another batch or seed resumed at other blocks than the
     run's next ones."""
     folder = copy_run(trained, tmp_path / "run")
+    before = sorted(os.listdir(folder))  # (a finished run: no unfinished-run mark)
     args = ["--train_file", text_file, "--output_dir", folder, *TINY_RUN, "--max_steps", "6"]
     status, err = run_cli([*args, *flags, "--resume_from_checkpoint", "true"], capsys)
     assert status == 2 and message in err and "Traceback" not in err, err[-2000:]
     assert "to resume, or start a new run in another --output_dir to train with" in err
     assert json.loads((folder / "trainer_state.json").read_text())["global_step"] == 3  # untouched
+    assert sorted(os.listdir(folder)) == before  # (nothing written: not even the mark)
 
 
 def test_a_resume_keeps_the_checkpoints_training_arguments_and_follows_the_schedule_given(trained):
@@ -825,6 +829,7 @@ def test_resume_refuses_a_data_file_replaced_on_disk(trained, tmp_path, text_fil
     """The run's data file is replaced between the run and its resume (same name, other text): the resume used to
     continue on the new text with exit 0 and no word. Restored, the same resume goes through."""
     folder = copy_run(trained, tmp_path / "run")
+    before = sorted(os.listdir(folder))  # (a finished run: no unfinished-run mark)
     data = tmp_path / text_file.name  # the file the run read, moved: its content is what counts
     data.write_text(text_file.read_text().replace("king", "queen"))
     args = ["--train_file", data, "--output_dir", folder, *TINY_RUN, "--max_steps", "4", "--resume_from_checkpoint",
@@ -833,6 +838,7 @@ def test_resume_refuses_a_data_file_replaced_on_disk(trained, tmp_path, text_fil
     assert status == 2 and f"{text_file.name!r} has changed since the run read it" in err, err[-2000:]
     assert "start a new run in another --output_dir" in err
     assert json.loads((folder / "trainer_state.json").read_text())["global_step"] == 3  # untouched
+    assert sorted(os.listdir(folder)) == before  # (nothing written: not even the mark)
     data.write_text(text_file.read_text())
     status, err = run_cli(args, capsys)
     assert status == 0, err[-3000:]
@@ -844,6 +850,7 @@ def test_resume_refuses_other_data_or_another_tokenizer(change, trained, tmp_pat
     """Resuming with another --train_file, or another --tokenizer_name of the same vocabulary size (other merges),
     used to continue with exit 0 and no word; the folder then shipped a tokenizer the first part never used."""
     folder = copy_run(trained, tmp_path / "run")
+    before = sorted(os.listdir(folder))  # (a finished run: no unfinished-run mark)
     args = ["--output_dir", folder, *TINY_RUN, "--max_steps", "4", "--resume_from_checkpoint", "true"]
     if change == "another-train-file":
         other = tmp_path / "other.txt"
@@ -860,6 +867,7 @@ def test_resume_refuses_other_data_or_another_tokenizer(change, trained, tmp_pat
     status, err = run_cli(args, capsys)
     assert status == 2 and message in err and "Traceback" not in err, err[-2000:]
     assert json.loads((folder / "trainer_state.json").read_text())["global_step"] == 3  # untouched
+    assert sorted(os.listdir(folder)) == before  # (nothing written: not even the mark)
 
 
 def test_a_checkpoint_without_the_data_record_resumes_with_a_warning(trained, tmp_path, text_file, capsys, caplog):
