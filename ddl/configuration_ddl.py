@@ -44,6 +44,10 @@ AUTO_MAP = {
 }
 
 
+CACHE_LAYOUT_SOURCES = {"num_hidden_layers", "ddl_value_channels", "ddl_compressor", "ddl_state_kernel_size",
+                        "ddl_embed_conv", "ddl_embed_kernel_size"}  # (what `conv_state_slots` reads)
+
+
 def conv_state_slots(config) -> dict[tuple[int, str], int]:
     """Where each token-axis convolution keeps its history in the generation cache: `{(layer_idx, role): slot}`, role
     `"attn"` / `"mlp"` (TC compressors), `"embed"` (EC, in layer 0), `"readout"` (the final TC readout, in the last
@@ -90,7 +94,8 @@ class DDLConfig(LlamaConfig):
             Token-axis kernel of the TC compressor (>= 1; 1 = no token mixing).
         ddl_embed_conv (`bool`, *optional*):
             EC: the d x d_v state from a causal depthwise convolution of the token embeddings (identity at init);
-            default True when d_v > 1, False required when d_v == 1. Without EC the embedding is repeated.
+            default (None) d_v > 1, and it follows d_v set later; False required when d_v == 1. Without EC the
+            embedding is repeated over the d_v channels.
         ddl_embed_kernel_size (`int`, *optional*, defaults to 4):
             Token-axis kernel of EC (>= 1).
         ddl_residual (`str`, *optional*, defaults to `"delta"`):
@@ -132,8 +137,8 @@ class DDLConfig(LlamaConfig):
     Runtime choice, not saved (like `attn_implementation`): `ddl_implementation` (`"auto"` | `"triton"` | `"torch"` |
     `"reference"`, see `ddl.kernels`), on the config, in `from_pretrained(...)` or as `DDL_IMPLEMENTATION`.
 
-    Derived fields (do not edit): `layer_types` marks the layers whose cache also holds token-convolution histories
-    (`"hybrid"`), `number_of_conv_states` / `per_layer_config` how many, so that `generate()` builds the cache.
+    Derived fields, made again whenever a field they come from is set: `layer_types` marks the layers whose cache also
+    holds token-convolution histories (`"hybrid"`), `number_of_conv_states` / `per_layer_config` how many.
     """
 
     model_type = "ddl"
@@ -175,18 +180,31 @@ class DDLConfig(LlamaConfig):
         self._ddl_implementation = None
         if implementation is not None or legacy == "reference":
             self.ddl_implementation = implementation or "reference"
-        if self.ddl_embed_conv is None:
-            self.ddl_embed_conv = self.ddl_value_channels > 1
-        # The cache layout is derived, never taken from the caller (a saved config.json carries a copy of it).
-        kwargs.pop("per_layer_config", None)
+        kwargs.pop("per_layer_config", None)  # (derived, below: a saved config.json carries a copy of it)
         kwargs["auto_map"] = {**AUTO_MAP, **(kwargs.get("auto_map") or {})}
+        super().__post_init__(**kwargs)
+        self._derive_cache_layout()
+
+    def __setattr__(self, key, value):
+        """EC's default (None = d_v > 1) and the cache layout are derived: setting a field they come from, here or
+        in `from_pretrained(path, num_hidden_layers=...)`, derives them again, so they never go stale."""
+        old = self.__dict__
+        if key == "ddl_embed_conv" and value is None and "ddl_value_channels" in old:
+            value = self.ddl_value_channels > 1
+        follows = key == "ddl_value_channels" and old.get("ddl_embed_conv") == (old.get(key, 0) > 1)
+        super().__setattr__(key, value)
+        if follows:  # (EC holding d_v's default follows d_v; a choice the other way is kept)
+            super().__setattr__("ddl_embed_conv", value > 1)
+        if key in CACHE_LAYOUT_SOURCES and old.get("_post_init_done"):
+            self._derive_cache_layout()
+
+    def _derive_cache_layout(self):
         per_layer = Counter(layer_idx for layer_idx, _ in conv_state_slots(self))  # (its slots are 0, 1, ...)
+        self.per_layer_config = None
         self.layer_types = ["hybrid" if i in per_layer else "full_attention" for i in range(self.num_hidden_layers)]
         self.number_of_conv_states = max(per_layer.values(), default=0)
         overrides = {i: {"number_of_conv_states": n} for i, n in per_layer.items() if n != self.number_of_conv_states}
-        if overrides:
-            kwargs["per_layer_config"] = overrides
-        super().__post_init__(**kwargs)
+        self.per_layer_config = overrides or None
 
     @classmethod
     def from_dict(cls, config_dict, **kwargs):

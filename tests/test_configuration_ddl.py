@@ -63,6 +63,26 @@ def test_cache_layout_is_derived():
     assert stale.layer_types == ["hybrid", "full_attention"]
 
 
+@pytest.mark.parametrize("change", [{"num_hidden_layers": 3}, {"num_hidden_layers": 1}, {"ddl_value_channels": 1},
+                                    {"ddl_value_channels": 8}, {"ddl_compressor": "tc"}, {"ddl_compressor": "cc"},
+                                    {"ddl_state_kernel_size": 1}, {"ddl_embed_kernel_size": 1},
+                                    {"ddl_embed_conv": False}, {"ddl_embed_conv": None}])
+@pytest.mark.parametrize("start", [{"ddl_value_channels": 1}, {}, {"ddl_compressor": "tc"}], ids=["dv1", "cc", "tc"])
+def test_a_field_set_on_a_built_config_gives_the_config_built_with_it(start, change):
+    """What the cache layout and EC's default come from, set after construction (by a user, or by
+    `from_pretrained(path, num_hidden_layers=...)`): what depends on it follows, as if it had been passed."""
+    config = DDLConfig(num_hidden_layers=2, **start)
+    for field, value in change.items():
+        setattr(config, field, value)
+    assert config.to_dict() == DDLConfig(**{"num_hidden_layers": 2, **start, **change}).to_dict()
+
+
+def test_an_explicit_choice_of_ec_is_kept_when_the_value_channels_change():
+    config = DDLConfig(ddl_value_channels=4, ddl_embed_conv=False)
+    config.ddl_value_channels = 8
+    assert config.ddl_embed_conv is False
+
+
 @pytest.mark.parametrize(
     "kwargs, field, received",
     [

@@ -111,6 +111,27 @@ def test_cached_decoding_equals_full_forward(overrides, implementation):
     torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=0, atol=1e-5)
 
 
+def test_a_checkpoint_loaded_with_fewer_layers_decodes_like_its_full_forward(tmp_path):
+    """`from_pretrained(path, num_hidden_layers=1)` (a truncated model, as for a draft or a probe) sets the field on
+    the loaded config: the cache layout derived from it follows, so cached decoding runs and equals the forward."""
+    _model(ddl_value_channels=4, ddl_compressor="tc", num_hidden_layers=3).save_pretrained(tmp_path)
+    assert AutoConfig.from_pretrained(tmp_path, num_hidden_layers=1).to_dict() == DDLConfig.from_dict(
+        {**AutoConfig.from_pretrained(tmp_path).to_dict(), "num_hidden_layers": 1}).to_dict()
+    model = DDLForCausalLM.from_pretrained(tmp_path, num_hidden_layers=1).eval()
+    ids = _ids(2, 5)
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        full = model(out.sequences).logits[:, 4:-1]
+    torch.testing.assert_close(torch.stack(out.logits, 1), full, rtol=0, atol=1e-5)
+
+
+def test_a_field_set_out_of_range_after_construction_is_refused_where_the_model_is_built():
+    config = tiny_config()
+    config.ddl_value_channels = 0
+    with pytest.raises(Exception, match="DDLConfig.ddl_value_channels must be an integer >= 1"):
+        DDLForCausalLM(config)
+
+
 @pytest.mark.parametrize("batch", [1, 2], ids=["one-sequence", "batch"])
 def test_tc_decoding_steps_read_the_cached_window(batch, cpu_kernel_on_or_off, monkeypatch):
     """Each decoding step's TC readouts read their window where the cache keeps it and advance it there (ddl_kernels'
