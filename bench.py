@@ -420,7 +420,8 @@ def parse_args(argv=None):
     parser.add_argument("--skip", nargs="*", default=[], choices=["train", "prefill", "decode", "memory"])
     parser.add_argument("--memory_timeline", metavar="DIR",
                         help="write each model's memory timeline of one training step here (a new or empty folder)")
-    parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--json", help="also write the results here (a new file)")
+    parser.add_argument("--overwrite", action="store_true", help="let --json replace an existing file")
     # a worker process: one model, its training speed and/or memory, results to a JSON file (see worker_command)
     for flag in ("--_worker", "--_result", "--_timeline"):
         parser.add_argument(flag, help=argparse.SUPPRESS)
@@ -435,7 +436,7 @@ def parse_args(argv=None):
         parser.error(f"--warmup_steps {args.warmup_steps}: must be 0 or more.")
     if args.json and not args._worker:  # checked now: the results would be lost after the whole run
         try:
-            check_writable_file(args.json, "--json")
+            check_writable_file(args.json, "--json", args.overwrite)
         except UsageError as err:
             parser.error(str(err))
     if args.memory_timeline and not args._worker and "memory" in args.skip:
@@ -604,9 +605,25 @@ def run(args):
     if timelines:
         write_timelines(args, size, timelines)
     if args.json:
-        write_json(args.json, {"args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
-                               "size": size.__dict__, "torch": torch.__version__, "cpu_kernel": kernel,
-                               "train": "in_process" if args.train_in_process else "per_process", "rows": rows})
+        write_results(args, {"args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+                             "size": size.__dict__, "torch": torch.__version__, "cpu_kernel": kernel,
+                             "train": "in_process" if args.train_in_process else "per_process", "rows": rows})
+
+
+def write_results(args, results):
+    """The results as --json names them; where a file appeared there during the run (without --overwrite), beside
+    it under a free name, said in one line. Returns the path written."""
+    path, n = args.json, 0
+    while True:
+        try:
+            write_json(path, results, replace=args.overwrite)
+            break
+        except FileExistsError:
+            n += 1
+            path = f"{os.path.splitext(args.json)[0]}.{n}.json"
+    if path != args.json:
+        print(f"--json {args.json!r} appeared while the bench ran; kept, and the results written to {path!r}")
+    return path
 
 
 def cpu_kernels_built() -> bool:

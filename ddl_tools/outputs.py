@@ -55,11 +55,21 @@ def is_leftover(name, own_files=()):
     return (name.startswith(".") and name.endswith(TMP_SUFFIX)) or any(name == f"{own}.tmp" for own in own_files)
 
 
-def _write_atomically(path, write):
+def _write_atomically(path, write, replace=True):
     tmp = temporary_name(path)
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             write(f)
+        if not replace:  # made only where no file is: a hard link, or (none on this file system) a last look first
+            try:
+                os.link(tmp, path)
+                os.remove(tmp)
+                return
+            except FileExistsError:
+                raise
+            except OSError:
+                if os.path.lexists(path):
+                    raise FileExistsError(path) from None
         os.replace(tmp, path)
     except BaseException:  # a full disk, Ctrl-C: no half file under either name
         with contextlib.suppress(OSError):
@@ -67,14 +77,15 @@ def _write_atomically(path, write):
         raise
 
 
-def write_json(path, obj):
-    """Atomically (a temporary file, then a rename): a reader never sees half a file, e.g. a study's result.json."""
+def write_json(path, obj, replace=True):
+    """Atomically (a temporary file, then a rename): a reader never sees half a file, e.g. a study's result.json.
+    `replace=False`: FileExistsError where `path` exists (made by someone else since it was checked)."""
 
     def dump(f):
         json.dump(obj, f, indent=2, default=_json_default)
         f.write("\n")
 
-    _write_atomically(path, dump)
+    _write_atomically(path, dump, replace)
 
 
 def write_text(path, text):
@@ -82,13 +93,16 @@ def write_text(path, text):
     _write_atomically(path, lambda f: f.write(text))
 
 
-def check_writable_file(path, flag):
+def check_writable_file(path, flag, overwrite=False):
     """That the file `path` (named by the command-line `flag`) can be written when a run ends: its folder exists and
-    takes a file (one is created under the `temporary_name` and removed), and `path` is not a folder. A
-    `UsageError` now, before the run, instead of an error after it, when its results would be lost."""
+    takes a file (one is created under the `temporary_name` and removed), `path` is not a folder, and nothing is
+    there unless `overwrite` (`--overwrite`). A `UsageError` now, before the run, instead of an error after it, when
+    its results would be lost, or a file lost to them."""
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise UsageError(f"{flag} {path!r} is a folder; name a file to write.")
+    if os.path.lexists(path) and not overwrite:
+        raise UsageError(f"{flag} {path!r} exists; name a new file, or pass --overwrite to replace it.")
     if not os.path.isdir(folder):
         raise UsageError(f"{flag} {path!r}: its folder {folder!r} does not exist; create it, or name a file in an "
                          "existing folder.")

@@ -112,9 +112,10 @@ PY
 if [ $FOLLOWUP = 0 ]; then
 section "2. bench.py --size $SIZE, bf16: DDL's default paths, then Triton"
 for impl in auto triton; do
+    # (in one process: one process per model would start 12 CUDA workers; --overwrite: this script's own folder)
     record 150 "$OUT_DIR/bench_$impl.log" "$PY" bench.py --size "$SIZE" --device "$DEVICE" --dtype bfloat16 \
         --variants llama ddl-dv1 ddl-cc ddl-tc --implementation "$impl" --repeats "$REPEATS" --train_steps 5 \
-        --train_in_process --json "$OUT_DIR/bench_$impl.json"  # (one process per model would start 12 CUDA workers)
+        --train_in_process --overwrite --json "$OUT_DIR/bench_$impl.json"
     { echo; echo "implementation=$impl:"; echo '```'
       grep -vE "^\s*$|USDT|repeats done" "$OUT_DIR/bench_$impl.log" | tail -25; echo '```'; } >>"$RESULTS"
 done
@@ -144,7 +145,7 @@ for part in "7 decode 200" "8 train 900"; do
     variants=(llama ddl-dv1 ddl-tc); [ "$2" = train ] && variants=(llama ddl-dv1)
     record "$3" "$OUT_DIR/bench_compile_$2.log" "$PY" bench.py --size "$SIZE" --device "$DEVICE" --dtype bfloat16 \
         --compile --variants "${variants[@]}" --repeats 2 --train_steps 5 --train_in_process --skip "${skip[@]}" \
-        --json "$OUT_DIR/bench_compile_$2.json"
+        --overwrite --json "$OUT_DIR/bench_compile_$2.json"
     { echo '```'; grep -vE "^\s*$|USDT|repeats done" "$OUT_DIR/bench_compile_$2.log" | tail -12; echo '```'
     } >>"$RESULTS"
 done

@@ -194,6 +194,36 @@ def test_json_that_cannot_be_written_is_refused_before_the_run(where, tmp_path, 
     assert not (tmp_path / "nope").exists()
 
 
+def test_json_naming_an_existing_file_is_refused_before_the_run_unless_told_to_replace_it(tmp_path, capsys,
+                                                                                          monkeypatch):
+    """`--json` at an existing file (an earlier bench's results, or anything else) wrote over it when the run ended;
+    it is one line before anything runs, and `--overwrite` replaces it."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the bench ran")
+
+    monkeypatch.setattr(bench, "run_workers", refuse)
+    monkeypatch.setattr(bench, "Runner", refuse)
+    earlier = tmp_path / "bench.json"
+    earlier.write_text('{"rows": "an earlier run"}')
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--variants", "llama", "ddl-cc", "--repeats", "1", "--json", str(earlier)])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: --json" in err and "exists" in err and "--overwrite" in err, err
+    assert earlier.read_text() == '{"rows": "an earlier run"}'
+    assert bench.parse_args(["--json", str(earlier), "--overwrite"]).overwrite
+
+
+def test_a_json_file_made_while_the_bench_ran_is_kept_and_the_results_written_beside_it(tmp_path, capsys):
+    """The check before the run cannot see a file another run makes meanwhile: the results do not replace it."""
+    path = tmp_path / "bench.json"
+    args = bench.parse_args(["--json", str(path)])
+    path.write_text("another run's")
+    written = bench.write_results(args, {"rows": []})
+    assert path.read_text() == "another run's" and written != str(path)
+    assert json.loads(open(written).read()) == {"rows": []} and written in capsys.readouterr().out
+
+
 def test_a_second_bench_into_a_timeline_folder_being_written_is_refused(tmp_path, capsys, monkeypatch):
     """The --memory_timeline folder was locked only while the timelines were written, at the end: a second bench
     into the same (empty) folder ran in full and overwrote the first one's files. It is claimed before anything

@@ -1,5 +1,6 @@
 """The shared rule of the scripts' output folders (ddl_tools/outputs.py) at its edges: links, leftovers, full disks."""
 
+import json
 import os
 
 import pytest
@@ -46,3 +47,20 @@ def test_a_failed_write_leaves_neither_a_half_file_nor_its_temporary(tmp_path):
         write_json(str(path), {"value": Unserialisable()})
     assert path.read_text().strip().endswith("}") and "complete" in path.read_text()
     assert not os.path.exists(temporary_name(str(path)))
+
+
+@pytest.mark.parametrize("links", [True, False], ids=["hard-links", "no-hard-links"])
+def test_a_file_written_without_replacing_leaves_an_existing_one_as_it_was(links, tmp_path, monkeypatch):
+    """`write_json(..., replace=False)` writes where nothing is, and raises FileExistsError where a file (or a link)
+    is, leaving it and no temporary file behind, also on a file system without hard links."""
+    if not links:
+        monkeypatch.setattr(os, "link", lambda *args: (_ for _ in ()).throw(PermissionError("no hard links here")))
+    write_json(tmp_path / "new.json", {"a": 1}, replace=False)
+    assert json.loads((tmp_path / "new.json").read_text()) == {"a": 1}
+    (tmp_path / "target").write_text("kept")
+    os.symlink(tmp_path / "target", tmp_path / "link.json")
+    for name in ("new.json", "link.json"):
+        with pytest.raises(FileExistsError):
+            write_json(tmp_path / name, {"b": 2}, replace=False)
+    assert json.loads((tmp_path / "new.json").read_text()) == {"a": 1} and (tmp_path / "target").read_text() == "kept"
+    assert sorted(os.listdir(tmp_path)) == ["link.json", "new.json", "target"]
