@@ -30,6 +30,8 @@ QK_NORM_POSITIONS = ("after_rope", "before_rope")
 LEGACY_DEFAULTS = {"ddl_shared_compressor": False, "ddl_cc_form": "matrix", "ddl_initialization": "llama",
                    "ddl_beta_hidden_bias": True, "qk_norm_position": "before_rope"}
 DDL_IMPLEMENTATIONS = ("auto", "triton", "torch", "reference")  # a runtime choice, never saved (see `ddl.kernels`)
+CACHE_LAYOUT_SOURCES = {"num_hidden_layers", "ddl_value_channels", "ddl_compressor", "ddl_state_kernel_size",
+                        "ddl_embed_conv", "ddl_embed_kernel_size"}  # (what `conv_state_slots` reads)
 # Lets the Auto classes load a saved folder with trust_remote_code=True without `ddl` installed, the task heads too (a
 # causal LM fine-tuned as a classifier); `transformers serve` loads by AutoModelForDecision (else it looks the class
 # up on the transformers module, where no checkpoint's own class is).
@@ -42,10 +44,6 @@ AUTO_MAP = {
     "AutoModelForTokenClassification": "modeling_ddl.DDLForTokenClassification",
     "AutoModelForQuestionAnswering": "modeling_ddl.DDLForQuestionAnswering",
 }
-
-
-CACHE_LAYOUT_SOURCES = {"num_hidden_layers", "ddl_value_channels", "ddl_compressor", "ddl_state_kernel_size",
-                        "ddl_embed_conv", "ddl_embed_kernel_size"}  # (what `conv_state_slots` reads)
 
 
 def conv_state_slots(config) -> dict[tuple[int, str], int]:
@@ -257,8 +255,8 @@ class DDLConfig(LlamaConfig):
                 raise bad(field, f"one of {choices}")
         if self.ddl_cc_kernel_size is not None and not 1 <= self.ddl_cc_kernel_size <= self.ddl_value_channels:
             raise bad("ddl_cc_kernel_size", f"None (= d_v) or an integer in [1, d_v = {self.ddl_value_channels}]")
-        if not self.ddl_init_std_factor > 0:
-            raise bad("ddl_init_std_factor", "a positive float (0.5 in the authors' code)")
+        if not 0 < self.ddl_init_std_factor < float("inf"):
+            raise bad("ddl_init_std_factor", "a positive finite float (0.5 in the authors' code)")
         if not 0.0 <= self.ddl_beta_init <= 2.0:
             raise bad("ddl_beta_init", "in [0, 2] (0 = identity, 1 = projection, 2 = reflection)")
         for field in ("ddl_state_kernel_size", "ddl_embed_kernel_size"):
@@ -266,10 +264,12 @@ class DDLConfig(LlamaConfig):
                 raise bad(field, "an integer >= 1 (1 = no token mixing)")
         if self.ddl_beta_hidden_size is not None and self.ddl_beta_hidden_size < 1:
             raise bad("ddl_beta_hidden_size", "None (single linear gate) or an integer >= 1")
-        if not self.ddl_k_eps > 0:
-            raise bad("ddl_k_eps", "a positive float (1e-5 in the paper)")
-        if self.ddl_v_sigmoid_scale is not None and not self.ddl_v_sigmoid_scale > 0:
-            raise bad("ddl_v_sigmoid_scale", "None (unbounded linear value) or a positive float (4.0 in the paper)")
+        if not 0 < self.ddl_k_eps < float("inf"):
+            raise bad("ddl_k_eps", "a positive finite float (1e-5 in the paper)")
+        if self.ddl_v_sigmoid_scale is not None and not 0 < self.ddl_v_sigmoid_scale < float("inf"):
+            raise bad("ddl_v_sigmoid_scale", "None (a linear value) or a positive finite float (4.0 in the paper)")
+        if self.ddl_v_constant is not None and not abs(self.ddl_v_constant) < float("inf"):
+            raise bad("ddl_v_constant", "None (a learned value) or a finite float (2.0 in the authors' option)")
         if self.ddl_embed_conv and self.ddl_value_channels == 1:
             raise bad("ddl_embed_conv", "False when ddl_value_channels == 1 (EC builds the d x d_v expanded state)")
 

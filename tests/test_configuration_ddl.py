@@ -97,6 +97,11 @@ def test_an_explicit_choice_of_ec_is_kept_when_the_value_channels_change():
         ({"ddl_beta_hidden_size": 0}, "ddl_beta_hidden_size", "0"),
         ({"ddl_k_eps": 0.0}, "ddl_k_eps", "0.0"),
         ({"ddl_v_sigmoid_scale": -1.0}, "ddl_v_sigmoid_scale", "-1.0"),
+        ({"ddl_v_sigmoid_scale": float("inf")}, "ddl_v_sigmoid_scale", "inf"),
+        ({"ddl_v_constant": float("nan")}, "ddl_v_constant", "nan"),
+        ({"ddl_v_constant": float("-inf")}, "ddl_v_constant", "-inf"),
+        ({"ddl_k_eps": float("inf")}, "ddl_k_eps", "inf"),
+        ({"ddl_init_std_factor": float("nan")}, "ddl_init_std_factor", "nan"),
         ({"ddl_value_channels": 1, "ddl_embed_conv": True}, "ddl_embed_conv", "True"),
         ({"ddl_cc_form": "vector"}, "ddl_cc_form", "'vector'"),
         ({"ddl_cc_kernel_size": 5}, "ddl_cc_kernel_size", "5"),  # > d_v = 4
