@@ -127,6 +127,8 @@ def _load_files(train_file, validation_file, streaming, cache_dir):
     extensions = set()
     for split, path in files.items():
         flag = f"--{split}_file"
+        if os.path.isdir(path):
+            raise UsageError(f"{flag} {path!r} is a folder; name one data file ({', '.join(sorted(DATA_EXTENSIONS))}).")
         if not os.path.isfile(path):
             raise UsageError(f"{flag} {path!r} does not exist.")
         if os.path.getsize(path) == 0:

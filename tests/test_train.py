@@ -402,6 +402,7 @@ def test_ddp_two_processes(tmp_path, text_file):
 
 BAD_INPUTS = {
     "missing-file": (["--train_file", "{tmp}/nope.txt"], "does not exist"),
+    "folder-as-file": (["--train_file", "{tmp}"], "is a folder; name one data file"),  # (said "does not exist")
     "empty-file": (["--train_file", "{empty}"], "is empty"),
     "too-little-text": (["--block_size", "900"], "fewer than --block_size"),
     "block-above-context": (["--block_size", "2048"], "max_position_embeddings"),
