@@ -73,12 +73,16 @@ def add_lora(model, model_args, verbose: bool = True):
     from peft import get_peft_model
 
     targets = [t.strip() for t in model_args.lora_target_modules.split(",")] if model_args.lora_target_modules else None
-    names = [name for name, _ in model.named_modules()]
-    missing = [t for t in targets or () if not any(n == t or n.endswith("." + t) for n in names)]
-    if missing:  # PEFT fails only when no target matches at all
+    matches = {t: [m for n, m in model.named_modules() if n == t or n.endswith("." + t)] for t in targets or ()}
+    missing = [t for t, found in matches.items() if not found]  # (PEFT fails only when no target matches at all)
+    other = {t: type(found[0]).__name__ for t, found in matches.items()
+             if found and not any(isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) for m in found)}
+    if missing or other:  # (PEFT: a long message, or, for DDL's own modules, training them in full as if adapted)
         linear = sorted({n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
-        raise UsageError(f"--lora_target_modules: this model has no module named {missing}; its linear layers: "
-                         f"{linear}.")
+        found = (f"this model has no module named {missing}" if missing else
+                 f"{sorted(other)}: not a linear layer LoRA can adapt ({', '.join(sorted(set(other.values())))}); "
+                 "DDL's own modules train in full with --lora_train_ddl_branch (the default)")
+        raise UsageError(f"--lora_target_modules: {found}; its linear layers: {linear}.")
     config = lora_config(model, model_args.lora_r, model_args.lora_alpha, model_args.lora_dropout, targets,
                          model_args.lora_train_ddl_branch, from_llama=bool(model_args.init_from_llama))
     try:

@@ -155,6 +155,9 @@ LORA_BAD_INPUTS = {
     "no-checkpoint": ([], "--lora adapts a trained model"),
     "unknown-target": (["--model_name_or_path", "{base}", "--lora_target_modules", "q_proj,nope"],
                        "no module named ['nope']"),
+    # (PEFT's own message: a ValueError naming the module's whole repr and every layer type it supports)
+    "ddl-module-target": (["--model_name_or_path", "{base}", "--lora_target_modules", "q_proj,attn_delta"],
+                          "['attn_delta']: not a linear layer LoRA can adapt (DDLDeltaResidual)"),
 }
 
 
