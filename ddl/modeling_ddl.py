@@ -660,11 +660,12 @@ class DDLModel(DDLPreTrainedModel):
             cache = DynamicCache(config=self.config)
         if cache is not None:
             self._check_cache(cache)
-        given_position_ids = position_ids
-        if position_ids is None:
-            past_seen_tokens = cache.get_seq_length() if cache is not None else 0
-            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
-            position_ids = position_ids.unsqueeze(0)
+        given_position_ids, length = position_ids, inputs_embeds.shape[1]
+        if position_ids is None:  # a padded row's positions count its real tokens (as generate's): QK-norm after the
+            seen = cache.get_seq_length() if cache is not None else 0  # rotary embedding is not shift-invariant
+            padded = torch.is_tensor(attention_mask) and attention_mask.shape == (len(inputs_embeds), seen + length)
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)[:, seen:] if padded else (
+                torch.arange(length, device=inputs_embeds.device) + seen).unsqueeze(0)
 
         documents = None
         if isinstance(attention_mask, dict):  # built by generate() for compileable (static) caches

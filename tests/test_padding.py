@@ -66,6 +66,26 @@ def test_every_real_token_gets_the_logits_of_its_row_without_the_padding(variant
             torch.testing.assert_close(batch[row, real], alone, rtol=0, atol=2e-5, msg=name)
 
 
+@pytest.mark.parametrize("variant", ["dv1", "cc-ec"])
+def test_without_position_ids_a_row_is_read_at_the_positions_of_its_real_tokens(variant):
+    """No position ids (a pipeline's or a classifier's padded batch): each row's positions count its real tokens, as
+    `generate` gives them, so QK-norm after the rotary embedding (not shift-invariant) reads the row alone; after
+    cached tokens too. (Failed for left padding and holes: a row's outputs moved with its padding.)"""
+    torch.manual_seed(0)
+    model = trained_looking(DDLForCausalLM(tiny_config(**VARIANTS[variant], qk_norm=True)), scale=0.3).eval()
+    ids, mask = _batch()
+    with torch.no_grad():
+        batch = model(ids, attention_mask=mask).logits
+        prompt = model(ids[:, :5], attention_mask=mask[:, :5], use_cache=True)
+        rest = model(ids[:, 5:], attention_mask=mask, cache=prompt.cache).logits
+        for row, name in enumerate(MASKS):
+            real = mask[row].bool()
+            alone = model(ids[row, real].unsqueeze(0)).logits[0]
+            torch.testing.assert_close(batch[row, real], alone, rtol=0, atol=2e-5, msg=name)
+            torch.testing.assert_close(torch.cat([prompt.logits, rest], 1)[row, real], alone, rtol=0, atol=2e-5,
+                                       msg=name)
+
+
 def test_llama_reads_a_row_with_holes_as_its_compacted_row():
     """The contract DDL keeps, as Llama keeps it."""
     torch.manual_seed(0)
