@@ -135,8 +135,8 @@ class DDLConfig(LlamaConfig):
     Runtime choice, not saved (like `attn_implementation`): `ddl_implementation` (`"auto"` | `"triton"` | `"torch"` |
     `"reference"`, see `ddl.kernels`), on the config, in `from_pretrained(...)` or as `DDL_IMPLEMENTATION`.
 
-    Derived fields, made again whenever a field they come from is set: `layer_types` marks the layers whose cache also
-    holds token-convolution histories (`"hybrid"`), `number_of_conv_states` / `per_layer_config` how many.
+    Derived fields (not to be set; made again whenever a field they come from is set): `layer_types` marks the layers
+    whose cache also holds token-conv histories (`"hybrid"`), `number_of_conv_states`, `per_layer_config` how many.
     """
 
     model_type = "ddl"
@@ -173,8 +173,7 @@ class DDLConfig(LlamaConfig):
 
     def __post_init__(self, **kwargs):
         # A runtime choice (checkpoints saved before it was one carry `ddl_impl`: "fused" = "auto").
-        legacy = kwargs.pop("ddl_impl", None)
-        implementation = kwargs.pop("ddl_implementation", None)
+        legacy, implementation = kwargs.pop("ddl_impl", None), kwargs.pop("ddl_implementation", None)
         self._ddl_implementation = None
         if implementation is not None or legacy == "reference":
             self.ddl_implementation = implementation or "reference"
@@ -187,14 +186,16 @@ class DDLConfig(LlamaConfig):
         """EC's default (None = d_v > 1) and the cache layout are derived: setting a field they come from, here or
         in `from_pretrained(path, num_hidden_layers=...)`, derives them again, so they never go stale."""
         old = self.__dict__
-        if key == "ddl_embed_conv" and value is None and "ddl_value_channels" in old:
-            value = self.ddl_value_channels > 1
-        follows = key == "ddl_value_channels" and old.get("ddl_embed_conv") == (old.get(key, 0) > 1)
+        if key == "ddl_embed_conv":  # (a default follows d_v until EC is set; a saved config's value is a choice)
+            old["_ec_default"], value = value is None, old.get("ddl_value_channels", 0) > 1 if value is None else value
         super().__setattr__(key, value)
-        if follows:  # (EC holding d_v's default follows d_v; a choice the other way is kept)
+        if key == "ddl_value_channels" and old.get("_ec_default"):
             super().__setattr__("ddl_embed_conv", value > 1)
         if key in CACHE_LAYOUT_SOURCES and old.get("_post_init_done"):
             self._derive_cache_layout()
+
+    def __eq__(self, other):  # (the dataclass's reads every field: a heterogeneous one raises)
+        return type(self) is type(other) and self.to_dict() == other.to_dict()
 
     def _derive_cache_layout(self):
         per_layer = Counter(layer_idx for layer_idx, _ in conv_state_slots(self))  # (its slots are 0, 1, ...)
@@ -235,9 +236,8 @@ class DDLConfig(LlamaConfig):
         self._ddl_implementation = name
 
     def to_dict(self):
-        output = super().to_dict()
-        output.pop("_ddl_implementation", None)  # a runtime choice: a checkpoint must not pin another machine's
-        return output
+        output = super().to_dict()  # (not the runtime choice: a checkpoint must not pin another machine's)
+        return {key: value for key, value in output.items() if key not in ("_ec_default", "_ddl_implementation")}
 
     def validate_architecture(self):
         """Checked at construction (and by `config.validate()`): every DDL field, with what is allowed."""

@@ -590,7 +590,7 @@ def _identity_taps(weight):
 class DDLModel(DDLPreTrainedModel):
     def __init__(self, config: DDLConfig):
         super().__init__(config)
-        config.validate()  # (fields set after construction are checked here, before they are used)
+        config.validate_architecture()  # (fields set after construction are checked here, before they are used)
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)

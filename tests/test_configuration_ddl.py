@@ -77,10 +77,39 @@ def test_a_field_set_on_a_built_config_gives_the_config_built_with_it(start, cha
     assert config.to_dict() == DDLConfig(**{"num_hidden_layers": 2, **start, **change}).to_dict()
 
 
-def test_an_explicit_choice_of_ec_is_kept_when_the_value_channels_change():
-    config = DDLConfig(ddl_value_channels=4, ddl_embed_conv=False)
-    config.ddl_value_channels = 8
+@pytest.mark.parametrize("order", ["ec-first", "dv-first"])
+@pytest.mark.parametrize("how", ["setattr", "update", "update_from_string", "from_pretrained"])
+def test_an_explicit_choice_of_ec_is_kept_when_the_value_channels_change(how, order, tmp_path):
+    """EC follows d_v only while it holds the default it was given (None): a choice made, or a saved config's, is
+    kept in whatever order the two are set (it followed d_v when EC was set to False first on a d_v = 1 config)."""
+    changes = {"ddl_embed_conv": False, "ddl_value_channels": 4}
+    changes = changes if order == "ec-first" else dict(reversed(changes.items()))
+    config = DDLConfig(ddl_value_channels=1)
+    if how == "setattr":
+        for field, value in changes.items():
+            setattr(config, field, value)
+    elif how == "update":
+        config.update(changes)
+    elif how == "update_from_string":
+        config.update_from_string(",".join(f"{k}={str(v).lower()}" for k, v in changes.items()))
+    else:
+        config.save_pretrained(tmp_path)
+        config = DDLConfig.from_pretrained(tmp_path, **changes)
     assert config.ddl_embed_conv is False
+    explicit = DDLConfig(ddl_value_channels=4, ddl_embed_conv=True)
+    explicit.ddl_value_channels = 1  # (refused where the model is built)
+    assert explicit.ddl_embed_conv is True
+    saved = DDLConfig(ddl_value_channels=1)
+    saved.save_pretrained(tmp_path / "saved")
+    loaded = DDLConfig.from_pretrained(tmp_path / "saved")
+    loaded.ddl_value_channels = 4
+    assert loaded.ddl_embed_conv is False and "_ec_default" not in loaded.to_dict()
+
+
+def test_configs_compare_equal_by_their_fields():
+    """(`==` raised on a TC config of several layers: its per-layer conv-state counts are a heterogeneous field.)"""
+    assert DDLConfig(ddl_compressor="tc", num_hidden_layers=3) == DDLConfig(ddl_compressor="tc", num_hidden_layers=3)
+    assert DDLConfig(ddl_compressor="tc", num_hidden_layers=3) != DDLConfig(ddl_compressor="tc", num_hidden_layers=2)
 
 
 @pytest.mark.parametrize(

@@ -128,8 +128,10 @@ def test_a_checkpoint_loaded_with_fewer_layers_decodes_like_its_full_forward(tmp
 def test_a_field_set_out_of_range_after_construction_is_refused_where_the_model_is_built():
     config = tiny_config()
     config.ddl_value_channels = 0
-    with pytest.raises(Exception, match="DDLConfig.ddl_value_channels must be an integer >= 1"):
+    with pytest.raises(ValueError, match="DDLConfig.ddl_value_channels must be an integer >= 1"):
         DDLForCausalLM(config)
+    # what builds a Llama builds a DDL model (output_attentions with the default sdpa: checked where it is used)
+    assert DDLForCausalLM(tiny_config(output_attentions=True)).config.output_attentions
 
 
 @pytest.mark.parametrize("batch", [1, 2], ids=["one-sequence", "batch"])
