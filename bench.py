@@ -620,7 +620,7 @@ def write_results(args, results):
             break
         except FileExistsError:
             n += 1
-            path = f"{os.path.splitext(args.json)[0]}.{n}.json"
+            path = "{0}.{2}{1}".format(*os.path.splitext(args.json), n)
     if path != args.json:
         print(f"--json {args.json!r} appeared while the bench ran; kept, and the results written to {path!r}")
     return path

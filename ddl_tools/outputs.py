@@ -19,6 +19,7 @@
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import sys
 from dataclasses import asdict
@@ -38,15 +39,15 @@ class UsageError(ValueError):
 # ---------------------------------------------------------------------------------------------- files
 
 
-TMP_SUFFIX = ".ddl-tmp"  # a file being written (`write_json`, `write_text`): `.<name>.ddl-tmp`, renamed when complete
+TMP_SUFFIX = ".ddl-tmp"  # a file being written (`write_json`, `write_text`): `.<name>.<random>.ddl-tmp`, then renamed
 
 
 def temporary_name(path):
     """Where `path` is written before it is renamed into place: a hidden name in the same folder (the rename is then
     atomic), recognisably this project's, so that one left by a kill or a full disk is never mistaken for a user's
-    file (`is_leftover`)."""
+    file (`is_leftover`), and its writer's own (two runs writing the same file never write into one another's)."""
     folder, name = os.path.split(path)
-    return os.path.join(folder, f".{name}{TMP_SUFFIX}")
+    return os.path.join(folder, f".{name}.{secrets.token_hex(6)}{TMP_SUFFIX}")
 
 
 def is_leftover(name, own_files=()):

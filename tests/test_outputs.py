@@ -5,7 +5,8 @@ import os
 
 import pytest
 
-from ddl_tools.outputs import FolderLock, UsageError, claim_folder, folder_contents, temporary_name, write_json
+from ddl_tools.outputs import (FolderLock, UsageError, claim_folder, folder_contents, is_leftover, temporary_name,
+                               write_json)
 
 
 def test_a_lock_file_that_is_a_link_is_refused_and_its_target_kept(tmp_path):
@@ -46,7 +47,14 @@ def test_a_failed_write_leaves_neither_a_half_file_nor_its_temporary(tmp_path):
     with pytest.raises(RuntimeError):
         write_json(str(path), {"value": Unserialisable()})
     assert path.read_text().strip().endswith("}") and "complete" in path.read_text()
-    assert not os.path.exists(temporary_name(str(path)))
+    assert os.listdir(tmp_path) == ["results.json"]
+
+
+def test_two_writers_of_one_file_write_under_names_of_their_own(tmp_path):
+    """(One shared temporary name let a second run truncate the first one's file while the first published it: a
+    half-written file in place and a run's results lost.)"""
+    names = {temporary_name(str(tmp_path / "results.json")) for _ in range(2)}
+    assert len(names) == 2 and all(is_leftover(os.path.basename(name)) for name in names)
 
 
 @pytest.mark.parametrize("links", [True, False], ids=["hard-links", "no-hard-links"])
