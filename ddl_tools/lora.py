@@ -79,10 +79,12 @@ def add_lora(model, model_args, verbose: bool = True):
              if found and not any(isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) for m in found)}
     if missing or other:  # (PEFT: a long message, or, for DDL's own modules, training them in full as if adapted)
         linear = sorted({n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
-        found = (f"this model has no module named {missing}" if missing else
-                 f"{sorted(other)}: not a linear layer LoRA can adapt ({', '.join(sorted(set(other.values())))}); "
-                 "DDL's own modules train in full with --lora_train_ddl_branch (the default)")
-        raise UsageError(f"--lora_target_modules: {found}; its linear layers: {linear}.")
+        own = [t for t in other if any(t == n or n.endswith("." + t) for n in ddl_branch_modules(model))]
+        kinds = ", ".join(sorted(set(other.values())))
+        trained = f"; DDL's own {own} train in full with --lora_train_ddl_branch (the default)" if own else ""
+        found = [f"this model has no module named {missing}"] * bool(missing) + [
+            f"{sorted(other)}: not a linear layer or embedding LoRA can adapt ({kinds}){trained}"] * bool(other)
+        raise UsageError(f"--lora_target_modules: {'; '.join(found)}; its linear layers: {linear}.")
     config = lora_config(model, model_args.lora_r, model_args.lora_alpha, model_args.lora_dropout, targets,
                          model_args.lora_train_ddl_branch, from_llama=bool(model_args.init_from_llama))
     try:

@@ -157,7 +157,11 @@ LORA_BAD_INPUTS = {
                        "no module named ['nope']"),
     # (PEFT's own message: a ValueError naming the module's whole repr and every layer type it supports)
     "ddl-module-target": (["--model_name_or_path", "{base}", "--lora_target_modules", "q_proj,attn_delta"],
-                          "['attn_delta']: not a linear layer LoRA can adapt (DDLDeltaResidual)"),
+                          "['attn_delta']: not a linear layer or embedding LoRA can adapt (DDLDeltaResidual); DDL's "
+                          "own ['attn_delta'] train in full"),
+    "norm-and-unknown-targets": (["--model_name_or_path", "{base}", "--lora_target_modules", "q_proj,nope,mlp"],
+                                 "no module named ['nope']; ['mlp']: not a linear layer or embedding LoRA can adapt "
+                                 "(LlamaMLP); its linear layers"),
 }
 
 
