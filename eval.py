@@ -196,17 +196,23 @@ def load_texts(cfg: EvalConfig) -> tuple[list[str], str]:
     return splits[cfg.split], f"{CORPUS_NAME}:{cfg.split}"
 
 
-def checkpoint_names(checkpoints) -> list[str]:
+def checkpoint_names(checkpoints, earlier=None) -> list[str]:
     """Short unique names (folder names) for tables and sub-folders: a folder's own name (`..` is the name of the
-    folder it stands for), a Hub id's last part. A name never starts with a dot: as a sub-folder, `..` or `.` would
-    put a checkpoint's results outside the output folder or over its other files."""
-    names = []
-    for ckpt in checkpoints:
+    folder it stands for), a Hub id's last part; a checkpoint an earlier run in the output folder named (`earlier`,
+    {name: checkpoint_source}) keeps its name there. A name never starts with a dot: as a sub-folder, `..` or `.`
+    would put a checkpoint's results outside the output folder or over its other files."""
+    kept = {source: name for name, source in (earlier or {}).items()
+            if isinstance(source, str) and re.fullmatch(r"[\w-][\w.-]*", name)}  # (a manifest edited by hand)
+    names = [kept.pop(checkpoint_source(ckpt), None) for ckpt in checkpoints]
+    taken = set(names)
+    for index, ckpt in enumerate(checkpoints):
         base = re.sub(r"[^\w.-]+", "_", os.path.basename(os.path.abspath(ckpt))).lstrip(".") or "model"
         name, i = base, 2
-        while name in names:
+        while names[index] is None and name in taken:
             name, i = f"{base}-{i}", i + 1
-        names.append(name)
+        if names[index] is None:
+            names[index] = name
+            taken.add(name)
     return names
 
 
@@ -291,10 +297,7 @@ def check_output_dir(path, overwrite, sources):
     for name in os.listdir(path):  # an interrupted run's unfinished results (nobody writes them: the lock is ours)
         if name.startswith(STAGE_PREFIX) and not os.path.islink(os.path.join(path, name)):
             shutil.rmtree(os.path.join(path, name), ignore_errors=True)
-    manifest = {}
-    if os.path.exists(os.path.join(path, MANIFEST)):
-        with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
-            manifest = json.load(f)
+    manifest = read_manifest(path, overwrite)
     previous, earlier = manifest.get("files", []), manifest.get("checkpoints", {})
     present, links = [], []
     for folder, dirs, names in os.walk(path):  # os.walk lists links (to folders among `dirs`) but never follows them
@@ -323,6 +326,26 @@ def check_output_dir(path, overwrite, sources):
             "checkpoint(s) evaluated now. Choose another --output_dir, or pass --overwrite to replace them."
         )
     return previous, bool(previous) and earlier_complete(path, manifest)
+
+
+def read_manifest(path, overwrite) -> dict:
+    """The manifest of the earlier run's results in `path` ({} if none); one that is not eval.py's (damaged, edited)
+    is one line, or with --overwrite taken for none."""
+    file = os.path.join(path, MANIFEST)
+    if not os.path.lexists(file):
+        return {}
+    try:
+        with open(file, encoding="utf-8") as f:
+            manifest = json.load(f)
+        if isinstance(manifest, dict) and isinstance(manifest.get("files", []), list) and isinstance(
+                manifest.get("checkpoints", {}), dict):
+            return manifest
+    except (OSError, ValueError):
+        pass
+    if overwrite:
+        return {}
+    raise SystemExit(f"error: {file} is not an eval.py manifest (damaged or edited), so what {path} holds is "
+                     "unknown. Choose another --output_dir, or pass --overwrite to write this run's results there.")
 
 
 def earlier_complete(path, manifest) -> bool:
@@ -482,6 +505,8 @@ def main(argv=None) -> int:
     torch.manual_seed(cfg.seed)
     names = checkpoint_names(cfg.checkpoints)
     root = cfg.output_dir or os.path.join("eval_results", names[0] if len(names) == 1 else "-vs-".join(names)[:100])
+    if os.path.isdir(root):  # (a look before the folder is claimed; checked again, under its lock, below)
+        names = checkpoint_names(cfg.checkpoints, read_manifest(root, overwrite=True).get("checkpoints"))
     sources = {name: checkpoint_source(ckpt) for name, ckpt in zip(names, cfg.checkpoints)}
     lock, stage, previous, previous_complete = prepare_output_dir(root, cfg.overwrite, sources)
     try:

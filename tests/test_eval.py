@@ -482,6 +482,38 @@ def test_checkpoints_of_the_same_name_do_not_replace_each_others_results(checkpo
     assert json.loads(results.read_text())["model"]["residual"] == "write_only"
 
 
+def test_a_rerun_names_each_checkpoint_as_the_earlier_run_did(checkpoints, tmp_path, capsys):
+    """Two checkpoint folders of one name (model, model-2 by their order): the same two in the other order, or the
+    second alone, were refused as 'not the checkpoints evaluated now'; a checkpoint keeps its earlier name."""
+    import shutil
+
+    first, second = tmp_path / "a" / "model", tmp_path / "b" / "model"
+    shutil.copytree(checkpoints["delta"], first)
+    shutil.copytree(checkpoints["write_only"], second)
+    common = ["--file", checkpoints["text"], "--max_new_tokens", "0", "--output_dir", str(tmp_path / "out")]
+    assert run_eval([str(first), str(second), *common], capsys)[0] == 0
+    for order in ([str(second), str(first)], [str(second)]):
+        code, printed = run_eval([*order, *common], capsys)
+        assert code == 0, printed
+        results = json.loads((tmp_path / "out" / "model-2" / "results.json").read_text())
+        assert results["model"]["residual"] == "write_only"
+
+
+@pytest.mark.parametrize("content", ["{bad", "", "[1]", '{"files": 3}'])
+def test_a_damaged_manifest_is_one_line_and_overwrite_replaces_it(content, checkpoints, tmp_path, capsys):
+    """(A manifest that is not eval.py's JSON was a traceback, with or without --overwrite.)"""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "eval_manifest.json").write_text(content)
+    args = [checkpoints["delta"], "--file", checkpoints["text"], "--max_new_tokens", "0", "--output_dir", str(out)]
+    with pytest.raises(SystemExit, match="eval_manifest.json is not an eval.py manifest.*--overwrite"):
+        eval_script.main(args)
+    assert (out / "eval_manifest.json").read_text() == content
+    assert run_eval([*args, "--overwrite"], capsys)[0] == 0
+    assert json.loads((out / "eval_manifest.json").read_text())["checkpoints"] == {
+        "delta": os.path.realpath(checkpoints["delta"])}
+
+
 def test_a_checkpoint_that_does_not_load_costs_only_its_own_row(checkpoints, tmp_path, capsys):
     """A truncated model.safetensors and a config with an invalid ddl field are errors of their rows (they used to
     abort the whole comparison with a traceback)."""
