@@ -205,14 +205,13 @@ def checkpoint_names(checkpoints, earlier=None) -> list[str]:
             if isinstance(source, str) and re.fullmatch(r"[\w-][\w.-]*", name)}  # (a manifest edited by hand)
     names = [kept.pop(checkpoint_source(ckpt), None) for ckpt in checkpoints]
     taken = set(names)
-    for index, ckpt in enumerate(checkpoints):
-        base = re.sub(r"[^\w.-]+", "_", os.path.basename(os.path.abspath(ckpt))).lstrip(".") or "model"
+    for index in (i for i, name in enumerate(names) if name is None):
+        base = re.sub(r"[^\w.-]+", "_", os.path.basename(os.path.abspath(checkpoints[index]))).lstrip(".") or "model"
         name, i = base, 2
-        while names[index] is None and name in taken:
+        while name in taken:
             name, i = f"{base}-{i}", i + 1
-        if names[index] is None:
-            names[index] = name
-            taken.add(name)
+        names[index] = name
+        taken.add(name)
     return names
 
 
