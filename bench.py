@@ -56,6 +56,7 @@ from ddl_tools.outputs import (
     folder_contents,
     write_json,
 )
+from ddl_tools.launch import device_problem
 from ddl_tools.presets import PAPER_RECIPE, PRESETS
 
 
@@ -434,6 +435,8 @@ def parse_args(argv=None):
             parser.error(f"--{name} {value}: must be at least 1.")
     if args.warmup_steps < 0:
         parser.error(f"--warmup_steps {args.warmup_steps}: must be 0 or more.")
+    if not args._worker and device_problem(args.device, "bench.py"):
+        parser.error(device_problem(args.device, "bench.py"))
     if args.json and not args._worker:  # checked now: the results would be lost after the whole run
         try:
             check_writable_file(args.json, "--json", args.overwrite)

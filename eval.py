@@ -51,6 +51,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
 import ddl  # noqa: F401 (registers the DDL classes with the Auto classes: DDL checkpoints need no remote code)
 from ddl_tools import evaluation
+from ddl_tools.launch import device_problem
 from ddl_tools.outputs import FolderLock, UsageError, claim_folder, is_leftover, publish, write_json
 from ddl_tools.presets import config_error_message
 
@@ -133,18 +134,7 @@ def check_config(cfg: EvalConfig) -> str | None:
         problem = text_file_problem(cfg.file)
         if problem:
             return problem
-    if cfg.device is not None:
-        try:
-            device = torch.device(cfg.device)
-        except RuntimeError:
-            return f"--device {cfg.device!r} is not a device; pass cpu, cuda or cuda:N."
-        if device.type == "cuda" and not torch.cuda.is_available():
-            return f"--device {cfg.device}: this machine has no CUDA device; pass --device cpu (or leave it out)."
-        if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-            return f"--device {cfg.device}: there are {torch.cuda.device_count()} CUDA device(s), numbered from 0."
-        if device.type not in ("cpu", "cuda"):
-            return f"--device {cfg.device}: eval.py runs on cpu or cuda."
-    return None
+    return device_problem(cfg.device, "eval.py") if cfg.device is not None else None
 
 
 def text_file_problem(path) -> str | None:

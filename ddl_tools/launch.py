@@ -15,12 +15,32 @@ autocasts to, and writes into a DeepSpeed config) and Trainer's --bf16 / --fp16.
 launcher; flags that contradict it are refused where they would not be followed (DeepSpeed fails at the first step on
 any difference; elsewhere `--bf16 false` quietly autocasts to the launcher's precision while the run's
 record says otherwise). Other launch precisions (fp8) are accelerate's to handle.
+
+eval.py and bench.py take a `--device`: `device_problem` says in one line why one cannot run here.
 """
 
 import contextlib
 import os
 
 from .outputs import UsageError
+
+
+def device_problem(value, script) -> str | None:
+    """Why `--device value` cannot run `script` on this machine (not a device, no such CUDA device, another kind), or
+    None."""
+    import torch
+
+    try:
+        device = torch.device(value)
+    except RuntimeError:
+        return f"--device {value!r} is not a device; pass cpu, cuda or cuda:N."
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return f"--device {value}: this machine has no CUDA device; pass --device cpu (or leave it out)."
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        return f"--device {value}: there are {torch.cuda.device_count()} CUDA device(s), numbered from 0."
+    if device.type not in ("cpu", "cuda"):
+        return f"--device {value}: {script} runs on cpu or cuda."
+    return None
 
 
 def launched_processes() -> int:
@@ -101,4 +121,5 @@ def check_launch(training_args) -> None:
         )
 
 
-__all__ = ["check_launch", "end_process_group", "fsdp_requested", "launched_processes", "launcher_precision", "outside_zero3"]
+__all__ = ["check_launch", "device_problem", "end_process_group", "fsdp_requested", "launched_processes",
+           "launcher_precision", "outside_zero3"]

@@ -194,6 +194,15 @@ def test_json_that_cannot_be_written_is_refused_before_the_run(where, tmp_path, 
     assert not (tmp_path / "nope").exists()
 
 
+@pytest.mark.parametrize("device, message", [("foo", "is not a device"), ("cuda:99", "CUDA device"),
+                                             ("meta", "bench.py runs on cpu or cuda")])
+def test_a_device_that_cannot_run_here_is_one_line_before_the_run(device, message, capsys):
+    """(A typo was a traceback; cuda on a machine without it, a traceback in each worker and exit status 1.)"""
+    with pytest.raises(SystemExit) as stop:
+        bench.parse_args(["--device", device])
+    assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_json_naming_an_existing_file_is_refused_before_the_run_unless_told_to_replace_it(tmp_path, capsys,
                                                                                           monkeypatch):
     """`--json` at an existing file (an earlier bench's results, or anything else) wrote over it when the run ended;
