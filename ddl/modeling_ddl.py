@@ -663,7 +663,7 @@ class DDLModel(DDLPreTrainedModel):
         given_position_ids, length = position_ids, inputs_embeds.shape[1]
         if position_ids is None:  # a padded row's positions count its real tokens (as generate's): QK-norm after the
             seen = cache.get_seq_length() if cache is not None else 0  # rotary embedding is not shift-invariant
-            padded = torch.is_tensor(attention_mask) and attention_mask.shape == (len(inputs_embeds), seen + length)
+            padded = isinstance(seen, int) and getattr(attention_mask, "shape", ())[1:] == (seen + length,)  # (2-D)
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)[:, seen:] if padded else (
                 torch.arange(length, device=inputs_embeds.device) + seen).unsqueeze(0)
 

@@ -34,6 +34,23 @@ def test_fullgraph_compile_for_training_and_cached_decoding():
     torch.testing.assert_close(step.logits[:, -1], full, rtol=1e-5, atol=1e-5)
 
 
+def test_a_compiled_static_cache_step_with_a_mask_and_no_position_ids():
+    """(A static cache counts its tokens in a tensor: comparing the mask's width with it broke the compiled step.)"""
+    from transformers import StaticCache
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = DDLForCausalLM(tiny_config(ddl_value_channels=1, qk_norm=True)).eval()
+    ids, mask = torch.randint(3, 99, (2, 6), generator=seeded(1)), torch.ones(2, 6, dtype=torch.long)
+    compiled = torch.compile(model, fullgraph=True)
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    with torch.no_grad():
+        compiled(ids[:, :5], attention_mask=mask[:, :5], cache=cache, use_cache=True)
+        step = compiled(ids[:, 5:], attention_mask=mask, cache=cache, use_cache=True).logits
+        full = model(ids).logits[:, -1:]
+    torch.testing.assert_close(step, full, rtol=1e-5, atol=1e-5)
+
+
 def compile_on_any_device():
     """generate's default `CompileConfig` (what it compiles a static-cache decoding step with on CUDA), on any device:
     transformers compiles automatically only on accelerators."""
