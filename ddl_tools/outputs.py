@@ -47,7 +47,7 @@ def temporary_name(path):
     atomic), recognisably this project's, so that one left by a kill or a full disk is never mistaken for a user's
     file (`is_leftover`), and its writer's own (two runs writing the same file never write into one another's)."""
     folder, name = os.path.split(path)
-    return os.path.join(folder, f".{name}.{secrets.token_hex(6)}{TMP_SUFFIX}")
+    return os.path.join(folder, f".{name[:200]}.{secrets.token_hex(6)}{TMP_SUFFIX}")  # (a name's bytes: <= 255)
 
 
 def is_leftover(name, own_files=()):

@@ -57,6 +57,13 @@ def test_two_writers_of_one_file_write_under_names_of_their_own(tmp_path):
     assert len(names) == 2 and all(is_leftover(os.path.basename(name)) for name in names)
 
 
+def test_a_file_named_as_long_as_the_file_system_allows_is_written(tmp_path):
+    """(The random part made the temporary name of a 241-character name too long to create.)"""
+    path = tmp_path / ("r" * 240 + ".json")
+    write_json(str(path), {"a": 1}, replace=False)
+    assert json.loads(path.read_text()) == {"a": 1} and os.listdir(tmp_path) == [path.name]
+
+
 @pytest.mark.parametrize("links", [True, False], ids=["hard-links", "no-hard-links"])
 def test_a_file_written_without_replacing_leaves_an_existing_one_as_it_was(links, tmp_path, monkeypatch):
     """`write_json(..., replace=False)` writes where nothing is, and raises FileExistsError where a file (or a link)
