@@ -435,8 +435,8 @@ def parse_args(argv=None):
             parser.error(f"--{name} {value}: must be at least 1.")
     if args.warmup_steps < 0:
         parser.error(f"--warmup_steps {args.warmup_steps}: must be 0 or more.")
-    if not args._worker and device_problem(args.device, "bench.py"):
-        parser.error(device_problem(args.device, "bench.py"))
+    if not args._worker and (problem := device_problem(args.device, "bench.py")):
+        parser.error(problem)
     if args.json and not args._worker:  # checked now: the results would be lost after the whole run
         try:
             check_writable_file(args.json, "--json", args.overwrite)
