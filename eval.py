@@ -186,15 +186,16 @@ def load_texts(cfg: EvalConfig) -> tuple[list[str], str]:
     return splits[cfg.split], f"{CORPUS_NAME}:{cfg.split}"
 
 
-def checkpoint_names(checkpoints, earlier=None) -> list[str]:
+def checkpoint_names(checkpoints, earlier=None, reserve=False) -> list[str]:
     """Short unique names (folder names) for tables and sub-folders: a folder's own name (`..` is the name of the
     folder it stands for), a Hub id's last part; a checkpoint an earlier run in the output folder named (`earlier`,
-    {name: checkpoint_source}) keeps its name there. A name never starts with a dot: as a sub-folder, `..` or `.`
+    {name: checkpoint_source}) keeps its name there, and (`reserve`: no --overwrite) no other takes the names of
+    those not evaluated now. A name never starts with a dot: as a sub-folder, `..` or `.`
     would put a checkpoint's results outside the output folder or over its other files."""
     kept = {source: name for name, source in (earlier or {}).items()
             if isinstance(source, str) and re.fullmatch(r"[\w-][\w.-]*", name)}  # (a manifest edited by hand)
     names = [kept.pop(checkpoint_source(ckpt), None) for ckpt in checkpoints]
-    taken = set(names)
+    taken = set(names) | (set(kept.values()) if reserve else set())
     for index in (i for i, name in enumerate(names) if name is None):
         base = re.sub(r"[^\w.-]+", "_", os.path.basename(os.path.abspath(checkpoints[index]))).lstrip(".") or "model"
         name, i = base, 2
@@ -495,7 +496,8 @@ def main(argv=None) -> int:
     names = checkpoint_names(cfg.checkpoints)
     root = cfg.output_dir or os.path.join("eval_results", names[0] if len(names) == 1 else "-vs-".join(names)[:100])
     if os.path.isdir(root):  # (a look before the folder is claimed; checked again, under its lock, below)
-        names = checkpoint_names(cfg.checkpoints, read_manifest(root, overwrite=True).get("checkpoints"))
+        names = checkpoint_names(cfg.checkpoints, read_manifest(root, overwrite=True).get("checkpoints"),
+                                 reserve=not cfg.overwrite)
     sources = {name: checkpoint_source(ckpt) for name, ckpt in zip(names, cfg.checkpoints)}
     lock, stage, previous, previous_complete = prepare_output_dir(root, cfg.overwrite, sources)
     try:

@@ -497,6 +497,14 @@ def test_a_rerun_names_each_checkpoint_as_the_earlier_run_did(checkpoints, tmp_p
         assert code == 0, printed
         results = json.loads((tmp_path / "out" / "model-2" / "results.json").read_text())
         assert results["model"]["residual"] == "write_only"
+    # a third checkpoint of that name beside the second: it does not take the first one's name ("model")
+    assert run_eval([str(first), str(second), *common], capsys)[0] == 0
+    third = tmp_path / "c" / "model"
+    shutil.copytree(checkpoints["delta"], third)
+    code, printed = run_eval([str(second), str(third), *common], capsys)
+    assert code == 0, printed
+    assert sorted(json.loads((tmp_path / "out" / "eval_manifest.json").read_text())["checkpoints"]) == [
+        "model-2", "model-3"]
 
 
 @pytest.mark.parametrize("content", ["{bad", "", "[1]", '{"files": 3}'])
