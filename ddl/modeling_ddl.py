@@ -612,20 +612,27 @@ class DDLModel(DDLPreTrainedModel):
         """The initial state X_0: the embeddings (d_v = 1), EC of them, or them repeated over the d_v channels."""
         if self.config.ddl_embed_conv:
             return self.embed_conv(embeds, cache, padding, documents, implementation)
-        if self.config.ddl_value_channels == 1:
-            return embeds
-        return embeds.unsqueeze(-2).expand(*embeds.shape[:2], self.config.ddl_value_channels, embeds.shape[-1])
+        d_v = self.config.ddl_value_channels
+        return embeds if d_v == 1 else embeds.unsqueeze(-2).expand(*embeds.shape[:2], d_v, embeds.shape[-1])
 
     def _keeps_token_histories(self):
         # When any layer keeps conv histories, layer 0 does (EC lives there, TC in every layer): O(1) per forward
         return self.config.layer_types[0] == "hybrid"
 
     def _check_cache(self, cache):
-        if self._keeps_token_histories() and not (cache.layers and isinstance(cache.layers[0],
-                                                                           LinearAttentionCacheLayerMixin)):
-            raise ValueError("This DDL variant keeps token-convolution histories in the cache, which a bare "
-                             "`DynamicCache()` cannot hold. Pass `DynamicCache(config=model.config)` (or let "
-                             "`generate()` build the cache).")
+        if self._keeps_token_histories() and not isinstance((cache.layers or [0])[0], LinearAttentionCacheLayerMixin):
+            raise ValueError("This DDL variant keeps token-convolution histories, which a bare `DynamicCache()` cannot "
+                             "hold: pass `DynamicCache(config=model.config)` (or let `generate()` build the cache).")
+
+    @staticmethod
+    def _count_positions(attention_mask, pad_mask, cache, embeds):
+        """A padded row's positions count its real tokens (as generate's: QK-norm after RoPE is not shift-invariant); an
+        unpadded batch (no pad_mask) shares one row, as Llama's; a decoding step counts: one token per row is cheap."""
+        seen, length = (cache.get_seq_length() if cache is not None else 0), embeds.shape[1]
+        if isinstance(seen, int) and (pad_mask is not None or length == 1) and getattr(  # (static cache: a 0-d count)
+                attention_mask, "shape", ())[1:] == (seen + length,):  # (a 2-D mask over every token)
+            return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)[:, seen:]
+        return (torch.arange(length, device=embeds.device) + seen).unsqueeze(0)
 
     @staticmethod
     def _find_documents(inputs_embeds, attention_mask, pad_mask, position_ids, cache, cu_seq_lens_q):
@@ -636,9 +643,8 @@ class DDLModel(DDLPreTrainedModel):
                 attention_mask is not None and attention_mask.dim() != 2):
             return None, None
         documents = find_documents(*inputs_embeds.shape[:2], position_ids, cu_seq_lens_q, cache)
-        if documents is None or (attention_mask is None and cache is None and position_ids is not None):
-            return documents, None
-        if getattr(cache, "is_compileable", False):  # its masks span the whole static length
+        if documents is None or getattr(cache, "is_compileable", False) or (  # (a static cache's masks span it all)
+                attention_mask is None and cache is None and position_ids is not None):
             return documents, None
         return documents, documents.attention_mask_function(cache.get_seq_length() if cache is not None else 0)
 
@@ -660,29 +666,23 @@ class DDLModel(DDLPreTrainedModel):
             cache = DynamicCache(config=self.config)
         if cache is not None:
             self._check_cache(cache)
-        given_position_ids, length = position_ids, inputs_embeds.shape[1]
-        if position_ids is None:  # a padded row's positions count its real tokens (as generate's): QK-norm after the
-            seen = cache.get_seq_length() if cache is not None else 0  # rotary embedding is not shift-invariant
-            padded = isinstance(seen, int) and getattr(attention_mask, "shape", ())[1:] == (seen + length,)  # (2-D)
-            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)[:, seen:] if padded else (
-                torch.arange(length, device=inputs_embeds.device) + seen).unsqueeze(0)
-
-        documents = None
-        if isinstance(attention_mask, dict):  # built by generate() for compileable (static) caches
-            causal_mask, pad_mask = attention_mask["full_attention"], attention_mask.get("linear_attention")
-        else:
-            pad_mask = create_recurrent_attention_mask(self.config, inputs_embeds, attention_mask, cache)
+        pad_mask = attention_mask.get("linear_attention") if isinstance(attention_mask, dict) else (  # (dict: built
+            create_recurrent_attention_mask(self.config, inputs_embeds, attention_mask, cache))  # by generate, static)
+        positions = position_ids if position_ids is not None else self._count_positions(
+            attention_mask, pad_mask, cache, inputs_embeds)
+        documents, causal_mask = None, attention_mask["full_attention"] if isinstance(attention_mask, dict) else None
+        if not isinstance(attention_mask, dict):
             documents, packed_attention = self._find_documents(
-                inputs_embeds, attention_mask, pad_mask, given_position_ids, cache, kwargs.get("cu_seq_lens_q"))
-            if given_position_ids is not None and pad_mask is None and self._keeps_token_histories() and (
+                inputs_embeds, attention_mask, pad_mask, position_ids, cache, kwargs.get("cu_seq_lens_q"))
+            if position_ids is not None and pad_mask is None and self._keeps_token_histories() and (
                     cache is None or cache.get_seq_length() == 0):
-                check_documents_start(given_position_ids)
+                check_documents_start(position_ids)
             causal_mask = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds,
-                                             attention_mask=attention_mask, cache=cache, position_ids=position_ids,
+                                             attention_mask=attention_mask, cache=cache, position_ids=positions,
                                              and_mask_function=packed_attention)
         padding = Padding.of(pad_mask, inputs_embeds.dtype, cache)
 
-        position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
+        position_embeddings = self.rotary_emb(inputs_embeds, position_ids=positions)
         implementation = self.config.ddl_implementation  # (a runtime choice: read once, passed to every module)
         hidden_states = self.expand(inputs_embeds, cache, padding, documents, implementation)  # X_0: (B, T, [d_v,] d)
         rebuild = StateRebuild(hidden_states) if (self.config.ddl_rebuild_states and hidden_states.dim() == 4 and (
@@ -700,7 +700,7 @@ class DDLModel(DDLPreTrainedModel):
             isinstance(layer, DDLDecoderLayer) for layer in layers) else None
         for i, decoder_layer in enumerate(layers):
             hidden_states = decoder_layer(hidden_states, attention_mask=causal_mask,
-                                          position_embeddings=position_embeddings, position_ids=position_ids,
+                                          position_embeddings=position_embeddings, position_ids=positions,
                                           cache=cache, use_cache=use_cache, padding=padding, documents=documents,
                                           implementation=implementation, rebuild=rebuild, ahead=ahead, **kwargs)
             if record:
