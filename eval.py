@@ -191,15 +191,16 @@ def checkpoint_names(checkpoints, earlier=None, reserve=False) -> list[str]:
     folder it stands for), a Hub id's last part; a checkpoint an earlier run in the output folder named (`earlier`,
     {name: checkpoint_source}) keeps its name there, and (`reserve`: no --overwrite) no other takes the names of
     those not evaluated now. A name never starts with a dot: as a sub-folder, `..` or `.`
-    would put a checkpoint's results outside the output folder or over its other files."""
-    kept = {source: name for name, source in (earlier or {}).items()
-            if isinstance(source, str) and re.fullmatch(r"[\w-][\w.-]*", name)}  # (a manifest edited by hand)
+    would put a checkpoint's results outside the output folder or over its other files; nor is it one of the run's
+    own files (`RUN_FILES`)."""
+    kept = {source: name for name, source in (earlier or {}).items() if isinstance(source, str) and re.fullmatch(
+        r"[\w-][\w.-]*", name) and name.lower() not in RUN_FILES}  # (a manifest edited by hand)
     names = [kept.pop(checkpoint_source(ckpt), None) for ckpt in checkpoints]
     taken = set(names) | (set(kept.values()) if reserve else set())
     for index in (i for i, name in enumerate(names) if name is None):
         base = re.sub(r"[^\w.-]+", "_", os.path.basename(os.path.abspath(checkpoints[index]))).lstrip(".") or "model"
         name, i = base, 2
-        while name in taken:
+        while name in taken or name.lower() in RUN_FILES:  # (lower: a case-insensitive disk's clash too)
             name, i = f"{base}-{i}", i + 1
         names[index] = name
         taken.add(name)
@@ -255,6 +256,7 @@ def describe_model(model) -> dict:
 
 
 MANIFEST = "eval_manifest.json"  # {"files": [...], "checkpoints": {name: checkpoint}} of the results in the folder
+RUN_FILES = {"comparison.md", "comparison.json", MANIFEST}  # (the lock's name starts with a dot, as no name does)
 STAGE_PREFIX = ".partial-"  # the temporary folder of a run's results until it has finished
 
 

@@ -629,6 +629,22 @@ def test_a_checkpoint_named_dotdot_stays_inside_the_output_folder(checkpoints, t
         "my-run", "notes", "hidden", "model", "notes-2"]  # fmt: skip
 
 
+@pytest.mark.parametrize("folder", ["comparison.json", "eval_manifest.json"])
+def test_a_checkpoint_named_like_the_runs_own_files_gets_another_name(folder, checkpoints, tmp_path, capsys):
+    """A checkpoint folder named comparison.json (or the manifest's name): its results' sub-folder took the name of the
+    run's own file (a traceback, IsADirectoryError). Those names are reserved; a hand-edited manifest giving one to a
+    checkpoint is not followed."""
+    import shutil
+
+    ckpt = tmp_path / folder
+    shutil.copytree(checkpoints["delta"], ckpt)
+    args = [str(ckpt), "--file", checkpoints["text"], "--max_new_tokens", "0", "--output_dir", str(tmp_path / "out")]
+    code, printed = run_eval(args, capsys)
+    assert code == 0, printed
+    assert json.loads((tmp_path / "out" / "comparison.json").read_text())["results"][0]["name"] == f"{folder}-2"
+    assert eval_script.checkpoint_names([str(ckpt)], {"comparison.md": str(ckpt)}) == [f"{folder}-2"]
+
+
 def test_an_old_manifest_naming_files_outside_the_folder_costs_nothing_there(checkpoints, tmp_path, capsys):
     """A manifest written by the old eval.py may list `../results.json`: a later run (--overwrite) deleted that file
     as an earlier result of its own. Entries whose real path is outside the folder are ignored, and not listed
