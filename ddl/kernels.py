@@ -65,8 +65,7 @@ def _accelerators():
         logger.info("DDL: the ddl_kernels package (C++ for CPU, Triton for CUDA) is not installed, so DDL runs its "
                     "PyTorch paths (the same numbers, slower); it comes with the ddl repository (pip install -e .).")
         return {}
-    version = getattr(ddl_kernels, "INTERFACE_VERSION", None)
-    if version != INTERFACE_VERSION:
+    if (version := getattr(ddl_kernels, "INTERFACE_VERSION", None)) != INTERFACE_VERSION:
         logger.warning(f"DDL: the installed ddl_kernels has interface version {version}, this model's code expects "
                        f"{INTERFACE_VERSION}, so DDL runs its PyTorch paths (the same numbers, slower); install the "
                        "ddl_kernels of the ddl version that saved this checkpoint.")
@@ -164,8 +163,7 @@ def conv_step(past, x, weight, implementation="auto"):
 
 
 def _with_history(op, implementation, x, weight, history):
-    if history is not None:
-        x = torch.cat([history, x], dim=1)
+    x = x if history is None else torch.cat([history, x], dim=1)
     out = _run(op, implementation, x, as_taps(weight))
     return out if history is None else out[:, weight.shape[0] - 1 :]
 

@@ -22,6 +22,7 @@ from transformers.modeling_layers import GenericForQuestionAnswering, GenericFor
 from transformers.modeling_layers import GenericForTokenClassification, GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
 from transformers.utils import can_return_tuple, logging
@@ -99,10 +100,8 @@ def steppable_window(cache, layer_idx, slot, kernel_size):
 
 def window_history(window, x):
     """The inputs before x in a cached window `(B, C, K-1+T)`, in x's layout `(B, K-1, ...)`; None stays None."""
-    if window is None:
-        return None
-    past = window[..., : window.shape[-1] - x.shape[1]]
-    return past.transpose(1, 2).reshape(x.shape[0], past.shape[-1], *x.shape[2:])
+    past = None if window is None else window[..., : window.shape[-1] - x.shape[1]]
+    return None if past is None else past.transpose(1, 2).reshape(x.shape[0], past.shape[-1], *x.shape[2:])
 
 
 def convolve_tokens(op, x, weight, cache=None, layer_idx=0, slot=None, padding=None, documents=None,
@@ -758,6 +757,9 @@ class DDLForCausalLM(DDLPreTrainedModel, GenerationMixin):
             raise ValueError("DDL: continuous batching keeps only attention keys and values per request, not the "
                              "inputs EC/TC read: use generate(), or d_v=1, or CC with ddl_embed_conv=False.")
         return super().generate_batch(*args, **kwargs)
+
+
+MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault("ddl", "DDLForCausalLM")  # a causal LM to Trainer, lm-eval and serve
 
 
 # ---------------------------------------------------------------------------------------------------------------

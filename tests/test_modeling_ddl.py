@@ -600,6 +600,26 @@ def test_trainer_runs_a_few_steps(tmp_path):
     assert not torch.equal(before.cpu(), model.model.layers[0].attn_delta.beta_bias.cpu())  # use_cpu moved the model
 
 
+
+@pytest.mark.parametrize("wrap", ["model", "peft"])
+def test_trainer_label_smoothing_shifts_the_labels(wrap, tmp_path):
+    """Trainer's label smoother shifts the labels only for the class names in transformers' causal-LM mapping, where
+    DDL's was not: `label_smoothing_factor` trained DDL to predict the current token (found by a user-style test
+    pass). With a smoothing of 1e-6 the loss is now the model's own (shifted) one."""
+    from transformers import Trainer, TrainingArguments
+
+    model = _model().eval()
+    ids = _ids(4, 16)
+    expected = model(ids, labels=ids).loss
+    if wrap == "peft":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
+    args = TrainingArguments(output_dir=str(tmp_path), label_smoothing_factor=1e-6, report_to=[], use_cpu=True)
+    with torch.no_grad():
+        loss = Trainer(model=model, args=args).compute_loss(model, {"input_ids": ids, "labels": ids})
+    torch.testing.assert_close(loss, expected, rtol=0, atol=1e-4)
+
 # ---------------------------------------------------------------------------------------------------------------
 # Hub: remote code in a fresh process where `ddl` is not importable, from a folder and from an offline HF cache
 
