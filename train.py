@@ -533,7 +533,9 @@ def train_and_evaluate(trainer, training_args, resume) -> dict:
     metrics = {}
     resumed = resumed_state(resume)  # read now: checkpoint rotation may delete it during training
     if training_args.do_train and resumed and steps_left(resumed, training_args.max_steps) <= 0:
-        # Trainer would train one step past the end; the run is finished: its weights are the checkpoint's
+        # Trainer would train one step past the end; the run is finished: its weights are the checkpoint's, loaded
+        # by Trainer's own loader (train() would have), adapters too: a fine-tune's model is still its base here
+        trainer._load_from_checkpoint(resume)
         trainer.state = resumed
         metrics["resumed_at_step"] = resumed.global_step
         print(f"{resume} is at step {resumed.global_step}, the run's last: no step left to train; finishing the run "

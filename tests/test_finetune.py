@@ -263,3 +263,27 @@ def readme_sft_command() -> list[str]:
     match = re.search(r"^trl (sft .*?)(?<!\\)$", TRAINING_DOC, re.M | re.S)
     assert match, "docs/training.md shows no `trl sft` command"
     return shlex.split(match.group(1).replace("\\\n", " ").split("#")[0])
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_resuming_a_finished_fine_tune_keeps_its_weights(lora, trained, tmp_path, text_file):  # noqa: F811
+    """A fine-tune (--model_name_or_path, with or without --lora) resumed at its last checkpoint, as after a Ctrl-C in
+    its final evaluation or save: train.py skips Trainer.train, which is what loads a checkpoint, so the final folder
+    got the untouched base model (and a fresh adapter) under the fine-tune's numbers (found by a user-style test
+    pass). It now holds the checkpoint's weights."""
+    from safetensors.torch import load_file
+
+    base, _ = trained
+    out = tmp_path / "ft"
+    args = ["--model_name_or_path", str(base), "--train_file", str(text_file), "--output_dir", str(out), *TINY_RUN,
+            "--max_steps", "2", "--eval_steps", "2", "--save_steps", "2", "--learning_rate", "1e-2",
+            *(["--lora", "--lora_r", "4"] if lora else [])]
+    run_train(*args)
+    tuned = load_file(str(out / "model.safetensors"))
+    adapter = load_file(str(out / "adapter" / "adapter_model.safetensors")) if lora else {}
+    proc = run_train(*args, "--resume_from_checkpoint", "true")
+    assert "no step left to train" in proc.stdout
+    again = load_file(str(out / "model.safetensors"))
+    assert all(torch.equal(tuned[k], again[k]) for k in tuned)
+    for key, value in (load_file(str(out / "adapter" / "adapter_model.safetensors")) if lora else {}).items():
+        assert torch.equal(adapter[key], value), key
