@@ -132,7 +132,7 @@ from ddl_tools.resume import (
     tokens_seen,
     training_record,
 )
-from ddl_tools.runs import (claim_output_dir, finish_output_dir, interruption_note, mark_unfinished,
+from ddl_tools.runs import (claim_output_dir, finish_output_dir, interruption_note, take_output_dir,
                             release_output_dirs, saving_into)
 from ddl_tools.training import DDLTrainer
 
@@ -548,7 +548,8 @@ def train_and_evaluate(trainer, training_args, resume) -> dict:
         trainer.log_metrics("train", result.metrics)
     if training_args.do_eval:
         last = [e for e in trainer.state.log_history if "eval_loss" in e]
-        if last and last[-1]["step"] == trainer.state.global_step:  # the last step was just evaluated
+        if last and last[-1]["step"] == trainer.state.global_step and not (  # the last step was just evaluated, and
+                training_args.load_best_model_at_end and trainer.state.best_model_checkpoint):  # its model is saved
             eval_metrics = {k: v for k, v in last[-1].items() if k.startswith("eval_") or k == "epoch"}
         else:
             eval_metrics = trainer.evaluate()
@@ -619,12 +620,14 @@ def main(argv: list[str]) -> None:
     start = time.time()
 
     raw, data_info = load_text(data_args, training_args)  # 1. the text
+    if not resume and training_args.process_index == 0:  # (checked: now it may write; the tokenizer is first)
+        take_output_dir(training_args.output_dir, run_args.overwrite_output_dir, None)
     tokenizer, tokenizer_source = get_tokenizer(model_args, data_args, training_args, raw, resume)
     record = run_record(data_args, data_info, tokenizer)
     if resume:
         check_resumed_data(resume, resumed_state(resume), *record, model_args.tokenizer_name or "the checkpoint's")
         if training_args.process_index == 0:
-            mark_unfinished(training_args.output_dir)  # (checked: now it may write)
+            take_output_dir(training_args.output_dir, run_args.overwrite_output_dir, resume)  # (checked)
     model = build_model(model_args, tokenizer, resume)  # 2. the model
     finalize_for_saving(model, tokenizer)  # already for the checkpoints, and the revisions pushed from them
     if model_args.lora:

@@ -190,10 +190,11 @@ KEPT_ON_RESUME = {
     **dict.fromkeys(("seed", "data_seed"), "the seed draws the order of the blocks, so the run would not resume at "
                                             "its next block"),
 }
-# What Trainer builds from the command line on resume: the learning-rate schedule's shape, from the second resumed step
-# on (the first takes the rate the checkpoint's scheduler computed), at the checkpoint's peak, as for a raised
-# --max_steps; and the clipping of every step. Given, they are what the resumed run trains with.
-FOLLOWED_ON_RESUME = ("lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "max_grad_norm")
+# What Trainer builds from the command line on resume: the run's length; the learning-rate schedule's shape, from the
+# second resumed step on (the first takes the rate the checkpoint's scheduler computed), at the checkpoint's peak, as
+# for a raised --max_steps; and the clipping of every step. Given, they are what the resumed run trains with.
+FOLLOWED_ON_RESUME = ("max_steps", "num_train_epochs", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps",
+                      "max_grad_norm")
 _OPTIMIZER_STATE = {"adamw_torch_fused": "adamw_torch"}  # the same optimizer (and state), fused or not
 
 
@@ -222,7 +223,7 @@ def resumed_training_arguments(checkpoint: str, state: TrainerState, args, given
     command line does not give is set in `args` to the checkpoint's value: the schedule then continues as it was, and
     the run's record, card and training_args.json say what Trainer does (a default would have been reported, or
     followed, instead). A given one of `KEPT_ON_RESUME` whose value is not the checkpoint's is refused in one line that
-    says why; a given one of `FOLLOWED_ON_RESUME` (and --max_steps, --num_train_epochs) is what the run trains with.
+    says why; a given one of `FOLLOWED_ON_RESUME` (--max_steps among them) is what the run trains with.
     A checkpoint saved before the record existed resumes with a warning (nothing to compare with)."""
     recorded = _recorded(state).get("training")
     if recorded is None:

@@ -106,13 +106,12 @@ def _checkpoint_to_resume(out: str, resume: str | None) -> str | None:
 def claim_output_dir(out: str, resume: str | None, overwrite: bool, do_train: bool, main_process: bool = True):
     """Make `out` this run's (the rule of `ddl_tools.outputs`) and say which checkpoint to resume from (None: start
     fresh). The main process creates the folder (a file there, or no permission, is a `UsageError` now, not at the
-    first save after training), takes its lock (one run at a time) and marks it as an unfinished run.
+    first save after training) and takes its lock (one run at a time); nothing in it changes until the run's checks
+    have passed and `take_output_dir` makes it this run's.
 
     A non-empty folder is refused unless it is resumed from (`--resume_from_checkpoint` names a checkpoint in it),
     holds only what an unfinished run left (the mark, no complete checkpoint: e.g. the tokenizer of a run that
-    failed), or `overwrite` is given; in that case its old checkpoints are deleted (a later `--resume_from_checkpoint
-    true` must not pick them up). A run resumed in its own folder is marked by `mark_unfinished` once its checks
-    passed: a refused resume must leave a finished run finished (a later run would take it for an unfinished one)."""
+    failed), or `overwrite` is given."""
     if main_process:
         lock, created = claim_folder(out, "--output_dir", own_files=[UNFINISHED_RUN])
         _held_claims.append((out, lock, created))
@@ -136,17 +135,22 @@ def claim_output_dir(out: str, resume: str | None, overwrite: bool, do_train: bo
                     if latest else "")
             raise UsageError(f"Output folder {out!r} exists and is not empty; refusing to overwrite it.{hint} To start "
                              "over in it pass --overwrite_output_dir, or choose another --output_dir.")
-    if main_process:
-        if overwrite and not resumes_here:
-            for path in checkpoints(out):
-                shutil.rmtree(path)
-        if (UNFINISHED_RUN not in contents or overwrite) and not resumes_here:
-            mark_unfinished(out)
     return checkpoint
 
 
+def take_output_dir(out: str, overwrite: bool, resume: str | None) -> None:
+    """Make the claimed `out` this run's once every check has passed (a refused run leaves it as it was: a finished
+    run stays finished and keeps its checkpoints): mark it unfinished (until `finish_output_dir`), and, for a run that
+    does not resume in it, delete its old checkpoints with `overwrite` (a later `--resume_from_checkpoint true` must
+    not pick them up). The main process's, before its first write there."""
+    if overwrite and not (resume is not None and _is_inside(resume, out)):
+        for path in checkpoints(out):
+            shutil.rmtree(path)
+    mark_unfinished(out)
+
+
 def mark_unfinished(out: str) -> None:
-    """Mark `out` as holding an unfinished run (until `finish_output_dir`); a mark already there is kept."""
+    """Mark `out` as holding an unfinished run; a mark already there is kept."""
     path = os.path.join(out, UNFINISHED_RUN)
     if not os.path.exists(path):
         write_json(path, {"command": sys.argv, "started": time.ctime()})
@@ -224,6 +228,7 @@ __all__ = [
     "is_complete_checkpoint",
     "last_complete_checkpoint",
     "mark_unfinished",
+    "take_output_dir",
     "release_output_dirs",
     "saving_into",
 ]

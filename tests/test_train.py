@@ -617,6 +617,18 @@ def test_resuming_refuses_training_arguments_it_would_not_honour(flags, message,
     assert sorted(os.listdir(folder)) == before  # (nothing written: not even the mark)
 
 
+def test_a_resume_without_max_steps_keeps_the_runs_length(trained):
+    """The README's resume command gives no --max_steps: the run's length was the preset's (500 steps; a checkpoint
+    past it was declared finished), not the checkpoint's (found by a user-style test pass). Now it is the run's."""
+    import train
+
+    argv = ["--config_overrides", TINY_MODEL]
+    model_args, data_args, _, training_args = train.parse_args(argv)
+    assert training_args.max_steps == 500
+    train.check_resume(str(trained[0] / "checkpoint-3"), model_args, data_args, training_args, argv)
+    assert (training_args.max_steps, training_args.num_train_epochs) == (3, 3.0)
+
+
 def test_a_resume_keeps_the_checkpoints_training_arguments_and_follows_the_schedule_given(trained):
     """What the command line does not give is the checkpoint's (here its batch of 4, not the preset's 16: the run
     resumes at its next block, and its card says what it trained with); what Trainer builds from the command line on
@@ -900,9 +912,13 @@ def test_a_write_cut_short_does_not_block_the_folder(leftovers, tmp_path):
     for name in leftovers:  # the mark whole (an earlier run's), the temporary files cut short
         whole = name == ".ddl_unfinished_run.json"
         (out / name).write_text('{"command": ["train.py"], "started": "then"}' if whole else '{"command": ["tr')
+    from ddl_tools.runs import take_output_dir
+
     assert resolve_in(out) is None  # no checkpoint to resume: a fresh start, not a refusal
+    assert sorted(p.name for p in out.iterdir()) == ([".ddl_unfinished_run.json"] if len(leftovers) > 1 else [])
+    take_output_dir(str(out), overwrite=False, resume=None)  # (once the run's checks have passed)
     assert sorted(p.name for p in out.iterdir()) == [".ddl_unfinished_run.json"]
-    assert json.loads((out / ".ddl_unfinished_run.json").read_text())["command"]  # this run's mark, whole
+    assert json.loads((out / ".ddl_unfinished_run.json").read_text())["command"]  # a mark, whole
 
 
 @pytest.mark.parametrize("variable", ["DDL_IMPLEMENTATION", "DDL_CPU_KERNEL"])
@@ -929,3 +945,35 @@ def test_rows_without_text_are_skipped_with_a_warning(tmp_path, text_file, capsy
     assert "2 of the 600 rows of the train data have no text (null in column 'text'; the first is row 7)" \
         in caplog.text
     assert (out / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("bad", [["--ddl_compressor", "bogus"], ["--train_file", "missing.txt"]], ids=["flag", "data"])
+def test_overwrite_with_bad_input_leaves_the_folder_as_it_was(bad, trained, tmp_path, text_file, capsys):
+    """--overwrite_output_dir with a bad flag or file: one line, but the old checkpoints were already deleted and the
+    folder marked unfinished, so the next plain run replaced the finished model without --overwrite_output_dir (found
+    by a user-style test pass). Nothing is deleted or marked until every check has passed."""
+    finished = copy_run(trained, tmp_path / "finished")
+    before = sorted(p.name for p in finished.iterdir())
+    status, err = run_cli(tiny(finished, text_file, "--max_steps", "3", "--overwrite_output_dir", *bad), capsys)
+    assert status == 2 and len(err.strip().splitlines()) == 1, err[-2000:]
+    assert sorted(p.name for p in finished.iterdir()) == before
+    status, err = run_cli(tiny(finished, text_file, "--max_steps", "3"), capsys)
+    assert status == 2 and "refusing to overwrite it" in err, err[-2000:]
+
+
+def test_load_best_model_at_end_reports_the_saved_models_loss(tmp_path, text_file, capsys):
+    """--load_best_model_at_end saves the best checkpoint's weights, but the reported validation loss (all_results,
+    the card) was the last step's (found by a user-style test pass). Here the "best" is the worst loss (greater is
+    better), so the two differ: the reported loss is the saved model's."""
+    out = tmp_path / "best"
+    status, err = run_cli(tiny(out, text_file, "--max_steps", "4", "--save_steps", "2", "--eval_steps", "2",
+                               "--learning_rate", "1e-2", "--load_best_model_at_end", "true",
+                               "--metric_for_best_model", "loss", "--greater_is_better", "true"), capsys)
+    assert status == 0, err[-3000:]
+    state = json.loads((out / "trainer_state.json").read_text())
+    evals = {}
+    for entry in (e for e in state["log_history"] if "eval_loss" in e):  # (the final evaluation comes last)
+        evals.setdefault(entry["step"], entry["eval_loss"])
+    best = int(state["best_model_checkpoint"].rsplit("-", 1)[1])
+    assert best != state["global_step"] and evals[best] != evals[state["global_step"]]
+    assert json.loads((out / "all_results.json").read_text())["eval_loss"] == pytest.approx(evals[best], rel=1e-5)
