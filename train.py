@@ -58,6 +58,7 @@ per-preset run sizes (ddl_tools/presets.py: PAPER_RECIPE, PRESET_RUN_DEFAULTS); 
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import sys
@@ -307,14 +308,18 @@ def check_run_length(training_args: TrainingArguments) -> None:
 
 
 def check_arguments(data_args, training_args) -> None:
-    """Before anything is written: the run's length, Trainer's numbers, DDL's environment variables, and a block
-    size (`--block_size 0` used to mean "unset", i.e. 256)."""
+    """Before anything is written: the run's length, Trainer's numbers, DDL's environment variables, a block size
+    (`--block_size 0` used to mean "unset", i.e. 256) and the validation's size."""
     check_run_length(training_args)
     check_training_arguments(training_args)
     check_ddl_environment()
     if data_args.block_size is not None and data_args.block_size < 2:
         raise UsageError(f"--block_size must be at least 2 (one input and one target token), got "
                          f"{data_args.block_size}.")
+    for flag, value in (("--max_eval_samples", data_args.max_eval_samples),
+                        ("--streaming_validation_examples", data_args.streaming_validation_examples)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be at least 1, got {value} (leave it out for its default).")
 
 
 def resolve_resume(training_args: TrainingArguments, run_args: RunArguments) -> str | None:
@@ -330,6 +335,11 @@ def check_resume(resume, model_args, data_args, training_args, argv) -> None:
     the same training (its recorded learning rate, optimizer, batch and seed, which Trainer restores or counts its
     position in: another value given is refused; `resumed_training_arguments`). What is not given is the
     checkpoint's. Its data and tokenizer are checked once loaded (`check_resumed_data`)."""
+    if os.path.isfile(os.path.join(resume, "adapter_config.json")) and not model_args.lora:  # (a --lora run's)
+        with open(os.path.join(resume, "adapter_config.json"), encoding="utf-8") as f:
+            base = json.load(f).get("base_model_name_or_path") or "BASE"
+        raise UsageError(f"{resume} holds a LoRA adapter, not a whole model: resume its run with its own flags, "
+                         f"--model_name_or_path {base} --lora (and its --lora_* values).")
     flags = {k: v for k, v in model_args.ddl_flags().items() if v is not None}
     check_resumed_model(resume, model_args.preset, parse_config_overrides(model_args.config_overrides), flags)
     check_weights(resume, DDLForCausalLM, DDLConfig.from_pretrained(resume), "--resume_from_checkpoint")

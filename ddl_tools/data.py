@@ -169,6 +169,10 @@ def ensure_validation_split(raw, percentage: float, seed: int, documents: bool, 
         return raw
     train = raw["train"]
     if isinstance(raw, IterableDatasetDict) or not hasattr(train, "train_test_split"):
+        if next(iter(train.skip(streaming_examples)), None) is None:  # (reads the first rows once)
+            raise UsageError(f"The streamed training data has no row after the first {streaming_examples}, which are "
+                             "held out for validation: lower --streaming_validation_examples, or give "
+                             "--validation_file.")
         return IterableDatasetDict({"train": train.skip(streaming_examples),
                                     "validation": train.take(streaming_examples)})
     if len(train) < 2:

@@ -281,6 +281,10 @@ def test_resuming_a_finished_fine_tune_keeps_its_weights(lora, trained, tmp_path
     run_train(*args)
     tuned = load_file(str(out / "model.safetensors"))
     adapter = load_file(str(out / "adapter" / "adapter_model.safetensors")) if lora else {}
+    if lora:  # the README's resume command without the run's --lora and base was a traceback: one line naming them
+        bare = run_train("--train_file", str(text_file), "--output_dir", str(out), *TINY_RUN,
+                         "--resume_from_checkpoint", "true", check=False)
+        assert bare.returncode == 2 and f"--model_name_or_path {base} --lora" in bare.stderr, bare.stderr[-2000:]
     proc = run_train(*args, "--resume_from_checkpoint", "true")
     assert "no step left to train" in proc.stdout
     again = load_file(str(out / "model.safetensors"))

@@ -431,6 +431,12 @@ BAD_INPUTS = {
                               "--weight_decay -0.1: must be a number >= 0"),
     "negative-warmup": (["--warmup_steps", "-1"], "warmup_steps >= 0"),
     "block-size-0": (["--block_size", "0"], "--block_size must be at least 2"),
+    # (found by a user-style test pass: tracebacks after the tokenizer was written)
+    "no-eval-samples": (["--max_eval_samples", "0"], "--max_eval_samples must be at least 1"),
+    "no-streamed-validation": (["--streaming", "--max_steps", "2", "--streaming_validation_examples", "0"],
+                               "--streaming_validation_examples must be at least 1"),
+    "streamed-file-all-held-out": (["--streaming", "--max_steps", "2", "--streaming_validation_examples", "5000"],
+                                   "no row after the first 5000"),
     "numeric-text-column": (["--train_file", "{numbers}"], "--text_column 'text' of the train data holds int64"),
     "truncated-checkpoint": (["--model_name_or_path", "{truncated}"], "model.safetensors is cut short"),
     "misshapen-checkpoint": (["--model_name_or_path", "{misshapen}"], "its weights do not fit its config.json"),
