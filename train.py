@@ -121,11 +121,13 @@ from ddl_tools.presets import (
     variant_arguments,
 )
 from ddl_tools.resume import (
+    SPLIT_FLAGS,
     DDLRunRecord,
     check_resumed_data,
     check_resumed_model,
     data_record,
     resumed_block_size,
+    resumed_split,
     resumed_state,
     resumed_training_arguments,
     steps_left,
@@ -345,6 +347,7 @@ def check_resume(resume, model_args, data_args, training_args, argv) -> None:
     check_weights(resume, DDLForCausalLM, DDLConfig.from_pretrained(resume), "--resume_from_checkpoint")
     given, state = given_flags(argv), resumed_state(resume)
     data_args.block_size = resumed_block_size(resume, state, data_args.block_size, "block_size" in given)
+    resumed_split(resume, state, data_args, given)
     resumed_training_arguments(resume, state, training_args, given)
 
 
@@ -694,7 +697,8 @@ def run_record(data_args, data_info, tokenizer) -> tuple[dict, str]:
     content of its local files) and the tokenizer's digest."""
     files = {split: path for split, path in (("train", data_args.train_file),
                                              ("validation", data_args.validation_file)) if path}
-    return data_record(data_info["name"], files, data_args.text_column), tokenizer_digest(tokenizer)
+    split = {name: getattr(data_args, name) for name in SPLIT_FLAGS}
+    return data_record(data_info["name"], files, data_args.text_column, split), tokenizer_digest(tokenizer)
 
 
 def cli(argv: list[str]) -> int:

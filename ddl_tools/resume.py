@@ -69,11 +69,12 @@ def file_digest(path: str) -> str:
     return digest.hexdigest()
 
 
-def data_record(name: str, files: dict[str, str], text_column: str) -> dict:
+def data_record(name: str, files: dict[str, str], text_column: str, split: dict | None = None) -> dict:
     """What a run trains on, as its checkpoints record it: the source's name (`load_raw_datasets`'), each local file
     by its name and the SHA-256 of its content (`files`: split -> path; a file of the same name may hold other text by
-    the time the run resumes), and the column read."""
-    return {"name": name, "text_column": text_column,
+    the time the run resumes), the column read, and how its validation rows were held out (`split`: `SPLIT_FLAGS`'
+    values)."""
+    return {"name": name, "text_column": text_column, "split": split or {},
             "files": {split: {"file": os.path.basename(path), "sha256": file_digest(path)}
                       for split, path in files.items()}}
 
@@ -170,6 +171,22 @@ def resumed_block_size(checkpoint: str, state: TrainerState, block_size: int | N
     if block_size != recorded:
         logger.warning("Resuming %s with its blocks of %d tokens.", checkpoint, recorded)
     return recorded
+
+
+# The flags that choose which rows are held out for validation when the data has no validation split of its own
+SPLIT_FLAGS = ("validation_split_percentage", "streaming_validation_examples")
+
+
+def resumed_split(checkpoint: str, state: TrainerState, data_args, given: set[str]) -> None:
+    """A resumed run holds out its checkpoint's validation rows (`SPLIT_FLAGS` set in `data_args` to the recorded
+    values): another split would move rows between training and validation under the resumed data position, so a
+    different value given is refused. A checkpoint saved before the record existed keeps what is given."""
+    for name, value in ((_recorded(state).get("data") or {}).get("split") or {}).items():
+        if name in given and getattr(data_args, name) != value:
+            raise UsageError(f"--{name} {getattr(data_args, name):g}: {checkpoint!r} held out its validation rows "
+                             f"with {value:g}, and another value would move rows between training and validation. "
+                             f"Drop --{name} to resume, or start a new run in another --output_dir.")
+        setattr(data_args, name, value)
 
 
 # The training arguments a run's checkpoints record (`training_record`) and its resume keeps
@@ -274,6 +291,7 @@ __all__ = [
     "file_digest",
     "recorded_block_size",
     "resumed_block_size",
+    "resumed_split",
     "resumed_state",
     "resumed_training_arguments",
     "steps_left",

@@ -635,6 +635,24 @@ def test_a_resume_without_max_steps_keeps_the_runs_length(trained):
     assert (training_args.max_steps, training_args.num_train_epochs) == (3, 3.0)
 
 
+def test_a_resume_holds_out_its_runs_validation_rows(trained):
+    """Another --validation_split_percentage on resume moved rows between training and validation under the
+    checkpoint's data position, silently (found by a user-style test pass): refused; not given, the run's is used."""
+    import train
+    from ddl_tools.outputs import UsageError
+
+    checkpoint = str(trained[0] / "checkpoint-3")
+    argv = ["--config_overrides", TINY_MODEL, "--validation_split_percentage", "30"]
+    model_args, data_args, _, training_args = train.parse_args(argv)
+    with pytest.raises(UsageError, match="--validation_split_percentage 30: .* held out its validation rows with 5"):
+        train.check_resume(checkpoint, model_args, data_args, training_args, argv)
+    argv = ["--config_overrides", TINY_MODEL]
+    model_args, data_args, _, training_args = train.parse_args(argv)
+    data_args.validation_split_percentage = 30.0  # (as if the default had changed since)
+    train.check_resume(checkpoint, model_args, data_args, training_args, argv)
+    assert data_args.validation_split_percentage == 5
+
+
 def test_a_resume_keeps_the_checkpoints_training_arguments_and_follows_the_schedule_given(trained):
     """What the command line does not give is the checkpoint's (here its batch of 4, not the preset's 16: the run
     resumes at its next block, and its card says what it trained with); what Trainer builds from the command line on
