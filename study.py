@@ -553,12 +553,16 @@ def describe_scale(plan: dict | None, results: list[dict]) -> dict:
 def check_settings(settings: StudySettings, args):
     """The grid, and a study folder that holds runs of these settings only (raises ValueError)."""
     from ddl_tools import study
+    from ddl_tools.resume import file_digest
 
     grid = study.build_grid(settings.variants, settings.seeds)
     if settings.max_tokens < settings.tokens_per_step:
         raise ValueError(f"--max_tokens {settings.max_tokens:,} is less than one step ({settings.tokens_per_step:,} "
                          "tokens).")
     config = {k: v for k, v in asdict(settings).items() if k not in ("variants", "seeds", "launcher")}
+    for name in ("train_file", "validation_file"):  # by content too: a file of the same name may hold other text
+        if getattr(settings, name):
+            config[f"{name}_sha256"] = file_digest(getattr(settings, name))
     study.check_report_dir(args.report_dir)  # now, not after the training
     if not args.report_only:
         study.check_study_config(args.study_dir, config)

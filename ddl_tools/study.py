@@ -96,6 +96,9 @@ def build_grid(variants: Sequence[str], seeds: Sequence[int]) -> list[RunSpec]:
         duplicates = sorted({str(v) for v in values if list(values).count(v) > 1})
         if duplicates:
             raise ValueError(f"--{name} lists {duplicates} more than once.")
+    outside = [seed for seed in seeds if not 0 <= seed < 2**32]
+    if outside:
+        raise ValueError(f"--seeds {outside}: a seed must be in [0, 2**32) (numpy's range).")
     for variant in variants:
         variant_flags(variant)
     return [RunSpec(variant, seed) for seed in seeds for variant in variants]
@@ -145,6 +148,8 @@ def check_study_config(study_dir: str, config: dict) -> None:
     if os.path.isfile(path):
         with open(path, encoding="utf-8") as f:
             previous = json.load(f)
+        for key in [k for k in config if k.endswith("_sha256") and k not in previous]:  # (recorded since: unknown)
+            previous[key] = config[key]
         if previous != json.loads(json.dumps(config)):
             changed = sorted(k for k in set(previous) | set(config) if previous.get(k) != config.get(k))
             raise ValueError(
