@@ -220,6 +220,10 @@ def cli(argv) -> int:
     except StrictDataclassError as err:  # an invalid DDLConfig field (from --config_overrides or a config.json)
         print(f"train_classifier.py: error: {config_error_message(err)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # (a traceback said nothing of what to do)
+        print("train_classifier.py: interrupted; rerun the command (with --overwrite_output_dir where its output "
+              "folder kept checkpoints).", file=sys.stderr)
+        return 130
     finally:
         release_output_dirs(failed)
         end_process_group()

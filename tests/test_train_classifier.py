@@ -261,6 +261,22 @@ def test_an_invalid_ddl_environment_variable_is_one_line(variable, tmp_path, cap
     assert not (tmp_path / "out").exists()
 
 
+def test_ctrl_c_is_one_line(tmp_path, capsys, monkeypatch):
+    """Ctrl-C in training was a KeyboardInterrupt traceback (train.py's is one line); the folder it created and left
+    empty is removed."""
+    import train_classifier
+    from transformers import Trainer
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Trainer, "train", interrupted)
+    status, err = run_cli(train_classifier.cli, ["--output_dir", str(tmp_path / "out"), "--config_overrides",
+                                                 TINY_MODEL, *TINY_RUN], capsys)
+    assert status == 130 and "train_classifier.py: interrupted; rerun" in err and "Traceback" not in err, err[-2000:]
+    assert not (tmp_path / "out").exists()
+
+
 # ------------------------------------------------------------------------------------ the output folder
 
 
