@@ -109,7 +109,7 @@ def check_training_arguments(args) -> None:
     """Values `TrainingArguments` accepts and Trainer then misuses, refused before anything is written: a batch of 0
     or no accumulation (a late DataLoader error, a division by zero), a negative or non-finite learning rate, weight
     decay, epsilon or clipping norm (AdamW's traceback after the tokenizer is written; a negative norm silently
-    turns clipping off), betas outside [0, 1), and no epochs to train (`--max_steps -1` with
+    turns clipping off), betas outside [0, 1), seeds numpy refuses, and no epochs to train (`--max_steps -1` with
     `--num_train_epochs 0`)."""
     for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
         if getattr(args, name) < 1:
@@ -122,6 +122,9 @@ def check_training_arguments(args) -> None:
     for name in ("adam_beta1", "adam_beta2"):
         if not 0 <= getattr(args, name) < 1:
             raise UsageError(f"--{name} {getattr(args, name)}: must be in [0, 1).")
+    for name in ("seed", "data_seed"):  # (numpy's range: a negative seed was its traceback after the tokenizer)
+        if getattr(args, name) is not None and not 0 <= getattr(args, name) < 2**32:
+            raise UsageError(f"--{name} {getattr(args, name)}: must be in [0, 2**32).")
     if args.max_steps <= 0 and not args.num_train_epochs > 0:
         raise UsageError(f"--num_train_epochs {args.num_train_epochs}: must be above 0 (or give --max_steps).")
 

@@ -430,6 +430,7 @@ BAD_INPUTS = {
     "negative-weight-decay": (["--block_size", "32", "--weight_decay", "-0.1"],
                               "--weight_decay -0.1: must be a number >= 0"),
     "negative-warmup": (["--warmup_steps", "-1"], "warmup_steps >= 0"),
+    "negative-seed": (["--seed", "-1"], "--seed -1: must be in [0, 2**32)"),
     "block-size-0": (["--block_size", "0"], "--block_size must be at least 2"),
     # (found by a user-style test pass: tracebacks after the tokenizer was written)
     "no-eval-samples": (["--max_eval_samples", "0"], "--max_eval_samples must be at least 1"),
