@@ -249,6 +249,8 @@ def resumed_training_arguments(checkpoint: str, state: TrainerState, args, given
                        "(Trainer continues with the checkpoint's optimizer and learning rate).", checkpoint)
         return
     differ, adopted = [], []
+    if given & {"max_steps", "num_train_epochs"}:  # (one setting: a recorded --max_steps would win over given epochs)
+        given = given | {"max_steps", "num_train_epochs"}
     for name, value in recorded.items():
         if name not in KEPT_ON_RESUME and name not in FOLLOWED_ON_RESUME:
             continue  # (recorded by a later version)

@@ -148,15 +148,16 @@ def check_study_config(study_dir: str, config: dict) -> None:
     if os.path.isfile(path):
         with open(path, encoding="utf-8") as f:
             previous = json.load(f)
-        for key in [k for k in config if k.endswith("_sha256") and k not in previous]:  # (recorded since: unknown)
-            previous[key] = config[key]
+        upgraded = [k for k in config if k.endswith("_sha256") and k not in previous]  # (recorded since: unknown,
+        previous.update({key: config[key] for key in upgraded})  # so taken now, and kept from now on)
         if previous != json.loads(json.dumps(config)):
             changed = sorted(k for k in set(previous) | set(config) if previous.get(k) != config.get(k))
             raise ValueError(
                 f"{study_dir!r} holds a study with another configuration (differs in: {', '.join(changed)}). "
                 f"Rerun with the same settings to resume it, or choose another --study_dir."
             )
-        return
+        if not upgraded:
+            return
     write_json(path, config)
 
 

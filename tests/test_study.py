@@ -700,5 +700,8 @@ def test_a_rerun_on_changed_text_is_refused(tmp_path):
         del recorded["train_file_sha256"], recorded["validation_file_sha256"]
         (tmp_path / "s" / "study.json").write_text(json.dumps(recorded))
         script.check_settings(settings, parsed)  # (an older study.json: nothing to compare with)
+        train_text.write_text("a third text\n" * 50)  # (its digests are recorded from then on)
+        with pytest.raises(ValueError, match="differs in: train_file_sha256"):
+            script.check_settings(settings, parsed)
     finally:
         lock.release(remove=True)

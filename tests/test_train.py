@@ -634,6 +634,10 @@ def test_a_resume_without_max_steps_keeps_the_runs_length(trained):
     assert training_args.max_steps == 500
     train.check_resume(str(trained[0] / "checkpoint-3"), model_args, data_args, training_args, argv)
     assert (training_args.max_steps, training_args.num_train_epochs) == (3, 3.0)
+    argv = ["--config_overrides", TINY_MODEL, "--max_steps", "-1", "--num_train_epochs", "2"]  # (given: followed)
+    model_args, data_args, _, training_args = train.parse_args(argv)
+    train.check_resume(str(trained[0] / "checkpoint-3"), model_args, data_args, training_args, argv[:2] + argv[4:])
+    assert (training_args.max_steps, training_args.num_train_epochs) == (-1, 2.0)
 
 
 def test_a_resume_holds_out_its_runs_validation_rows(trained):
