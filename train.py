@@ -541,14 +541,16 @@ def build_kernels(config, training_args):
             kernels()
 
 
-def train_and_evaluate(trainer, training_args, resume) -> dict:
-    """Step 4: train (from `resume`, if given), then the validation loss of the final weights."""
+def train_and_evaluate(trainer, training_args, resume, built_from_resume=True) -> dict:
+    """Step 4: train (from `resume`, if given), then the validation loss of the final weights. `built_from_resume`:
+    the model was built from the checkpoint's weights (not from a base it fine-tunes)."""
     metrics = {}
     resumed = resumed_state(resume)  # read now: checkpoint rotation may delete it during training
     if training_args.do_train and resumed and steps_left(resumed, training_args.max_steps) <= 0:
-        # Trainer would train one step past the end; the run is finished: its weights are the checkpoint's, loaded
-        # by Trainer's own loader (train() would have), adapters too: a fine-tune's model is still its base here
-        trainer._load_from_checkpoint(resume)
+        # Trainer would train one step past the end; the run is finished: its weights are the checkpoint's. A
+        # fine-tune's model is still its base here: Trainer's own loader (train() would have) loads them, adapters too
+        if not built_from_resume:
+            trainer._load_from_checkpoint(resume)
         trainer.state = resumed
         metrics["resumed_at_step"] = resumed.global_step
         print(f"{resume} is at step {resumed.global_step}, the run's last: no step left to train; finishing the run "
@@ -660,7 +662,8 @@ def main(argv: list[str]) -> None:
     trainer.card_inputs = card_inputs(model_args, data_args, run_args, training_args, config, blocks, data_info,
                                       tokenizer_source)
     build_kernels(config, training_args)
-    metrics = train_and_evaluate(trainer, training_args, resume)  # 4. train and evaluate (stops if it diverges)
+    metrics = train_and_evaluate(trainer, training_args, resume, not (  # (build_model's choice of source)
+        model_args.model_name_or_path or model_args.init_from_llama))  # 4. train and evaluate (stops if it diverges)
 
     if model_args.lora:
         model = save_adapter_and_merge(trainer)  # the adapter; the merged model is what is saved below
