@@ -83,10 +83,11 @@ import ddl  # noqa: F401  (registers the DDL Auto classes and the code files sav
 from ddl import DDLConfig, DDLForCausalLM
 from ddl_tools.hub import check_hub_strategy
 from ddl_tools.launch import check_launch, end_process_group, launcher_precision, outside_zero3
-from ddl_tools.lora import add_lora, check_lora, describe_lora, save_adapter_and_merge
+from ddl_tools.lora import add_lora, check_lora, describe_lora, load_lora, save_adapter_and_merge
 from ddl_tools.outputs import write_json
 from ddl_tools.card import card_metadata, describe_variant, model_card, plot_loss_curve
 from ddl_tools.data import (
+    check_bpe_vocab_size,
     check_text_column,
     ensure_validation_split,
     load_raw_datasets,
@@ -384,39 +385,63 @@ def get_tokenizer(model_args, data_args, training_args, raw, resume):
     return prepare_tokenizer_for_generation(tokenizer), source
 
 
-def check_model_source(model_args):
-    """Fail fast (before any data work) on a checkpoint of the wrong kind or flags that cannot apply to it."""
+def check_model_source(model_args, resume):
+    """Fail fast (before any data work) on a checkpoint of the wrong kind or flags that cannot apply to it. Returns
+    the config the run's model will have (a fresh model's vocabulary is fixed later by its tokenizer)."""
     if model_args.lora:
         check_lora(model_args)
     if model_args.model_name_or_path and model_args.init_from_llama:
         raise UsageError("Give --model_name_or_path (a DDL checkpoint) or --init_from_llama (a Llama), not both.")
     source = model_args.model_name_or_path or model_args.init_from_llama
     flags = {k: v for k, v in model_args.ddl_flags().items() if v is not None}
-    if source is None:  # validate the fresh model's config now (the vocabulary is fixed later by the tokenizer)
-        preset_config(model_args.preset or "tiny", model_args.vocab_size,
-                      parse_config_overrides(model_args.config_overrides), **flags)
-        return
+    overrides = parse_config_overrides(model_args.config_overrides)
+    if source is None:  # validate the fresh model's config now
+        if not (resume or model_args.tokenizer_name):  # (its tokenizer is trained once the folder is taken)
+            check_bpe_vocab_size(model_args.vocab_size)
+        config = preset_config(model_args.preset or "tiny", model_args.vocab_size, overrides, **flags)
+        return DDLConfig.from_pretrained(resume) if resume else config
     if model_args.preset:
         raise UsageError("--preset shapes a fresh model; the checkpoint given sets the sizes. Drop --preset.")
+    if model_args.model_name_or_path and (flags or overrides):
+        raise UsageError("--config_overrides and --ddl_* flags shape a fresh model; a checkpoint given by "
+                         "--model_name_or_path keeps its own architecture. Drop them.")
     flag = "--model_name_or_path" if model_args.model_name_or_path else "--init_from_llama"
     config = checkpoint_config(source, flag, DDLConfig.model_type if model_args.model_name_or_path else "llama",
                                model_args.trust_remote_code)
     if model_args.model_name_or_path:
         check_weights(source, DDLForCausalLM, config, flag)
-    else:  # (before the tokenizer and the data: from_pretrained's size-mismatch traceback came after them)
-        check_llama_weights(source, config, parse_config_overrides(model_args.config_overrides), flags)
+        return config
+    # (before the tokenizer and the data: from_pretrained's size-mismatch traceback came after them)
+    check_llama_weights(source, config, overrides, flags)
+    return ddl_config_from_llama(config, overrides, **flags)
 
 
-def build_model(model_args, tokenizer, resume):
-    """The model: the checkpoint's (fine-tuning), DDL from Llama, or fresh from a preset + overrides + flags."""
+def final_weights(resume, training_args) -> str | None:
+    """A run resumed at its last step trains nothing: the checkpoint whose weights it finishes with, as Trainer would
+    have at the end of training (the best one with --load_best_model_at_end, else the last). None: steps are left."""
+    state = resumed_state(resume)
+    if not (training_args.do_train and state and steps_left(state, training_args.max_steps) <= 0):
+        return None
+    if not (training_args.load_best_model_at_end and state.best_model_checkpoint):
+        return resume
+    best = os.path.join(os.path.dirname(os.path.abspath(resume)), os.path.basename(state.best_model_checkpoint))
+    if not os.path.isdir(best):
+        raise UsageError(f"{resume} is at its run's last step and --load_best_model_at_end asks for its best "
+                         f"checkpoint, {os.path.basename(best)}, which is not in {os.path.dirname(best)}: put it back, "
+                         "or drop --load_best_model_at_end to finish with the last checkpoint's weights.")
+    return best
+
+
+def build_model(model_args, tokenizer, resume, weights):
+    """The model: the checkpoint's (fine-tuning), DDL from Llama, or fresh from a preset + overrides + flags; for a
+    run resumed at its end, with the weights it finishes with (`final_weights`), LoRA adapter included."""
     flags = {k: v for k, v in model_args.ddl_flags().items() if v is not None}
     overrides = parse_config_overrides(model_args.config_overrides)
     ids = dict(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
                eos_token_id=tokenizer.eos_token_id)
-    if model_args.model_name_or_path:
-        if flags or overrides:
-            raise UsageError("--config_overrides and --ddl_* flags shape a fresh model; a checkpoint given by "
-                             "--model_name_or_path keeps its own architecture. Drop them.")
+    if weights and not model_args.lora:  # (a LoRA run's adapter goes onto its base: `load_lora`)
+        model = load_pretrained(DDLForCausalLM, weights, "--resume_from_checkpoint")
+    elif model_args.model_name_or_path:
         model = load_ddl_checkpoint(model_args.model_name_or_path)
     elif model_args.init_from_llama:
         try:
@@ -425,9 +450,7 @@ def build_model(model_args, tokenizer, resume):
             raise UsageError(f"--init_from_llama {model_args.init_from_llama!r}: cannot read a config ({err}).")
         config = ddl_config_from_llama(llama_config, overrides, **flags)
         model = load_from_llama(model_args.init_from_llama, config)
-    elif resume:
-        # The checkpoint's architecture and weights (Trainer loads them again with the optimizer and scheduler; a
-        # run resumed at its last step trains nothing and keeps these).
+    elif resume:  # the checkpoint's architecture and weights (Trainer loads them again with its optimizer)
         model = load_pretrained(DDLForCausalLM, resume, "--resume_from_checkpoint")
     else:
         config = preset_config(model_args.preset or "tiny", len(tokenizer), overrides, **flags, **ids)
@@ -541,16 +564,12 @@ def build_kernels(config, training_args):
             kernels()
 
 
-def train_and_evaluate(trainer, training_args, resume, built_from_resume=True) -> dict:
-    """Step 4: train (from `resume`, if given), then the validation loss of the final weights. `built_from_resume`:
-    the model was built from the checkpoint's weights (not from a base it fine-tunes)."""
+def train_and_evaluate(trainer, training_args, resume, finished: bool) -> dict:
+    """Step 4: train (from `resume`, if given), then the validation loss of the final weights. `finished`: `resume`
+    is at the run's last step and the model holds the weights it finishes with (`final_weights`)."""
     metrics = {}
     resumed = resumed_state(resume)  # read now: checkpoint rotation may delete it during training
-    if training_args.do_train and resumed and steps_left(resumed, training_args.max_steps) <= 0:
-        # Trainer would train one step past the end; the run is finished: its weights are the checkpoint's. A
-        # fine-tune's model is still its base here: Trainer's own loader (train() would have) loads them, adapters too
-        if not built_from_resume:
-            trainer._load_from_checkpoint(resume)
+    if training_args.do_train and finished:  # (Trainer would train one step past the end)
         trainer.state = resumed
         metrics["resumed_at_step"] = resumed.global_step
         print(f"{resume} is at step {resumed.global_step}, the run's last: no step left to train; finishing the run "
@@ -630,26 +649,30 @@ def main(argv: list[str]) -> None:
     resume = resolve_resume(training_args, run_args)
     if resume:
         check_resume(resume, model_args, data_args, training_args, argv)
-    check_model_source(model_args)
+    config = check_model_source(model_args, resume)
+    block_size = choose_block_size(data_args, config)
+    weights = final_weights(resume, training_args)  # (a run resumed at its end)
     set_seed(training_args.seed)
     start = time.time()
 
     raw, data_info = load_text(data_args, training_args)  # 1. the text
-    if not resume and training_args.process_index == 0:  # (checked: now it may write; the tokenizer is first)
+    trains_tokenizer = not (model_args.tokenizer_name or resume or model_args.model_name_or_path
+                            or model_args.init_from_llama)
+    if trains_tokenizer and training_args.process_index == 0:  # (checked: now it may write; the tokenizer is first)
         take_output_dir(training_args.output_dir, run_args.overwrite_output_dir, None)
     tokenizer, tokenizer_source = get_tokenizer(model_args, data_args, training_args, raw, resume)
     record = run_record(data_args, data_info, tokenizer)
     if resume:
         check_resumed_data(resume, resumed_state(resume), *record, model_args.tokenizer_name or "the checkpoint's")
-        if training_args.process_index == 0:
-            take_output_dir(training_args.output_dir, run_args.overwrite_output_dir, resume)  # (checked)
-    model = build_model(model_args, tokenizer, resume)  # 2. the model
+    model = build_model(model_args, tokenizer, resume, weights)  # 2. the model
     finalize_for_saving(model, tokenizer)  # already for the checkpoints, and the revisions pushed from them
     if model_args.lora:
-        model = add_lora(model, model_args, verbose=training_args.process_index == 0)
+        model = (load_lora(model, weights) if weights
+                 else add_lora(model, model_args, verbose=training_args.process_index == 0))
     config = model.config
-    block_size = choose_block_size(data_args, config)
     blocks = pack_blocks(raw, data_info, tokenizer, block_size, config.vocab_size, data_args, training_args)  # 3.
+    if not trains_tokenizer and training_args.process_index == 0:  # (checked: the tokenizer, the model, the blocks)
+        take_output_dir(training_args.output_dir, run_args.overwrite_output_dir, resume)
     if training_args.process_index == 0:
         describe_run(model, blocks, data_info, time.time() - start)
     if tokenizer.model_max_length > config.max_position_embeddings:
@@ -662,8 +685,7 @@ def main(argv: list[str]) -> None:
     trainer.card_inputs = card_inputs(model_args, data_args, run_args, training_args, config, blocks, data_info,
                                       tokenizer_source)
     build_kernels(config, training_args)
-    metrics = train_and_evaluate(trainer, training_args, resume, not (  # (build_model's choice of source)
-        model_args.model_name_or_path or model_args.init_from_llama))  # 4. train and evaluate (stops if it diverges)
+    metrics = train_and_evaluate(trainer, training_args, resume, weights is not None)  # 4. (stops if it diverges)
 
     if model_args.lora:
         model = save_adapter_and_merge(trainer)  # the adapter; the merged model is what is saved below

@@ -203,22 +203,29 @@ def text_batches(dataset, text_column: str, batch_size: int = 1000, max_rows: in
         yield batch
 
 
+BPE_SPECIAL_TOKENS = [EOS_TOKEN, PAD_TOKEN, CHAT_START, CHAT_END]
+
+
+def check_bpe_vocab_size(vocab_size: int) -> None:
+    """A byte-level BPE holds the 256 bytes and the special tokens at least."""
+    if vocab_size < 256 + len(BPE_SPECIAL_TOKENS):
+        raise UsageError(f"--vocab_size must be at least {256 + len(BPE_SPECIAL_TOKENS)} (256 bytes + "
+                         f"{len(BPE_SPECIAL_TOKENS)} special tokens), got {vocab_size}.")
+
+
 def train_bpe_tokenizer(batches: Iterable[list], vocab_size: int) -> PreTrainedTokenizerFast:
     """A byte-level BPE (GPT-2 style) trained on the text: `<|endoftext|>` is bos/eos, `<|pad|>` pads on the left,
     and a chat template (`CHAT_TEMPLATE`, ChatML) with its two special tokens, for chat fine-tuning (SFT)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    specials = [EOS_TOKEN, PAD_TOKEN, CHAT_START, CHAT_END]
-    if vocab_size < len(alphabet) + len(specials):
-        raise UsageError(f"--vocab_size must be at least {len(alphabet) + len(specials)} (256 bytes + "
-                         f"{len(specials)} special tokens), got {vocab_size}.")
+    check_bpe_vocab_size(vocab_size)
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=2, special_tokens=specials, initial_alphabet=alphabet,
+        vocab_size=vocab_size, min_frequency=2, special_tokens=BPE_SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(batches, trainer=trainer)
@@ -370,7 +377,9 @@ __all__ = [
     "DATA_EXTENSIONS",
     "EOS_TOKEN",
     "PAD_TOKEN",
+    "BPE_SPECIAL_TOKENS",
     "VALIDATION_WORKS",
+    "check_bpe_vocab_size",
     "check_text_column",
     "corpus_dir",
     "ensure_validation_split",

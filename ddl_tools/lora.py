@@ -100,6 +100,14 @@ def add_lora(model, model_args, verbose: bool = True):
     return peft_model
 
 
+def load_lora(model, checkpoint: str):
+    """`model` with the LoRA adapter (and DDL branch) a `--lora` run saved in `checkpoint`, trainable as `add_lora`'s
+    (a run resumed at its last step finishes with these weights)."""
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(model, checkpoint, is_trainable=True)
+
+
 def describe_lora(model_args) -> str | None:
     """The model card's line on the fine-tuning (None without --lora)."""
     if not model_args.lora:
@@ -122,4 +130,4 @@ def save_adapter_and_merge(trainer):
 
 
 __all__ = ["ADAPTER_FOLDER", "LORA_TARGET_MODULES", "add_lora", "check_lora", "ddl_branch_modules", "describe_lora",
-           "lora_config", "save_adapter_and_merge"]
+           "load_lora", "lora_config", "save_adapter_and_merge"]

@@ -684,9 +684,10 @@ def test_a_resume_keeps_the_checkpoints_training_arguments_and_follows_the_sched
 def test_a_failed_run_does_not_block_its_corrected_rerun(tmp_path, text_file, capsys):
     """A run that fails after training its tokenizer leaves it in the output folder; the corrected rerun used to be
     refused ('exists and is not empty')."""
-    out = tmp_path / "out"
-    status, err = run_cli(tiny(out, text_file, "--max_steps", "1", "--block_size", "100000"), capsys)
-    assert status == 2 and "max_position_embeddings" in err
+    out, short = tmp_path / "out", tmp_path / "short.txt"
+    short.write_text("Too short\nfor one block.\n")
+    status, err = run_cli(tiny(out, short, "--max_steps", "1"), capsys)
+    assert status == 2 and "packing left nothing to train on" in err, err[-2000:]
     assert (out / "tokenizer.json").is_file()  # what the failed run left
     status, err = run_cli(tiny(out, text_file, "--max_steps", "1", "--eval_steps", "1", "--save_steps", "1"), capsys)
     assert status == 0, err[-3000:]
@@ -976,18 +977,51 @@ def test_rows_without_text_are_skipped_with_a_warning(tmp_path, text_file, capsy
     assert (out / "model.safetensors").is_file()
 
 
-@pytest.mark.parametrize("bad", [["--ddl_compressor", "bogus"], ["--train_file", "missing.txt"]], ids=["flag", "data"])
+@pytest.mark.parametrize("bad", [
+    ["--ddl_compressor", "bogus"], ["--train_file", "missing.txt"], ["--block_size", "100000"],
+    ["--tokenizer_name", "{tmp}/no-tokenizer"], ["--model_name_or_path", "{base}"], ["--vocab_size", "100"],
+    ["--tokenizer_name", "{base}", "--train_file", "{tmp}/short.txt"],
+], ids=["flag", "data", "block-size", "tokenizer", "checkpoint-with-overrides", "vocab-size", "short-text"])
 def test_overwrite_with_bad_input_leaves_the_folder_as_it_was(bad, trained, tmp_path, text_file, capsys):
     """--overwrite_output_dir with a bad flag or file: one line, but the old checkpoints were already deleted and the
     folder marked unfinished, so the next plain run replaced the finished model without --overwrite_output_dir (found
-    by a user-style test pass). Nothing is deleted or marked until every check has passed."""
+    by a user-style test pass). Nothing is deleted or marked until every check has passed, those that need the
+    tokenizer or the model too (a block size over the model's context, a tokenizer that does not load, and
+    --config_overrides with a checkpoint, a --vocab_size too small for the tokenizer it trains, and with a given
+    tokenizer, text too short for one block, came after the folder was taken)."""
+    (tmp_path / "short.txt").write_text("Too short\nfor one block.\n")
     finished = copy_run(trained, tmp_path / "finished")
     before = sorted(p.name for p in finished.iterdir())
+    bad = [arg.format(tmp=tmp_path, base=trained[0]) for arg in bad]
     status, err = run_cli(tiny(finished, text_file, "--max_steps", "3", "--overwrite_output_dir", *bad), capsys)
-    assert status == 2 and len(err.strip().splitlines()) == 1, err[-2000:]
+    lines = err.strip().splitlines()  # (the data's progress bars come first where the text was tokenised)
+    assert status == 2 and lines[-1].startswith("train.py: error: ") and "Traceback" not in err, err[-2000:]
     assert sorted(p.name for p in finished.iterdir()) == before
     status, err = run_cli(tiny(finished, text_file, "--max_steps", "3"), capsys)
     assert status == 2 and "refusing to overwrite it" in err, err[-2000:]
+
+
+def test_a_run_resumed_at_its_end_finishes_with_its_best_checkpoint(tmp_path, text_file, capsys):
+    """--load_best_model_at_end: a run stopped after its last checkpoint (Ctrl-C in the final evaluation or save) and
+    resumed shipped the last checkpoint's weights, not the best one's, which Trainer loads at the end of training.
+    Here the "best" is the worst loss (greater is better), so the two differ."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "best"
+    flags = ("--max_steps", "4", "--save_steps", "2", "--eval_steps", "2", "--learning_rate", "1e-2",
+             "--load_best_model_at_end", "true", "--metric_for_best_model", "loss", "--greater_is_better", "true")
+    status, err = run_cli(tiny(out, text_file, *flags), capsys)
+    assert status == 0, err[-3000:]
+    for name in ("model.safetensors", "all_results.json", "README.md"):  # as if stopped before the final save
+        (out / name).unlink()
+    status, err = run_cli(tiny(out, text_file, *flags, "--resume_from_checkpoint", "true"), capsys)
+    assert status == 0, err[-3000:]
+    best = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())["best_model_checkpoint"]
+    assert best.endswith("checkpoint-2")
+    saved, expected, last = (load_file(str(path / "model.safetensors"))
+                             for path in (out, out / "checkpoint-2", out / "checkpoint-4"))
+    assert not all(torch.equal(expected[k], last[k]) for k in expected)
+    assert all(torch.equal(saved[k], expected[k]) for k in expected)
 
 
 def test_load_best_model_at_end_reports_the_saved_models_loss(tmp_path, text_file, capsys):
