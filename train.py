@@ -122,7 +122,6 @@ from ddl_tools.presets import (
     variant_arguments,
 )
 from ddl_tools.resume import (
-    SPLIT_FLAGS,
     DDLRunRecord,
     check_resumed_data,
     check_resumed_model,
@@ -516,6 +515,8 @@ def load_text(data_args, training_args):
                                        data_args.validation_file, data_args.streaming)
     check_text_column(raw, data_args.text_column)
     raw = skip_rows_without_text(raw, data_args.text_column)  # before the split: the warning names the file's rows
+    held_out_by = "streaming_validation_examples" if data_args.streaming else "validation_split_percentage"
+    data_info["held_out_by"] = None if "validation" in raw else held_out_by  # (the flag a resume must keep, if any)
     raw = ensure_validation_split(raw, data_args.validation_split_percentage, training_args.seed,
                                   data_info["documents"], data_args.streaming_validation_examples)
     check_text_column(raw, data_args.text_column)
@@ -722,7 +723,8 @@ def run_record(data_args, data_info, tokenizer) -> tuple[dict, str]:
     content of its local files) and the tokenizer's digest."""
     files = {split: path for split, path in (("train", data_args.train_file),
                                              ("validation", data_args.validation_file)) if path}
-    split = {name: getattr(data_args, name) for name in SPLIT_FLAGS}
+    held_out_by = data_info["held_out_by"]
+    split = {held_out_by: getattr(data_args, held_out_by)} if held_out_by else {}
     return data_record(data_info["name"], files, data_args.text_column, split), tokenizer_digest(tokenizer)
 
 

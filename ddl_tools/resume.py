@@ -72,8 +72,8 @@ def file_digest(path: str) -> str:
 def data_record(name: str, files: dict[str, str], text_column: str, split: dict | None = None) -> dict:
     """What a run trains on, as its checkpoints record it: the source's name (`load_raw_datasets`'), each local file
     by its name and the SHA-256 of its content (`files`: split -> path; a file of the same name may hold other text by
-    the time the run resumes), the column read, and how its validation rows were held out (`split`: `SPLIT_FLAGS`'
-    values)."""
+    the time the run resumes), the column read, and how its validation rows were held out (`split`: the one of
+    `SPLIT_FLAGS` that chose them and its value; none where the data has its own validation split)."""
     return {"name": name, "text_column": text_column, "split": split or {},
             "files": {split: {"file": os.path.basename(path), "sha256": file_digest(path)}
                       for split, path in files.items()}}

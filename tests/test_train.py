@@ -656,6 +656,9 @@ def test_a_resume_holds_out_its_runs_validation_rows(trained):
     data_args.validation_split_percentage = 30.0  # (as if the default had changed since)
     train.check_resume(checkpoint, model_args, data_args, training_args, argv)
     assert data_args.validation_split_percentage == 5
+    argv = ["--config_overrides", TINY_MODEL, "--streaming_validation_examples", "7"]  # (it chose none of its rows:
+    model_args, data_args, _, training_args = train.parse_args(argv)  # not refused, as it was)
+    train.check_resume(checkpoint, model_args, data_args, training_args, argv)
 
 
 def test_a_resume_keeps_the_checkpoints_training_arguments_and_follows_the_schedule_given(trained):
