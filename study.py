@@ -598,6 +598,12 @@ def train_grid(settings: StudySettings, args, grid) -> dict:
     return summary
 
 
+def seeds_shown(seeds: list[int], results: list[dict]):
+    """The seeds the report's runs have (a study cut short, or reported before it finished, has not run them all)."""
+    ran = [seed for seed in seeds if any(r["seed"] == seed for r in results)]
+    return seeds if ran == list(seeds) else f"{ran} (of {list(seeds)}; the others have no finished run)"
+
+
 def report(settings: StudySettings, args, grid, failed: dict, plan: dict | None = None) -> int:
     """Write the report from the finished runs of the grid and print its headline."""
     from ddl_tools import study
@@ -610,7 +616,7 @@ def report(settings: StudySettings, args, grid, failed: dict, plan: dict | None 
     shown = {"preset": settings.preset, "steps x tokens/step": f"{settings.max_steps} x {settings.tokens_per_step}",
              "tokens per run": settings.max_steps * settings.tokens_per_step,
              "data": settings.dataset_name or settings.train_file or "embedded Shakespeare (4 held-out works)",
-             "seeds": settings.seeds, "extra train.py flags": " ".join(settings.train_args) or "none",
+             "seeds": seeds_shown(settings.seeds, results), "extra train.py flags": " ".join(settings.train_args) or "none",
              "in-training evaluations (equal-FLOPs curve)": f"{settings.curve_evals} x {settings.curve_eval_blocks} "
                                                              "validation blocks",
              "device": results[0].get("device"), **describe_scale(plan, results)}

@@ -36,6 +36,14 @@ class UsageError(ValueError):
     """A mistake in the command line or the inputs; the message says what was expected and how to fix it."""
 
 
+def check_seeds(flag: str, seeds) -> None:
+    """Seeds numpy accepts, [0, 2**32) (a negative one was its traceback after the tokenizer was written); None: not
+    given."""
+    outside = [seed for seed in seeds if seed is not None and not 0 <= seed < 2**32]
+    if outside:
+        raise UsageError(f"{flag} {' '.join(map(str, outside))}: must be in [0, 2**32) (numpy's range).")
+
+
 # ---------------------------------------------------------------------------------------------- files
 
 
@@ -337,6 +345,7 @@ __all__ = [
     "FolderLock",
     "TMP_SUFFIX",
     "UsageError",
+    "check_seeds",
     "check_writable_file",
     "claim_folder",
     "die_with_parent",

@@ -17,7 +17,7 @@ from transformers.utils import logging
 
 from ddl import DDLConfig
 
-from .outputs import UsageError
+from .outputs import UsageError, check_seeds
 
 
 logger = logging.get_logger(__name__)
@@ -122,9 +122,8 @@ def check_training_arguments(args) -> None:
     for name in ("adam_beta1", "adam_beta2"):
         if not 0 <= getattr(args, name) < 1:
             raise UsageError(f"--{name} {getattr(args, name)}: must be in [0, 1).")
-    for name in ("seed", "data_seed"):  # (numpy's range: a negative seed was its traceback after the tokenizer)
-        if getattr(args, name) is not None and not 0 <= getattr(args, name) < 2**32:
-            raise UsageError(f"--{name} {getattr(args, name)}: must be in [0, 2**32).")
+    for name in ("seed", "data_seed"):
+        check_seeds(f"--{name}", [getattr(args, name)])
     if args.max_steps <= 0 and not args.num_train_epochs > 0:
         raise UsageError(f"--num_train_epochs {args.num_train_epochs}: must be above 0 (or give --max_steps).")
 

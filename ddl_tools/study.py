@@ -27,7 +27,8 @@ from dataclasses import asdict, dataclass
 
 from transformers.utils import logging
 
-from .outputs import FolderLock, UsageError, claim_folder, folder_contents, save_figure, write_json, write_text
+from .outputs import (FolderLock, UsageError, check_seeds, claim_folder, folder_contents, save_figure, write_json,
+                      write_text)
 
 
 logger = logging.get_logger(__name__)
@@ -96,9 +97,7 @@ def build_grid(variants: Sequence[str], seeds: Sequence[int]) -> list[RunSpec]:
         duplicates = sorted({str(v) for v in values if list(values).count(v) > 1})
         if duplicates:
             raise ValueError(f"--{name} lists {duplicates} more than once.")
-    outside = [seed for seed in seeds if not 0 <= seed < 2**32]
-    if outside:
-        raise ValueError(f"--seeds {outside}: a seed must be in [0, 2**32) (numpy's range).")
+    check_seeds("--seeds", seeds)
     for variant in variants:
         variant_flags(variant)
     return [RunSpec(variant, seed) for seed in seeds for variant in variants]

@@ -52,7 +52,7 @@ def test_bad_grids_are_refused():
         study.build_grid(["delta-dv1", "delta-dv1"], [0])
     with pytest.raises(ValueError, match="Unknown variant"):
         study.build_grid(["additive-dv1", "deltanet"], [0])
-    with pytest.raises(ValueError, match=r"--seeds \[-1\]: a seed must be in"):  # (was numpy's traceback in a run)
+    with pytest.raises(ValueError, match=r"--seeds -1: must be in \[0, 2\*\*32\)"):  # (was numpy's traceback in a run)
         study.build_grid(["additive-dv1"], [0, -1])
 
 
@@ -433,6 +433,20 @@ def test_report_dir_with_someone_elses_report_is_refused_first(tmp_path, capsys)
     study.write_report([json.loads((run / "result.json").read_text())], str(tmp_path / "ours"), {})
     with open(path, encoding="utf-8") as f:
         assert study.REPORT_MARK in f.read()
+
+
+def test_a_report_before_every_seed_ran_names_the_seeds_it_has(tmp_path, capsys):
+    """--report_only --seeds 0 1 2 with only seed 0 finished listed [0, 1, 2] as the report's seeds."""
+    script = study_script()
+    run = tmp_path / "s" / "runs" / "additive-dv1-s0"
+    run.mkdir(parents=True)
+    (run / "result.json").write_text(json.dumps({"variant": "additive-dv1", "seed": 0,
+                                                 **fake_result(study.RunSpec("additive-dv1", 0))}))
+    code = script.main(["--report_only", "--study_dir", str(tmp_path / "s"), "--report_dir", str(tmp_path / "r"),
+                        "--variants", "additive-dv1", "--seeds", "0", "1", "2", "--max_tokens", "4096"])
+    assert code == 0, capsys.readouterr().err[-2000:]
+    setup = (tmp_path / "r" / "report.md").read_text().split("## Setup")[1].split("##")[0]
+    assert "[0] (of [0, 1, 2]; the others have no finished run)" in setup, setup
 
 
 def test_a_study_folder_being_written_is_refused_and_a_write_cut_short_does_not_block_it(tmp_path, capsys):
