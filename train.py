@@ -573,18 +573,21 @@ def train_and_evaluate(trainer, training_args, resume, finished: bool) -> dict:
     if training_args.do_train and finished:  # (Trainer would train one step past the end)
         trainer.state = resumed
         metrics["resumed_at_step"] = resumed.global_step
-        print(f"{resume} is at step {resumed.global_step}, the run's last: no step left to train; finishing the run "
-              "from it (raise --max_steps to train further).")
+        if trainer.is_world_process_zero():
+            print(f"{resume} is at step {resumed.global_step}, the run's last: no step left to train; finishing the "
+                  "run from it (raise --max_steps to train further).")
     elif training_args.do_train:
         result = trainer.train(resume_from_checkpoint=resume)
         metrics.update(result.metrics)
         if resumed:  # train_runtime covers only the steps after the checkpoint (the model card's speed)
             metrics["resumed_at_step"] = resumed.global_step
         trainer.log_metrics("train", result.metrics)
-    if training_args.do_eval:
+    # Without train(), DeepSpeed's engine, through which Trainer saves the model, is built by evaluate()
+    no_engine = trainer.is_deepspeed_enabled and trainer.deepspeed is None
+    if training_args.do_eval or no_engine:
         last = [e for e in trainer.state.log_history if "eval_loss" in e]
-        if last and last[-1]["step"] == trainer.state.global_step and not (  # the last step was just evaluated, and
-                training_args.load_best_model_at_end and trainer.state.best_model_checkpoint):  # its model is saved
+        if last and last[-1]["step"] == trainer.state.global_step and not no_engine and not (  # the last step was
+                training_args.load_best_model_at_end and trainer.state.best_model_checkpoint):  # evaluated and saved
             eval_metrics = {k: v for k, v in last[-1].items() if k.startswith("eval_") or k == "epoch"}
         else:
             eval_metrics = trainer.evaluate()

@@ -13,6 +13,7 @@ import shutil
 import sys
 
 import pytest
+import torch
 
 import train
 from conftest import ROOT, run_cli
@@ -44,14 +45,27 @@ def one_process(tmp_path_factory, text_file):  # noqa: F811
 
 
 def test_zero3_in_fp32_equals_one_process_and_finishes(tmp_path, text_file, one_process):  # noqa: F811
+    """... and a run resumed at its last checkpoint (stopped in its final save) finishes with its weights: it trains
+    nothing, and Trainer saves through DeepSpeed's engine, which only train() or evaluate() builds (it was an
+    AttributeError there)."""
+    from safetensors.torch import load_file
+
     out = tmp_path / "zero3"
-    proc = run_train(*tiny(out, text_file, "--max_steps", "3", "--eval_steps", "3", "--save_steps", "3"),
-                     launcher=_accelerate("deepspeed_zero3.yaml", "--mixed_precision", "no"), env_extra=DS_ENV)
+    args = tiny(out, text_file, "--max_steps", "3", "--eval_steps", "3", "--save_steps", "3")
+    launcher = _accelerate("deepspeed_zero3.yaml", "--mixed_precision", "no")
+    proc = run_train(*args, launcher=launcher, env_extra=DS_ENV)
     _finished(out, proc)
     losses = logged_losses(out)
     assert losses.keys() == one_process.keys()
     for step, loss in one_process.items():  # each process takes 4 of the one process's 8 blocks
         assert losses[step] == pytest.approx(loss, abs=1e-5), step
+    for name in ("model.safetensors", "README.md"):
+        (out / name).unlink()
+    proc = run_train(*args, "--resume_from_checkpoint", "true", launcher=launcher, env_extra=DS_ENV)
+    _finished(out, proc)
+    assert proc.stdout.count("no step left to train") == 1
+    saved, expected = (load_file(str(path / "model.safetensors")) for path in (out, out / "checkpoint-3"))
+    assert saved.keys() == expected.keys() and all(torch.equal(saved[k], expected[k]) for k in expected)
 
 
 def test_zero2_with_the_configs_bf16_finishes(tmp_path, text_file):  # noqa: F811
