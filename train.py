@@ -423,12 +423,14 @@ def final_weights(resume, training_args) -> str | None:
         return None
     if not (training_args.load_best_model_at_end and state.best_model_checkpoint):
         return resume
-    best = os.path.join(os.path.dirname(os.path.abspath(resume)), os.path.basename(state.best_model_checkpoint))
-    if not os.path.isdir(best):
-        raise UsageError(f"{resume} is at its run's last step and --load_best_model_at_end asks for its best "
-                         f"checkpoint, {os.path.basename(best)}, which is not in {os.path.dirname(best)}: put it back, "
-                         "or drop --load_best_model_at_end to finish with the last checkpoint's weights.")
-    return best
+    recorded = state.best_model_checkpoint  # (where it was saved: this run's folder, moved since, or the folder of
+    here = os.path.join(os.path.dirname(os.path.abspath(resume)), os.path.basename(recorded))  # the run it resumed)
+    for best in (here, recorded):
+        if os.path.isdir(best):
+            return best
+    raise UsageError(f"{resume} is at its run's last step and --load_best_model_at_end asks for its best checkpoint, "
+                     f"{recorded}, which is neither there nor next to it: put it back, or drop "
+                     "--load_best_model_at_end to finish with the last checkpoint's weights.")
 
 
 def build_model(model_args, tokenizer, resume, weights):

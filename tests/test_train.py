@@ -1027,6 +1027,28 @@ def test_a_run_resumed_at_its_end_finishes_with_its_best_checkpoint(tmp_path, te
     assert all(torch.equal(saved[k], expected[k]) for k in expected)
 
 
+def test_a_run_resumed_at_its_end_finds_a_best_checkpoint_in_the_run_it_resumed(tmp_path, text_file, capsys):
+    """A run started from another run's checkpoint whose best checkpoint is still that one (in the other folder),
+    resumed at its end, was refused: its best was looked for only next to its own checkpoints."""
+    from safetensors.torch import load_file
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    flags = ("--save_steps", "2", "--eval_steps", "2", "--learning_rate", "1e-2", "--load_best_model_at_end", "true",
+             "--metric_for_best_model", "loss", "--greater_is_better", "true")
+    assert run_cli(tiny(a, text_file, "--max_steps", "2", *flags), capsys)[0] == 0
+    status, err = run_cli(tiny(b, text_file, "--max_steps", "4", *flags, "--resume_from_checkpoint",
+                               a / "checkpoint-2"), capsys)
+    assert status == 0, err[-3000:]
+    best = json.loads((b / "checkpoint-4" / "trainer_state.json").read_text())["best_model_checkpoint"]
+    assert os.path.samefile(best, a / "checkpoint-2")  # (the worst loss is the best here)
+    for name in ("model.safetensors", "README.md"):  # as if stopped before the final save
+        (b / name).unlink()
+    status, err = run_cli(tiny(b, text_file, "--max_steps", "4", *flags, "--resume_from_checkpoint", "true"), capsys)
+    assert status == 0, err[-3000:]
+    saved, expected = (load_file(str(path / "model.safetensors")) for path in (b, a / "checkpoint-2"))
+    assert all(torch.equal(saved[k], expected[k]) for k in expected)
+
+
 def test_load_best_model_at_end_reports_the_saved_models_loss(tmp_path, text_file, capsys):
     """--load_best_model_at_end saves the best checkpoint's weights, but the reported validation loss (all_results,
     the card) was the last step's (found by a user-style test pass). Here the "best" is the worst loss (greater is
