@@ -83,7 +83,8 @@ import ddl  # noqa: F401  (registers the DDL Auto classes and the code files sav
 from ddl import DDLConfig, DDLForCausalLM
 from ddl_tools.hub import check_hub_strategy
 from ddl_tools.launch import check_launch, end_process_group, launcher_precision, outside_zero3
-from ddl_tools.lora import add_lora, check_lora, describe_lora, load_lora, save_adapter_and_merge
+from ddl_tools.lora import (add_lora, check_lora, check_lora_checkpoint, describe_lora, load_lora_weights,
+                            save_adapter_and_merge)
 from ddl_tools.outputs import write_json
 from ddl_tools.card import card_metadata, describe_variant, model_card, plot_loss_curve
 from ddl_tools.data import (
@@ -337,18 +338,31 @@ def check_resume(resume, model_args, data_args, training_args, argv) -> None:
     the same training (its recorded learning rate, optimizer, batch and seed, which Trainer restores or counts its
     position in: another value given is refused; `resumed_training_arguments`). What is not given is the
     checkpoint's. Its data and tokenizer are checked once loaded (`check_resumed_data`)."""
-    if os.path.isfile(os.path.join(resume, "adapter_config.json")) and not model_args.lora:  # (a --lora run's)
+    adapter = os.path.isfile(os.path.join(resume, "adapter_config.json"))  # (a --lora run's checkpoint)
+    if adapter and not model_args.lora:
         with open(os.path.join(resume, "adapter_config.json"), encoding="utf-8") as f:
             base = json.load(f).get("base_model_name_or_path") or "BASE"
+        flag = "--model_name_or_path" if is_ddl_checkpoint(base) else "--init_from_llama"
         raise UsageError(f"{resume} holds a LoRA adapter, not a whole model: resume its run with its own flags, "
-                         f"--model_name_or_path {base} --lora (and its --lora_* values).")
-    flags = {k: v for k, v in model_args.ddl_flags().items() if v is not None}
-    check_resumed_model(resume, model_args.preset, parse_config_overrides(model_args.config_overrides), flags)
-    check_weights(resume, DDLForCausalLM, DDLConfig.from_pretrained(resume), "--resume_from_checkpoint")
+                         f"{flag} {base} --lora (and its --lora_* and --ddl_* values).")
+    if model_args.lora and not adapter:
+        raise UsageError(f"{resume} holds a whole model, not a LoRA adapter: resume its run without --lora.")
+    if not adapter:  # (an adapter's model is its base and this command's flags: `check_lora_checkpoint`)
+        flags = {k: v for k, v in model_args.ddl_flags().items() if v is not None}
+        check_resumed_model(resume, model_args.preset, parse_config_overrides(model_args.config_overrides), flags)
+        check_weights(resume, DDLForCausalLM, DDLConfig.from_pretrained(resume), "--resume_from_checkpoint")
     given, state = given_flags(argv), resumed_state(resume)
     data_args.block_size = resumed_block_size(resume, state, data_args.block_size, "block_size" in given)
     resumed_split(resume, state, data_args, given)
     resumed_training_arguments(resume, state, training_args, given)
+
+
+def is_ddl_checkpoint(path: str) -> bool:
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            return json.load(f).get("model_type") == DDLConfig.model_type
+    except (OSError, ValueError):
+        return True  # (a Hub name or a folder gone: the usual case)
 
 
 def load_tokenizer(path: str, trust_remote_code: bool):
@@ -440,7 +454,7 @@ def build_model(model_args, tokenizer, resume, weights):
     overrides = parse_config_overrides(model_args.config_overrides)
     ids = dict(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
                eos_token_id=tokenizer.eos_token_id)
-    if weights and not model_args.lora:  # (a LoRA run's adapter goes onto its base: `load_lora`)
+    if weights and not model_args.lora:  # (a LoRA run's adapter goes onto its base: `load_lora_weights`)
         model = load_pretrained(DDLForCausalLM, weights, "--resume_from_checkpoint")
     elif model_args.model_name_or_path:
         model = load_ddl_checkpoint(model_args.model_name_or_path)
@@ -673,8 +687,11 @@ def main(argv: list[str]) -> None:
     model = build_model(model_args, tokenizer, resume, weights)  # 2. the model
     finalize_for_saving(model, tokenizer)  # already for the checkpoints, and the revisions pushed from them
     if model_args.lora:
-        model = (load_lora(model, weights) if weights
-                 else add_lora(model, model_args, verbose=training_args.process_index == 0))
+        model = add_lora(model, model_args, verbose=training_args.process_index == 0)
+        if resume:  # its adapter: the same LoRA on the same modules; at the run's end, its weights
+            check_lora_checkpoint(model, resume)
+            if weights:
+                load_lora_weights(model, weights)
     config = model.config
     blocks = pack_blocks(raw, data_info, tokenizer, block_size, config.vocab_size, data_args, training_args)  # 3.
     if not trains_tokenizer and training_args.process_index == 0:  # (checked: the tokenizer, the model, the blocks)

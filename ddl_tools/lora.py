@@ -100,12 +100,43 @@ def add_lora(model, model_args, verbose: bool = True):
     return peft_model
 
 
-def load_lora(model, checkpoint: str):
-    """`model` with the LoRA adapter (and DDL branch) a `--lora` run saved in `checkpoint`, trainable as `add_lora`'s
-    (a run resumed at its last step finishes with these weights)."""
-    from peft import PeftModel
+def check_lora_checkpoint(model, checkpoint: str) -> None:
+    """A `--lora` run resumed from `checkpoint` continues its adapter: `model` (the base and `add_lora`, as this
+    command's flags build them) must hold the same LoRA and the same DDL modules trained in full, tensor for tensor.
+    Otherwise parts of the adapter would be left out silently (a fresh QK-norm without --qk_norm) or fail to load
+    (another --lora_r): one line naming what differs."""
+    from peft import PeftConfig
+    from peft.utils import get_peft_model_state_dict
+    from safetensors import safe_open
 
-    return PeftModel.from_pretrained(model, checkpoint, is_trainable=True)
+    saved, config = PeftConfig.from_pretrained(checkpoint), model.peft_config["default"]
+    differ = [f"{flag} {getattr(config, field)} (it has {getattr(saved, field)})"
+              for field, flag in (("r", "--lora_r"), ("lora_alpha", "--lora_alpha"))
+              if getattr(config, field) != getattr(saved, field)]
+    for field, what in (("target_modules", "--lora_target_modules"),
+                        ("modules_to_save", "the DDL modules trained in full (--lora_train_ddl_branch, --ddl_*)")):
+        if set(getattr(config, field) or ()) != set(getattr(saved, field) or ()):
+            differ.append(f"{what}: {sorted(getattr(config, field) or ())} (it has {sorted(getattr(saved, field) or ())})")
+    with safe_open(os.path.join(checkpoint, "adapter_model.safetensors"), "pt") as f:
+        shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+    built = {key: tuple(value.shape) for key, value in get_peft_model_state_dict(model).items()}
+    if not differ and shapes != built:
+        names = sorted(key for key in shapes.keys() | built.keys() if shapes.get(key) != built.get(key))
+        differ.append(f"its tensors do not fit the model these flags build ({names[0]}, {len(names)} in all; "
+                      "--ddl_* / --config_overrides as the run's)")
+    if differ:
+        raise UsageError(f"--resume_from_checkpoint {checkpoint!r} continues its LoRA adapter, but {'; '.join(differ)}. "
+                         "Resume with the run's own --lora_* and model flags, or start a new run in another "
+                         "--output_dir.")
+
+
+def load_lora_weights(model, checkpoint: str) -> None:
+    """The adapter (and DDL branch) a `--lora` run saved in `checkpoint`, loaded into `model` (which
+    `check_lora_checkpoint` found to fit): a run resumed at its last step finishes with these weights."""
+    from peft.utils import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    set_peft_model_state_dict(model, load_file(os.path.join(checkpoint, "adapter_model.safetensors")))
 
 
 def describe_lora(model_args) -> str | None:
@@ -130,4 +161,5 @@ def save_adapter_and_merge(trainer):
 
 
 __all__ = ["ADAPTER_FOLDER", "LORA_TARGET_MODULES", "add_lora", "check_lora", "ddl_branch_modules", "describe_lora",
-           "load_lora", "lora_config", "save_adapter_and_merge"]
+           "check_lora_checkpoint", "load_lora_weights", "lora_config",
+           "save_adapter_and_merge"]

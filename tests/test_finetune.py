@@ -16,7 +16,7 @@ import torch
 
 from conftest import tiny_config, tiny_tokenizer
 from test_hub import load_in_fresh_process
-from test_train import ROOT, TINY_RUN, env, run_train, text_file, trained  # noqa: F401 (fixtures)
+from test_train import ROOT, TINY_RUN, env, llama_dir, run_train, text_file, trained  # noqa: F401 (fixtures)
 
 TRAINING_DOC = open(os.path.join(ROOT, "docs", "training.md"), encoding="utf-8").read()  # where the commands live
 
@@ -162,6 +162,8 @@ LORA_BAD_INPUTS = {
     "norm-and-unknown-targets": (["--model_name_or_path", "{base}", "--lora_target_modules", "q_proj,nope,mlp"],
                                  "no module named ['nope']; ['mlp']: not a linear layer or embedding LoRA can adapt "
                                  "(LlamaMLP); its linear layers"),
+    "whole-model-checkpoint": (["--model_name_or_path", "{base}", "--resume_from_checkpoint", "{base}/checkpoint-3"],
+                               "holds a whole model, not a LoRA adapter: resume its run without --lora"),
 }
 
 
@@ -291,3 +293,29 @@ def test_resuming_a_finished_fine_tune_keeps_its_weights(lora, trained, tmp_path
     assert all(torch.equal(tuned[k], again[k]) for k in tuned)
     for key, value in (load_file(str(out / "adapter" / "adapter_model.safetensors")) if lora else {}).items():
         assert torch.equal(adapter[key], value), key
+
+
+def test_a_lora_run_from_a_llama_with_ddl_flags_resumes_with_them(llama_dir, tmp_path, text_file):  # noqa: F811
+    """A --lora run built from a Llama with a --ddl_* flag (--qk_norm) could not be resumed: its adapter checkpoint
+    has no config.json, and the flag was compared with a default config ("--qk_norm = True (it has False)"). Without
+    the flag, the resume shipped a model without the QK-norms the adapter trained. Now the run resumes with its own
+    flags (here at its end: its weights), and without them it is one line."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "ft"
+    bare_args = ["--init_from_llama", str(llama_dir), "--train_file", str(text_file), "--output_dir", str(out),
+                 *TINY_RUN, "--max_steps", "2", "--eval_steps", "2", "--save_steps", "2", "--learning_rate", "1e-2",
+                 "--lora", "--lora_r", "4"]
+    args = [*bare_args, "--qk_norm", "true"]
+    run_train(*args)
+    tuned = load_file(str(out / "model.safetensors"))
+    assert any(".q_norm." in key for key in tuned)
+    for name in ("model.safetensors", "README.md"):  # as if stopped in its final save
+        (out / name).unlink()
+    bare = run_train(*bare_args, "--resume_from_checkpoint", "true", check=False)
+    assert bare.returncode == 2 and "the DDL modules trained in full" in bare.stderr, bare.stderr[-2000:]
+    assert "Traceback" not in bare.stderr and not (out / "model.safetensors").exists()
+    proc = run_train(*args, "--resume_from_checkpoint", "true")
+    assert "no step left to train" in proc.stdout
+    again = load_file(str(out / "model.safetensors"))
+    assert tuned.keys() == again.keys() and all(torch.equal(tuned[k], again[k]) for k in tuned)
