@@ -984,15 +984,18 @@ def test_rows_without_text_are_skipped_with_a_warning(tmp_path, text_file, capsy
     ["--ddl_compressor", "bogus"], ["--train_file", "missing.txt"], ["--block_size", "100000"],
     ["--tokenizer_name", "{tmp}/no-tokenizer"], ["--model_name_or_path", "{base}"], ["--vocab_size", "100"],
     ["--tokenizer_name", "{base}", "--train_file", "{tmp}/short.txt"],
-], ids=["flag", "data", "block-size", "tokenizer", "checkpoint-with-overrides", "vocab-size", "short-text"])
+    ["--streaming", "--tokenizer_name", "{base}", "--train_file", "{tmp}/numbers.csv"],
+], ids=["flag", "data", "block-size", "tokenizer", "checkpoint-with-overrides", "vocab-size", "short-text",
+        "streamed-numbers"])
 def test_overwrite_with_bad_input_leaves_the_folder_as_it_was(bad, trained, tmp_path, text_file, capsys):
     """--overwrite_output_dir with a bad flag or file: one line, but the old checkpoints were already deleted and the
     folder marked unfinished, so the next plain run replaced the finished model without --overwrite_output_dir (found
     by a user-style test pass). Nothing is deleted or marked until every check has passed, those that need the
     tokenizer or the model too (a block size over the model's context, a tokenizer that does not load, and
     --config_overrides with a checkpoint, a --vocab_size too small for the tokenizer it trains, and with a given
-    tokenizer, text too short for one block, came after the folder was taken)."""
+    tokenizer, text too short for one block or a streamed column of numbers, came after the folder was taken)."""
     (tmp_path / "short.txt").write_text("Too short\nfor one block.\n")
+    (tmp_path / "numbers.csv").write_text("text\n" + "".join(f"{i}\n" for i in range(3000)))
     finished = copy_run(trained, tmp_path / "finished")
     before = sorted(p.name for p in finished.iterdir())
     bad = [arg.format(tmp=tmp_path, base=trained[0]) for arg in bad]
