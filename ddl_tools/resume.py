@@ -181,7 +181,13 @@ def resumed_split(checkpoint: str, state: TrainerState, data_args, given: set[st
     """A resumed run holds out its checkpoint's validation rows (`SPLIT_FLAGS` set in `data_args` to the recorded
     values): another split would move rows between training and validation under the resumed data position, so a
     different value given is refused. A checkpoint saved before the record existed keeps what is given."""
-    for name, value in ((_recorded(state).get("data") or {}).get("split") or {}).items():
+    data = _recorded(state).get("data") or {}
+    split = data.get("split") or {}
+    if len(split) > 1:  # (recorded before only the flag that chose the rows was: the one that can have)
+        chose = (None if "validation" in (data.get("files") or {}) else
+                 "streaming_validation_examples" if data_args.streaming else "validation_split_percentage")
+        split = {name: value for name, value in split.items() if name == chose}
+    for name, value in split.items():
         if name in given and getattr(data_args, name) != value:
             raise UsageError(f"--{name} {getattr(data_args, name):g}: {checkpoint!r} held out its validation rows "
                              f"with {value:g}, and another value would move rows between training and validation. "

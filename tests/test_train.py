@@ -659,6 +659,24 @@ def test_a_resume_holds_out_its_runs_validation_rows(trained):
     argv = ["--config_overrides", TINY_MODEL, "--streaming_validation_examples", "7"]  # (it chose none of its rows:
     model_args, data_args, _, training_args = train.parse_args(argv)  # not refused, as it was)
     train.check_resume(checkpoint, model_args, data_args, training_args, argv)
+    # a checkpoint saved while both flags were recorded: only the one that chose the rows is kept
+    from transformers import TrainerState
+
+    from ddl_tools.resume import resumed_split
+
+    both = {"validation_split_percentage": 5.0, "streaming_validation_examples": 1000}
+    for files, streaming, kept in (({"train": {}}, False, "validation_split_percentage"),
+                                   ({"train": {}}, True, "streaming_validation_examples"),
+                                   ({"train": {}, "validation": {}}, False, None)):
+        state = TrainerState(stateful_callbacks={"DDLRunRecord": {"args": {"data": {"split": both, "files": files}}}})
+        _, data_args, _, _ = train.parse_args(["--validation_split_percentage", "30", "--streaming_validation_examples",
+                                               "7", *(["--streaming"] if streaming else [])])
+        given = {"validation_split_percentage", "streaming_validation_examples"}
+        if kept is None:
+            resumed_split(checkpoint, state, data_args, given)
+            continue
+        with pytest.raises(UsageError, match=f"--{kept} "):
+            resumed_split(checkpoint, state, data_args, given)
 
 
 def test_a_resume_keeps_the_checkpoints_training_arguments_and_follows_the_schedule_given(trained):
