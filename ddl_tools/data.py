@@ -256,7 +256,7 @@ def _column_names(dataset) -> list[str]:
 def check_text_column(raw, text_column: str) -> None:
     """Every split has the column `--text_column` names (a CSV or JSON file may call it otherwise), and it holds text
     (a CSV column of numbers is read as numbers, which are not text to tokenise). A streamed dataset without declared
-    types: its first row here (before the output folder is taken), every row as it is tokenised."""
+    types: its first rows with a value here (before the output folder is taken), every row as it is tokenised."""
     from datasets import Dataset
 
     for split, dataset in raw.items():
@@ -265,8 +265,8 @@ def check_text_column(raw, text_column: str) -> None:
             raise UsageError(f"--text_column {text_column!r} is not a column of the {split} data (columns: "
                              f"{columns}); name the text column with --text_column.")
         feature = (getattr(dataset, "features", None) or {}).get(text_column)
-        if feature is None and not isinstance(dataset, Dataset):
-            first = next(iter(dataset), {}).get(text_column)
+        if feature is None and not isinstance(dataset, Dataset):  # (its first rows that hold a value)
+            first = next((row[text_column] for row in dataset.take(100) if row[text_column] is not None), None)
             if first is not None and not isinstance(first, str):
                 raise _not_text(text_column, first)
         dtype = getattr(feature, "dtype", None)

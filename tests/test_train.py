@@ -1086,3 +1086,19 @@ def test_load_best_model_at_end_reports_the_saved_models_loss(tmp_path, text_fil
     best = int(state["best_model_checkpoint"].rsplit("-", 1)[1])
     assert best != state["global_step"] and evals[best] != evals[state["global_step"]]
     assert json.loads((out / "all_results.json").read_text())["eval_loss"] == pytest.approx(evals[best], rel=1e-5)
+
+
+def test_a_streamed_column_of_numbers_is_found_past_rows_without_text():
+    """A streamed split without declared types is checked on its first rows with a value before the output folder is
+    taken; one that began with a null row was found only while training."""
+    from datasets import IterableDataset, IterableDatasetDict
+
+    from ddl_tools.data import check_text_column
+    from ddl_tools.outputs import UsageError
+
+    def rows():
+        yield {"text": None}
+        yield {"text": 5}
+
+    with pytest.raises(UsageError, match=r"--text_column 'text' holds a int \(5\), not text"):
+        check_text_column(IterableDatasetDict({"train": IterableDataset.from_generator(rows)}), "text")
