@@ -125,8 +125,10 @@ from ddl_tools.presets import (
 from ddl_tools.resume import (
     DDLRunRecord,
     check_resumed_data,
+    check_resumed_lora_model,
     check_resumed_model,
     data_record,
+    model_record,
     resumed_block_size,
     resumed_split,
     resumed_state,
@@ -688,7 +690,8 @@ def main(argv: list[str]) -> None:
     finalize_for_saving(model, tokenizer)  # already for the checkpoints, and the revisions pushed from them
     if model_args.lora:
         model = add_lora(model, model_args, verbose=training_args.process_index == 0)
-        if resume:  # its adapter: the same LoRA on the same modules; at the run's end, its weights
+        if resume:  # its adapter: on the same model, the same LoRA on the same modules; at the run's end, its weights
+            check_resumed_lora_model(resume, resumed_state(resume), model.config)
             check_lora_checkpoint(model, resume)
             if weights:
                 load_lora_weights(model, weights)
@@ -701,7 +704,8 @@ def main(argv: list[str]) -> None:
     if tokenizer.model_max_length > config.max_position_embeddings:
         tokenizer.model_max_length = config.max_position_embeddings  # saved with the checkpoint (after packing)
 
-    run_record_callback = DDLRunRecord(blocks.block_size, *record, training_record(training_args))
+    run_record_callback = DDLRunRecord(blocks.block_size, *record, training_record(training_args),
+                                       model_record(config) if model_args.lora else None)
     trainer = DDLTrainer(model=model, args=training_args, train_dataset=blocks.train if training_args.do_train
                          else None, eval_dataset=blocks.eval, processing_class=tokenizer,
                          data_collator=default_data_collator, callbacks=[run_record_callback])

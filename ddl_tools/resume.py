@@ -16,7 +16,7 @@ from transformers.utils import logging
 from ddl import DDLConfig
 
 from .outputs import UsageError
-from .presets import PRESETS, config_error_message
+from .presets import PRESETS, TRAINING_SWITCHES, config_error_message
 
 
 logger = logging.get_logger(__name__)
@@ -32,12 +32,13 @@ class DDLRunRecord(TrainerCallback, ExportableState):
     `resumed_training_arguments`)."""
 
     def __init__(self, block_size: int | None = None, data: dict | None = None, tokenizer: str | None = None,
-                 training: dict | None = None):
+                 training: dict | None = None, model: dict | None = None):
         self.block_size, self.data, self.tokenizer, self.training = block_size, data, tokenizer, training
+        self.model = model
 
     def state(self) -> dict:
         return {"args": {"block_size": self.block_size, "data": self.data, "tokenizer": self.tokenizer,
-                         "training": self.training},
+                         "training": self.training, "model": self.model},
                 "attributes": {}}
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -58,6 +59,35 @@ def _recorded(state: TrainerState) -> dict:
 
 def recorded_block_size(state: TrainerState) -> int | None:
     return _recorded(state).get("block_size")
+
+
+# Config fields that say nothing of the model a LoRA adapter was trained on (`model_record`)
+UNRECORDED_CONFIG = ("transformers_version", "_name_or_path", "architectures", "auto_map", "use_cache", "dtype",
+                     "torch_dtype", *TRAINING_SWITCHES)
+
+
+def model_record(config) -> dict:
+    """A --lora run's model as its checkpoints record it (an adapter's checkpoint has no config.json): the config of
+    its base with the run's --ddl_* and --config_overrides, as JSON values."""
+    return json.loads(json.dumps({k: v for k, v in config.to_dict().items() if k not in UNRECORDED_CONFIG}))
+
+
+def check_resumed_lora_model(checkpoint: str, state: TrainerState, config) -> None:
+    """A --lora run resumes its adapter on the model it was trained on: `config` (the base and the flags given now)
+    must be the recorded one, field by field (a flag left out or changed would ship the adapter merged into another
+    model, even where every tensor keeps its shape). A checkpoint saved before the record resumes with a warning."""
+    recorded = _recorded(state).get("model")
+    if recorded is None:
+        logger.warning("%s does not record its model (saved before train.py recorded it): resuming without checking "
+                       "that the base and the --ddl_* / --config_overrides flags given here are the run's.", checkpoint)
+        return
+    now = model_record(config)
+    differ = [f"{key} = {now.get(key)!r} (it has {recorded.get(key)!r})" for key in sorted(now.keys() | recorded.keys())
+              if now.get(key) != recorded.get(key)]
+    if differ:
+        raise UsageError(f"--resume_from_checkpoint {checkpoint!r} continues a LoRA adapter trained on another model: "
+                         f"here {'; '.join(differ)}. Resume with the run's own base, --ddl_* and --config_overrides "
+                         "flags, or start a new run in another --output_dir.")
 
 
 def file_digest(path: str) -> str:
@@ -294,8 +324,10 @@ __all__ = [
     "FOLLOWED_ON_RESUME",
     "KEPT_ON_RESUME",
     "check_resumed_data",
+    "check_resumed_lora_model",
     "check_resumed_model",
     "data_record",
+    "model_record",
     "file_digest",
     "recorded_block_size",
     "resumed_block_size",

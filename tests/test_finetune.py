@@ -299,7 +299,8 @@ def test_a_lora_run_from_a_llama_with_ddl_flags_resumes_with_them(llama_dir, tmp
     """A --lora run built from a Llama with a --ddl_* flag (--qk_norm) could not be resumed: its adapter checkpoint
     has no config.json, and the flag was compared with a default config ("--qk_norm = True (it has False)"). Without
     the flag, the resume shipped a model without the QK-norms the adapter trained. Now the run resumes with its own
-    flags (here at its end: its weights), and without them it is one line."""
+    flags (here at its end: its weights); other model flags (also one that changes no tensor's shape) or LoRA
+    settings are one line each."""
     from safetensors.torch import load_file
 
     out = tmp_path / "ft"
@@ -312,9 +313,12 @@ def test_a_lora_run_from_a_llama_with_ddl_flags_resumes_with_them(llama_dir, tmp
     assert any(".q_norm." in key for key in tuned)
     for name in ("model.safetensors", "README.md"):  # as if stopped in its final save
         (out / name).unlink()
-    bare = run_train(*bare_args, "--resume_from_checkpoint", "true", check=False)
-    assert bare.returncode == 2 and "the DDL modules trained in full" in bare.stderr, bare.stderr[-2000:]
-    assert "Traceback" not in bare.stderr and not (out / "model.safetensors").exists()
+    for other, message in (([], "qk_norm = False (it has True)"),  # (a tensor less)
+                           (["--qk_norm", "true", "--ddl_k_eps", "0.5"], "ddl_k_eps = 0.5 (it has 1e-05)"),  # (none)
+                           (["--qk_norm", "true", "--lora_r", "8"], "--lora_r 8 (it has 4)")):
+        bare = run_train(*bare_args, *other, "--resume_from_checkpoint", "true", check=False)
+        assert bare.returncode == 2 and message in bare.stderr, bare.stderr[-2000:]
+        assert "Traceback" not in bare.stderr and not (out / "model.safetensors").exists()
     proc = run_train(*args, "--resume_from_checkpoint", "true")
     assert "no step left to train" in proc.stdout
     again = load_file(str(out / "model.safetensors"))
