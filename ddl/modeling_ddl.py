@@ -16,6 +16,7 @@ from torch import nn
 from transformers import AutoModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache, LinearAttentionCacheLayerMixin
+from transformers.cache_utils import LinearAttentionAndStaticFullAttentionLayer as StaticHybridLayer
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask
 from transformers.modeling_layers import GenericForQuestionAnswering, GenericForSequenceClassification
@@ -74,23 +75,20 @@ def _cached_window_of_documents(flat, kernel_size, cache, layer_idx, slot, had_p
     return torch.cat([F.pad(past, (kernel_size - 1 - past.shape[-1], 0)), flat], dim=-1)
 
 
-# A compressor's readout weight for one decoding run (read 2L + 1 times per token), made once per cache and dropped
-# with it. Never keyed on a parameter's `_version`: fused AdamW changes weights in place without bumping it.
+def _crop_static_hybrid(layer, tokens_to_remove):  # (transformers 5.x's crops the windows, not the keys)
+    raise ValueError("Assisted or prompt-lookup decoding cannot roll back a static cache that also holds token "
+                     "windows (DDL's EC, TC): use the default dynamic cache (drop cache_implementation='static').")
+
+
+StaticHybridLayer.crop = vars(StaticHybridLayer).get("crop", _crop_static_hybrid)
+# A compressor's readout weight for one fill of a cache (read 2L + 1 times per token), dropped with the cache or when
+# it starts again (`_check_cache`); never keyed on `_version` (fused AdamW changes weights in place without bumping it)
 _DERIVED_PER_CACHE = weakref.WeakKeyDictionary()
-
-
-def _derived_for_cache(cache, module, make):
-    """make() (no autograd), made once for `cache` and `module` and dropped with the cache."""
-    per_module = _DERIVED_PER_CACHE.setdefault(cache, {})
-    if module not in per_module:
-        per_module[module] = make()
-    return per_module[module]
 
 
 def steppable_window(cache, layer_idx, slot, kernel_size):
     """The K-1 inputs before a decoding step's token `(B, C, K-1)` where the cache keeps them, for its step
-    (`window_step`, `conv_step`) to read and advance in place; None where it keeps none or its whole past (assisted
-    decoding crops it)."""
+    (`window_step`, `conv_step`) to advance in place; None where it keeps none or its whole past (assisted decoding)."""
     if cache is None or kernel_size == 1 or not cache.has_previous_state(layer_idx, slot):
         return None
     layer = cache.layers[layer_idx]
@@ -284,8 +282,7 @@ class DDLDeltaResidual(nn.Module):
         return delta_gate(context, self.beta_weight, self.beta_bias, *(self._gate_hidden() or ()))
 
     def value(self, u, state=None):
-        """v `(B, T, d_v)` for value inputs u, as the forward computes it (for probing; a constant target needs the
-        state, whose shape it takes)."""
+        """v `(B, T, d_v)` for value inputs u, as the forward computes it (probing; a constant: the state's shape)."""
         if self.v_constant is not None:
             return constant_value(state, self.v_constant)
         return delta_value(u, self.value_weight, self.value_bias, self.v_scale)
@@ -327,7 +324,8 @@ class DDLCompressor(nn.Module):
         """`derived_weight()`; in a decoding run (a cache, no autograd) made once per cache, as its kernels read it."""
         if cache is None or torch.is_grad_enabled() or torch.compiler.is_compiling():
             return self.derived_weight()
-        return _derived_for_cache(cache, self, self._kept_layout)
+        kept = _DERIVED_PER_CACHE.setdefault(cache, {})
+        return kept[self] if self in kept else kept.setdefault(self, self._kept_layout())
 
     def _kept_layout(self):
         """`derived_weight()` stored as CC `(1, d_v, d)` / TC `(d_v, d, K)`, returned as a `(K, d, d_v)` view."""
@@ -622,15 +620,17 @@ class DDLModel(DDLPreTrainedModel):
         if self._keeps_token_histories() and not isinstance((cache.layers or [0])[0], LinearAttentionCacheLayerMixin):
             raise ValueError("This DDL variant keeps token-convolution histories, which a bare `DynamicCache()` cannot "
                              "hold: pass `DynamicCache(config=model.config)` (or let `generate()` build the cache).")
+        if not torch.compiler.is_compiling() and not cache.get_seq_length():  # (a reused cache: weights changed)
+            _DERIVED_PER_CACHE.pop(cache, None)
 
     @staticmethod
     def _count_positions(attention_mask, pad_mask, cache, embeds):
         """A padded row's positions count its real tokens (as generate's: QK-norm after RoPE is not shift-invariant); an
         unpadded batch (no pad_mask) shares one row, as Llama's; a decoding step counts: one token per row is cheap."""
         seen, length = (cache.get_seq_length() if cache is not None else 0), embeds.shape[1]
-        if isinstance(seen, int) and (pad_mask is not None or length == 1) and getattr(  # (static cache: a 0-d count)
-                attention_mask, "shape", ())[1:] == (seen + length,):  # (a 2-D mask over every token)
-            return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)[:, seen:]
+        if (pad_mask is not None or length == 1) and getattr(attention_mask, "ndim", 0) == 2 and (length == 1 if (
+                not isinstance(seen, int)) else attention_mask.shape[1] == seen + length):  # (static: a 0-d count)
+            return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)[:, -length:]
         return (torch.arange(length, device=embeds.device) + seen).unsqueeze(0)
 
     @staticmethod

@@ -729,3 +729,68 @@ def test_decoding_steps_do_not_derive_the_conv_state_slots(monkeypatch):
     with torch.no_grad():
         model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
     assert not derived
+
+
+# ------------------------------------------------------------------------------------------ static caches, reused
+
+
+STATIC_VARIANTS = {"dv1": dict(ddl_value_channels=1), "cc-ec": dict(ddl_value_channels=4, ddl_compressor="cc"),
+                   "tc-ec": dict(ddl_value_channels=4, ddl_compressor="tc")}
+
+
+@pytest.mark.parametrize("variant", ["cc-ec", "tc-ec"])
+def test_a_reused_static_cache_decodes_with_the_current_weights(variant):
+    """A StaticCache reused after reset() (as for compiled decoding) kept the compressors' readout weights derived on
+    its first use: after a weight change the next generate decoded with the old ones (logits off by ~1)."""
+    from transformers import StaticCache
+
+    torch.manual_seed(0)
+    model = trained_looking(DDLForCausalLM(tiny_config(**STATIC_VARIANTS[variant]))).eval()
+    ids, options = torch.randint(3, 99, (1, 6)), dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True,
+                                                      output_logits=True)
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    model.generate(ids, past_key_values=cache, **options)
+    with torch.no_grad():  # (in place, as an optimizer step)
+        for name, param in model.named_parameters():
+            if "compress" in name or "readout" in name:
+                param.mul_(-1.5).add_(0.3)
+    cache.reset()
+    reused, fresh = (model.generate(ids, past_key_values=c, **options)
+                     for c in (cache, StaticCache(config=model.config, max_cache_len=16)))
+    for a, b in zip(reused.logits, fresh.logits):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("variant", list(STATIC_VARIANTS))
+def test_a_decoding_loop_over_a_static_cache_counts_a_padded_rows_positions(variant):
+    """A hand-written decoding loop (mask, no position ids) over a StaticCache: a left-padded row's decoding steps were
+    placed at the batch's positions, not its own (the prefill counted its own), so its logits were off by ~0.1."""
+    from transformers import StaticCache
+
+    torch.manual_seed(0)
+    model = trained_looking(DDLForCausalLM(tiny_config(**STATIC_VARIANTS[variant], qk_norm=True))).eval()
+    ids = torch.randint(3, 99, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    with torch.no_grad():
+        model(ids[:, :6], attention_mask=mask[:, :6], past_key_values=cache)
+        for t in range(6, 9):
+            step = model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=cache).logits[:, -1]
+            full = model(ids[:, :t + 1], attention_mask=mask[:, :t + 1]).logits[:, -1]
+            torch.testing.assert_close(step, full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["cc-ec", "tc-ec"])
+def test_assisted_decoding_with_a_static_cache_of_token_windows_is_one_error(variant):
+    """transformers' static cache layer for token windows rolls back the windows but not the keys: assisted and
+    prompt-lookup decoding overflowed it (IndexError) or went on silently wrong. Now one error that says what to do;
+    a dynamic cache still decodes greedy's tokens."""
+    torch.manual_seed(0)
+    model = trained_looking(DDLForCausalLM(tiny_config(**STATIC_VARIANTS[variant]))).eval()
+    ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]])
+    greedy = model.generate(ids, max_new_tokens=7, do_sample=False)
+    with pytest.raises(ValueError, match="drop cache_implementation='static'"):
+        model.generate(ids, cache_implementation="static", max_new_tokens=7, do_sample=False,
+                       prompt_lookup_num_tokens=3)
+    assert torch.equal(model.generate(ids, max_new_tokens=7, do_sample=False, prompt_lookup_num_tokens=3), greedy)
