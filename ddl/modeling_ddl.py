@@ -620,7 +620,7 @@ class DDLModel(DDLPreTrainedModel):
         if self._keeps_token_histories() and not isinstance((cache.layers or [0])[0], LinearAttentionCacheLayerMixin):
             raise ValueError("This DDL variant keeps token-convolution histories, which a bare `DynamicCache()` cannot "
                              "hold: pass `DynamicCache(config=model.config)` (or let `generate()` build the cache).")
-        if not torch.compiler.is_compiling() and not cache.get_seq_length():  # (a reused cache: weights changed)
+        if not torch.compiler.is_compiling() and not getattr(cache, "get_seq_length", int)():  # (reused; paged: none)
             _DERIVED_PER_CACHE.pop(cache, None)
 
     @staticmethod
