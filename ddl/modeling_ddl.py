@@ -321,7 +321,7 @@ class DDLCompressor(nn.Module):
         return self._fold().unsqueeze(0)
 
     def readout_weight(self, cache=None):
-        """`derived_weight()`; in a decoding run (a cache, no autograd) made once per cache, as its kernels read it."""
+        """`derived_weight()`; in a decoding run (a cache, no autograd) made once per fill of the cache."""
         if cache is None or torch.is_grad_enabled() or torch.compiler.is_compiling():
             return self.derived_weight()
         kept = _DERIVED_PER_CACHE.setdefault(cache, {})
