@@ -81,8 +81,7 @@ def _crop_static_hybrid(layer, tokens_to_remove):  # (transformers 5.x's crops t
 
 
 StaticHybridLayer.crop = vars(StaticHybridLayer).get("crop", _crop_static_hybrid)
-# A compressor's readout weight for one fill of a cache (read 2L + 1 times per token), dropped with the cache or when
-# it starts again (`_check_cache`); never keyed on `_version` (fused AdamW changes weights in place without bumping it)
+# Readout weights kept for one fill of a cache (`_check_cache`); not keyed on `_version` (fused AdamW does not bump it)
 _DERIVED_PER_CACHE = weakref.WeakKeyDictionary()
 
 
@@ -620,7 +619,8 @@ class DDLModel(DDLPreTrainedModel):
         if self._keeps_token_histories() and not isinstance((cache.layers or [0])[0], LinearAttentionCacheLayerMixin):
             raise ValueError("This DDL variant keeps token-convolution histories, which a bare `DynamicCache()` cannot "
                              "hold: pass `DynamicCache(config=model.config)` (or let `generate()` build the cache).")
-        if not torch.compiler.is_compiling() and not getattr(cache, "get_seq_length", int)():  # (reused; paged: none)
+        if not torch.compiler.is_compiling() and cache in _DERIVED_PER_CACHE and not getattr(
+                cache, "get_seq_length", int)():  # (a kept readout weight, and the cache starts again; paged: none)
             _DERIVED_PER_CACHE.pop(cache, None)
 
     @staticmethod
