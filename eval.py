@@ -268,7 +268,7 @@ def checkpoint_source(ckpt) -> str:
 def prepare_output_dir(path, overwrite, sources):
     """Make `path` this run's (the rule of ddl_tools.outputs): claim it (`claim_folder`: create it, take its lock,
     delete the unfinished writes a kill or a full disk left), and check that it is empty or holds only an earlier
-    eval.py run's results of (some of) the same checkpoints, `sources` ({name: checkpoint}). eval.py never writes a
+    eval.py run's results of checkpoints evaluated now, `sources` ({name: checkpoint}). eval.py never writes a
     link, and a result moved onto a path through one would land where it points: a link is refused unless
     --overwrite lets `publish` replace it (the link itself). Returns (the lock, a temporary folder for this run's
     results, the earlier run's files, whether those were complete). Nothing but leftovers is removed here."""
@@ -312,10 +312,12 @@ def check_output_dir(path, overwrite, sources):
             f"{', ...' if len(unrelated) > 5 else ''}). Choose another --output_dir, or pass --overwrite."
         )
     clash = [name for name in sources if name in earlier and earlier[name] != sources[name]]
-    if earlier and not overwrite and (clash or not set(earlier.values()) & set(sources.values())):
+    dropped = sorted(set(earlier.values()) - set(sources.values()))  # (a rerun replaces the folder's results)
+    if not overwrite and (clash or dropped):
         raise SystemExit(
-            f"error: {path} holds eval.py results of {', '.join(sorted(set(earlier.values())))}, not of the "
-            "checkpoint(s) evaluated now. Choose another --output_dir, or pass --overwrite to replace them."
+            f"error: {path} holds eval.py results of {', '.join(dropped or sorted(set(earlier.values())))}, not of "
+            "the checkpoint(s) evaluated now. Choose another --output_dir, evaluate those too, or pass --overwrite to "
+            "replace them."
         )
     return previous, bool(previous) and earlier_complete(path, manifest)
 

@@ -295,9 +295,9 @@ def test_two_checkpoints_give_one_table(checkpoints, tmp_path, capsys):
         assert result["perplexity"]["stride"] == 16
     assert "mostly overwrite" in printed and "results written to" in printed
 
-    # A second run replaces its own files; a folder with someone else's file is refused.
+    # A second run of one of them replaces the results with --overwrite; a folder with someone else's file is refused.
     assert run_eval([checkpoints["delta"], "--file", checkpoints["text"], "--max_new_tokens", "0",
-                     "--output_dir", str(out)], capsys)[0] == 0  # fmt: skip
+                     "--output_dir", str(out), "--overwrite"], capsys)[0] == 0  # fmt: skip
     assert not (out / "write_only").exists() or not any((out / "write_only").iterdir())
     (out / "notes.txt").write_text("mine")
     with pytest.raises(SystemExit, match="did not write"):
@@ -484,7 +484,8 @@ def test_checkpoints_of_the_same_name_do_not_replace_each_others_results(checkpo
 
 def test_a_rerun_names_each_checkpoint_as_the_earlier_run_did(checkpoints, tmp_path, capsys):
     """Two checkpoint folders of one name (model, model-2 by their order): the same two in the other order, or the
-    second alone, were refused as 'not the checkpoints evaluated now'; a checkpoint keeps its earlier name."""
+    second alone (with --overwrite: the first one's results go), were refused as 'not the checkpoints evaluated now';
+    a checkpoint keeps its earlier name."""
     import shutil
 
     first, second = tmp_path / "a" / "model", tmp_path / "b" / "model"
@@ -492,19 +493,34 @@ def test_a_rerun_names_each_checkpoint_as_the_earlier_run_did(checkpoints, tmp_p
     shutil.copytree(checkpoints["write_only"], second)
     common = ["--file", checkpoints["text"], "--max_new_tokens", "0", "--output_dir", str(tmp_path / "out")]
     assert run_eval([str(first), str(second), *common], capsys)[0] == 0
-    for order in ([str(second), str(first)], [str(second)]):
+    for order in ([str(second), str(first)], [str(second), "--overwrite"]):
         code, printed = run_eval([*order, *common], capsys)
         assert code == 0, printed
         results = json.loads((tmp_path / "out" / "model-2" / "results.json").read_text())
         assert results["model"]["residual"] == "write_only"
-    # a third checkpoint of that name beside the second: it does not take the first one's name ("model")
+    # a third checkpoint of that name listed first: it does not take the first one's name ("model")
     assert run_eval([str(first), str(second), *common], capsys)[0] == 0
     third = tmp_path / "c" / "model"
     shutil.copytree(checkpoints["delta"], third)
-    code, printed = run_eval([str(second), str(third), *common], capsys)
+    code, printed = run_eval([str(third), str(second), str(first), *common], capsys)
     assert code == 0, printed
-    assert sorted(json.loads((tmp_path / "out" / "eval_manifest.json").read_text())["checkpoints"]) == [
-        "model-2", "model-3"]
+    assert json.loads((tmp_path / "out" / "eval_manifest.json").read_text())["checkpoints"] == {
+        "model": str(first), "model-2": str(second), "model-3": str(third)}
+
+
+def test_a_rerun_of_some_of_the_checkpoints_keeps_the_others_results(checkpoints, tmp_path, capsys):
+    """A rerun on one of two checkpoints deleted the other one's results without --overwrite (the folder's results
+    are replaced as a whole); it is refused, and with --overwrite it replaces them."""
+    common = ["--file", checkpoints["text"], "--max_new_tokens", "0", "--output_dir", str(tmp_path / "out")]
+    assert run_eval([checkpoints["delta"], checkpoints["write_only"], *common], capsys)[0] == 0
+    kept = tmp_path / "out" / "write_only" / "results.json"
+    earlier = kept.read_text()
+    with pytest.raises(SystemExit, match=r"holds eval.py results of .*write_only, not of .*evaluate those too"):
+        eval_script.main([checkpoints["delta"], *common])
+    assert kept.read_text() == earlier
+    assert run_eval([checkpoints["write_only"], checkpoints["delta"], *common], capsys)[0] == 0  # all: refreshed
+    assert run_eval([checkpoints["delta"], *common, "--overwrite"], capsys)[0] == 0
+    assert not kept.exists()
 
 
 @pytest.mark.parametrize("content", ["{bad", "", "[1]", '{"files": 3}'])
