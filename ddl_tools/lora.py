@@ -91,6 +91,9 @@ def add_lora(model, model_args, verbose: bool = True):
         peft_model = get_peft_model(model, config)
     except ValueError as err:  # e.g. a target module the model does not have
         raise UsageError(f"--lora: {err}") from err
+    base = model_args.model_name_or_path
+    if base and os.path.isdir(base):  # each checkpoint's adapter_config names its base: a relative path would be
+        config.base_model_name_or_path = os.path.realpath(base)  # read from wherever eval.py or PEFT later runs
     if not verbose:
         return peft_model
     trainable, total = peft_model.get_nb_trainable_parameters()

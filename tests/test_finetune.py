@@ -94,7 +94,7 @@ def test_lora_on_a_model_built_from_a_llama_trains_its_fresh_qk_norms(tmp_path):
                         num_attention_heads=2, num_key_value_heads=1, head_dim=16)
     LlamaForCausalLM(llama).save_pretrained(tmp_path)
     model = load_from_llama(str(tmp_path), ddl_config_from_llama(llama, {"qk_norm": True}))
-    args = SimpleNamespace(lora_target_modules=None, lora_r=4, lora_alpha=8, lora_dropout=0.0,
+    args = SimpleNamespace(model_name_or_path=None, lora_target_modules=None, lora_r=4, lora_alpha=8, lora_dropout=0.0,
                            lora_train_ddl_branch=True, init_from_llama=str(tmp_path))
     norms, own = {n for n, _ in model.named_parameters() if ".q_norm." in n or ".k_norm." in n}, own_parameters(model)
     assert norms <= own and trained_in_full(add_lora(model, args, verbose=False)) == own
@@ -128,11 +128,16 @@ def test_train_lora_saves_adapter_and_a_merged_model(trained, tmp_path, text_fil
 
     base, _ = trained
     out = tmp_path / "lora"
-    proc = run_train("--model_name_or_path", str(base), "--train_file", str(text_file), "--output_dir", str(out),
+    relative = os.path.relpath(base, ROOT)  # (train.py runs in ROOT)
+    proc = run_train("--model_name_or_path", relative, "--train_file", str(text_file), "--output_dir", str(out),
                      *TINY_RUN, "--lora", "--lora_r", "4", "--max_steps", "3", "--eval_steps", "3", "--save_steps", "3",
                      "--learning_rate", "1e-2")
     assert "LoRA: r 4" in proc.stdout and "DDL branch trained in full" in proc.stdout
     assert json.loads((out / "adapter" / "adapter_config.json").read_text())["r"] == 4
+    # a checkpoint's adapter names its base as a path from anywhere (eval.py of it from another folder loaded that
+    # folder's model of the same relative name, silently)
+    recorded = json.loads((out / "checkpoint-3" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert recorded == str(base.resolve()) and relative != recorded
     assert "Fine-tuning: LoRA (r 4" in (out / "README.md").read_text()
 
     before, after = load_file(str(base / "model.safetensors")), load_file(str(out / "model.safetensors"))
