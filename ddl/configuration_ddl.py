@@ -130,7 +130,8 @@ class DDLConfig(LlamaConfig):
         ddl_rebuild_states (`bool`, *optional*, defaults to True):
             Training with d_v > 1 in fp32/fp64: rebuild each expanded state in backward from the next one instead of
             keeping it (`modeling_ddl.StateRebuild`: less memory, the same gradients up to rounding). False keeps the
-            states, for a second derivative (`create_graph=True`) or code that changes a state in place.
+            states, for a second derivative (`create_graph=True`, with `ddl_implementation="reference"`) or code that
+            changes a state in place.
 
     Runtime choice, not saved (like `attn_implementation`): `ddl_implementation` (`"auto"` | `"triton"` | `"torch"` |
     `"reference"`, see `ddl.kernels`), on the config, in `from_pretrained(...)` or as `DDL_IMPLEMENTATION`.

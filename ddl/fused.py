@@ -12,6 +12,15 @@ from .reference import DELTA_MODES, causal_token_conv
 from .reference import delta_gate as reference_gate
 
 
+def refuse_second_derivative(operation):
+    """First in each backward (here, in ddl_kernels) made of tensors that carry no graph, such as a forward's results
+    under no autograd or a kernel's: under create_graph=True autograd took them for constants, silently wrong."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"DDL: a second derivative (create_graph=True) through {operation} is not supported; set "
+                           "model.config.ddl_implementation = 'reference' (and ddl_rebuild_states = False), whose "
+                           "operations autograd differentiates twice.")
+
+
 class _Fp32Linear(torch.autograd.Function):
     """F.linear(x.float(), weight.float(), bias.float()), keeping x in its own dtype for backward: autograd would keep
     the fp32 copy, in a bf16 model twice the activation's bytes per sublayer. The same numbers."""
@@ -26,6 +35,7 @@ class _Fp32Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        refuse_second_derivative("the fp32 gate of a bf16/fp16 model")
         x, weight32 = ctx.saved_tensors
         grad = grad.float()  # (under autocast the product came in bf16)
         rows, (x_dtype, weight_dtype, bias_dtype) = grad.reshape(-1, grad.shape[-1]), ctx.dtypes
@@ -117,6 +127,7 @@ class _DeltaUpdate(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        refuse_second_derivative("the PyTorch delta update")
         with torch.autocast(grad_out.device.type, enabled=False):  # (backward may run under autocast)
             x, h, inv_norm, target, beta, h_dot_x = ctx.saved_tensors
             scalar, acc = ctx.scalar_state, target.dtype

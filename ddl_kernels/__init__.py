@@ -63,6 +63,15 @@ _STOP_RECOMPUTATION = getattr(torch.utils.checkpoint, "_StopRecomputationError",
 _NOT_THE_KERNELS = (torch.OutOfMemoryError,) + ((_STOP_RECOMPUTATION,) if _STOP_RECOMPUTATION else ())
 
 
+def refuse_second_derivative(operation):
+    """First in each backward here: its gradients are computed outside autograd, so under create_graph=True autograd
+    would take them for constants, a second derivative silently wrong (as `ddl.fused`'s of the same name)."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"DDL: a second derivative (create_graph=True) through {operation} is not supported; set "
+                           "model.config.ddl_implementation = 'reference' (and ddl_rebuild_states = False), whose "
+                           "operations autograd differentiates twice.")
+
+
 def eager():
     """Neither torch.compile nor torch.jit.trace is tracing: every kernel here serves only then (a launch inside a
     trace would be recorded wrongly or not at all: Inductor fuses the PyTorch path itself; a jit trace would keep the
@@ -104,4 +113,4 @@ def implementations():
     return found
 
 
-__all__ = ["INTERFACE_VERSION", "Implementation", "eager", "fallible", "implementations"]
+__all__ = ["INTERFACE_VERSION", "Implementation", "eager", "fallible", "implementations", "refuse_second_derivative"]

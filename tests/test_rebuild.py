@@ -148,10 +148,42 @@ def test_a_second_derivative_says_what_to_do():
     loss = model(**_batches()["plain"]).loss
     with pytest.raises(RuntimeError, match="ddl_rebuild_states = False"):
         torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
-    model.config.ddl_rebuild_states = False
+    model.config.ddl_rebuild_states, model.config.ddl_implementation = False, "reference"
     loss = model(**_batches()["plain"]).loss
     grads = torch.autograd.grad(loss, list(model.parameters()), create_graph=True, allow_unused=True)
     assert any(g is not None and g.requires_grad for g in grads)
+
+
+@pytest.mark.parametrize("implementation", ["auto", "torch"])
+@pytest.mark.parametrize("dv", [1, 4])
+def test_a_second_derivative_through_a_fused_path_raises_and_the_specification_gives_it(dv, implementation):
+    """The fused paths' backward (C++, PyTorch) is made of tensors without a graph: a gradient penalty through them
+    (create_graph=True) was silently wrong (d_v = 1: the opposite sign along a direction; the states' rebuild, which
+    raises, is for d_v > 1 only). It raises, saying to use the specifications, whose second derivative matches a
+    finite difference of the first."""
+    model = _model(False, implementation, ddl_value_channels=dv, ddl_embed_conv=dv > 1)
+    model.set_attn_implementation("eager")  # (SDPA on CPU has no second derivative)
+    ids = _batches()["plain"]["input_ids"]
+    embeds = model.get_input_embeddings()(ids).detach()
+    weight = model.get_parameter("model.layers.0.self_attn.q_proj.weight")
+
+    def penalty(create_graph):
+        inputs = embeds.clone().requires_grad_()
+        (grad,) = torch.autograd.grad(model(inputs_embeds=inputs, labels=ids).loss, inputs, create_graph=create_graph)
+        return grad.square().sum()
+
+    with pytest.raises(RuntimeError, match="second derivative .*ddl_implementation = 'reference'"):
+        penalty(True)
+    model.config.ddl_implementation = "reference"
+    (second,) = torch.autograd.grad(penalty(True), weight)
+    direction, eps = torch.randn(weight.shape, generator=seeded(1), dtype=weight.dtype), 1e-3  # (the gate is fp32)
+    with torch.no_grad():
+        weight.add_(eps * direction)
+    ahead = penalty(False).detach()
+    with torch.no_grad():
+        weight.sub_(2 * eps * direction)
+    behind = penalty(False).detach()
+    torch.testing.assert_close((second * direction).sum(), (ahead - behind) / (2 * eps), rtol=5e-3, atol=1e-6)
 
 
 def _compare(kept, rebuilt, rtol=1e-10):

@@ -24,9 +24,8 @@ operation; here each token's rows are read once for the dot products and once fo
 """
 
 import torch
-from torch.autograd.function import once_differentiable
 
-from .. import Implementation
+from .. import Implementation, refuse_second_derivative
 from ..build import kernels, ready
 from . import value_input_kind
 
@@ -71,8 +70,8 @@ class _Seam(torch.autograd.Function):
         return out if readout is None else (out, y)
 
     @staticmethod
-    @once_differentiable  # its gradients are computed outside autograd: a second derivative raises
     def backward(ctx, grad, grad_y=None):
+        refuse_second_derivative("the C++ residual seam")  # (its gradients are computed outside autograd)
         x, h, c, u, gate_weight, value_weight, stats, readout = ctx.saved_tensors
         grad = torch.zeros_like(x) if grad is None else grad.contiguous()  # (only the readout was used)
         read = readout is not None and grad_y is not None

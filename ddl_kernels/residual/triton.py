@@ -26,9 +26,8 @@ through Triton's interpreter (`TRITON_INTERPRET=1`, tests/test_kernels.py).
 import torch
 import triton
 import triton.language as tl
-from torch.autograd.function import once_differentiable
 
-from .. import Implementation, eager, fallible
+from .. import Implementation, eager, fallible, refuse_second_derivative
 from ..readout.triton import channel_block
 from . import value_input_kind
 
@@ -209,6 +208,7 @@ class _TritonDeltaUpdate(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        refuse_second_derivative("the Triton delta update")
         x, h, v, beta = ctx.saved_tensors
         d, dv = h.shape[-1], v.shape[-1]
         grad_x, grad_h = torch.empty_like(x), torch.empty_like(h)
@@ -242,8 +242,8 @@ class _TritonSeam(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable  # its gradients are computed outside autograd: a second derivative raises
     def backward(ctx, grad_out):
+        refuse_second_derivative("the Triton residual seam")  # (its gradients are computed outside autograd)
         saved = ctx.saved_tensors  # (once: a checkpointed forward's tensors may be unpacked only once)
         # a backward kernel that fails gives the specification's gradients, this and every later backward; the
         # forward still serves (a checkpoint's recompute must save what the first forward saved)
