@@ -56,6 +56,9 @@ from ddl_tools.outputs import FolderLock, UsageError, claim_folder, is_leftover,
 from ddl_tools.presets import config_error_message
 
 
+DEFAULT_CONTEXT = 1024  # the block of a model whose config names no context
+
+
 @dataclass
 class EvalConfig:
     checkpoints: list[str] = field(metadata={"help": "local folders or Hub ids", "nargs": "+"})
@@ -106,7 +109,7 @@ def parse_args(argv=None) -> EvalConfig:
             parser.add_argument(f"--{f.name}", type=kind, default=f.default, help=f.metadata["help"],
                                 choices=f.metadata.get("choices"))
     cfg = EvalConfig(**vars(parser.parse_args(argv)))
-    problem = check_config(cfg)
+    problem = check_config(cfg) or stride_problem(cfg)
     if problem:
         parser.error(problem)
     return cfg
@@ -135,6 +138,34 @@ def check_config(cfg: EvalConfig) -> str | None:
         if problem:
             return problem
     return device_problem(cfg.device, "eval.py") if cfg.device is not None else None
+
+
+def checkpoint_context(ckpt) -> int | None:
+    """The context (max_position_embeddings) a checkpoint's config.json gives, read without loading the weights, a
+    Hub id only from the local cache, no checkpoint's own code run; None if that cannot tell (the check after
+    loading then covers it)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(ckpt, local_files_only=True, trust_remote_code=False)
+    except Exception:  # noqa: BLE001 (a missing or invalid config, remote code: load_checkpoint says what is wrong)
+        return None
+    return getattr(config, "max_position_embeddings", None) or DEFAULT_CONTEXT
+
+
+def stride_problem(cfg: EvalConfig) -> str | None:
+    """--stride against the block each checkpoint is evaluated with (--block_size limited to its context), or
+    None: found before the output folder is touched, not after a model has loaded and a folder of errors was
+    written."""
+    if cfg.stride is None:
+        return None
+    for ckpt in cfg.checkpoints:
+        context = checkpoint_context(ckpt)
+        if context is not None and cfg.stride > min(cfg.block_size or context, context):
+            given = f"--block_size {cfg.block_size} is limited to" if cfg.block_size else "the block is"
+            return (f"--stride {cfg.stride}: must lie in [1, block size], and {given} {context}, the context "
+                    f"(max_position_embeddings) of checkpoint {ckpt!r}; pass --stride {context} or less.")
+    return None
 
 
 def text_file_problem(path) -> str | None:
@@ -395,8 +426,11 @@ def evaluate_checkpoint(cfg, ckpt, name, texts, text_source, writer, device, dty
     result["model"] = describe_model(model)
     print("model: " + ", ".join(f"{k}={v}" for k, v in result["model"].items()))
 
-    context = getattr(model.config, "max_position_embeddings", None) or 1024
+    context = getattr(model.config, "max_position_embeddings", None) or DEFAULT_CONTEXT
     block_size = min(cfg.block_size or context, context)
+    if cfg.block_size and cfg.block_size > context:  # (it was limited without a word)
+        print(f"note: --block_size {cfg.block_size} is limited to {context}, the model's context "
+              "(max_position_embeddings).")
     ids = windows = None
     if texts is not None and (not cfg.skip_perplexity or cfg.audit):
         ids, windows = _attempt(result, "evaluation windows", evaluation_windows, cfg, tokenizer, texts, block_size,

@@ -287,6 +287,10 @@ def publish(stage, root, files, previous, record):
     climbing = [rel for rel in files if os.path.isabs(rel) or os.path.normpath(rel).split(os.sep)[0] in ("..", ".")]
     if climbing:
         raise ValueError(f"results {climbing} would be written outside {root!r}; nothing was moved.")
+    # the real folder, once: normpath below would collapse `link/..` (--output_dir link/../x) as text, to ./x, not
+    # the folder it names (where the link points, one up), and the earlier results there were neither deleted nor
+    # listed, left as files the next run refused
+    root = os.path.realpath(root)
     previous = [rel for rel in previous if _within(root, os.path.join(root, rel))]
     record(sorted(set(files) | set(previous)))
     for rel in files:

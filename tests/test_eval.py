@@ -567,6 +567,9 @@ BAD_FLAGS = {
     "block-size": (["--block_size", "1"], "--block_size 1: must be at least 2"),
     "stride": (["--stride", "0"], "--stride 0: must lie in [1, --block_size]"),
     "stride-above-block": (["--block_size", "8", "--stride", "9"], "--stride 9: must lie in [1, --block_size]"),
+    # the block is limited to the model's context (64) after loading: the stride failed then, a folder of errors written
+    "stride-above-context": (["--block_size", "256", "--stride", "128"], "--block_size 256 is limited to 64, the"),
+    "stride-above-context-no-block": (["--stride", "100"], "--stride 100: must lie in [1, block size], and the block"),
     "device": (["--device", "gpu0"], "--device 'gpu0' is not a device"),
     "no-cuda": (["--device", "cuda"], "no CUDA device"),
     # a negative --max_eval_tokens N scored all but the last N tokens, as a slice does
@@ -723,6 +726,22 @@ def test_a_link_in_the_output_folder_is_never_written_through(checkpoints, tmp_p
     assert not (out / "good").is_symlink() and "perplexity" in json.loads((out / "good" / "results.json").read_text())
     assert sorted(p.name for p in victim.iterdir()) == ["audit.json", "results.json"]
     assert (victim / "results.json").read_text() == "mine" and (victim / "audit.json").read_text() == "mine too"
+
+
+def test_an_output_dir_through_a_link_and_dotdot_replaces_the_earlier_results(checkpoints, tmp_path, capsys):
+    """--output_dir link/../x (link -> deep/a) is deep/x: a rerun without --audit left the earlier run's audit files
+    there, outside the manifest (publish looked in ./x), and the next rerun refused them as not eval.py's."""
+    (tmp_path / "deep" / "a").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "deep" / "a")
+    args = [checkpoints["delta"], "--file", checkpoints["text"], "--max_new_tokens", "0", "--output_dir",
+            os.path.join(str(tmp_path / "link"), "..", "x")]
+    assert run_eval([*args, "--audit", "--audit_tokens", "64"], capsys)[0] == 0
+    real = tmp_path / "deep" / "x" / "delta"
+    assert (real / "audit.json").exists()
+    for _ in range(2):  # the second rerun was refused
+        code, printed = run_eval(args, capsys)
+        assert code == 0, printed
+        assert sorted(p.name for p in real.iterdir()) == ["results.json"] and not (tmp_path / "x").exists()
 
 
 BAD_TEXT_FILES = {

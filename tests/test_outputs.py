@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from ddl_tools.outputs import (FolderLock, UsageError, claim_folder, folder_contents, is_leftover, temporary_name,
-                               write_json)
+from ddl_tools.outputs import (FolderLock, UsageError, claim_folder, folder_contents, is_leftover, publish,
+                               temporary_name, write_json)
 
 
 def test_a_lock_file_that_is_a_link_is_refused_and_its_target_kept(tmp_path):
@@ -79,3 +79,22 @@ def test_a_file_written_without_replacing_leaves_an_existing_one_as_it_was(links
             write_json(tmp_path / name, {"b": 2}, replace=False)
     assert json.loads((tmp_path / "new.json").read_text()) == {"a": 1} and (tmp_path / "target").read_text() == "kept"
     assert sorted(os.listdir(tmp_path)) == ["link.json", "new.json", "target"]
+
+
+def test_publish_through_a_link_and_dotdot_replaces_the_earlier_results(tmp_path):
+    """`--output_dir link/../x` names deep/x (the link points to deep/a): normpath made it ./x, so the earlier
+    run's audit files in deep/x were neither deleted nor listed, and the next run refused them as not its own."""
+    (tmp_path / "deep" / "a").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "deep" / "a")
+    real = tmp_path / "deep" / "x"
+    (real / "lm").mkdir(parents=True)
+    for name in ("audit.json", "results.json"):
+        (real / "lm" / name).write_text("earlier")
+    (real / ".partial-1" / "lm").mkdir(parents=True)
+    (real / ".partial-1" / "lm" / "results.json").write_text("new")
+    root = os.path.join(str(tmp_path / "link"), "..", "x")
+    records = []
+    publish(os.path.join(root, ".partial-1"), root, ["lm/results.json"], ["lm/audit.json", "lm/results.json"],
+            records.append)
+    assert sorted(os.listdir(real / "lm")) == ["results.json"] and (real / "lm" / "results.json").read_text() == "new"
+    assert records[-1] == ["lm/results.json"] and not (tmp_path / "x").exists()
