@@ -11,7 +11,8 @@ trust_remote_code=True)` or `pipeline("text-classification", model=folder, trust
     python train_classifier.py                    # the same classifier from a fresh (untrained) tiny DDL, for contrast
     python train_classifier.py --config_overrides ddl_value_channels=1,ddl_embed_conv=false   # another variant
 
-Every `TrainingArguments` flag works (--num_train_epochs, --learning_rate, --per_device_train_batch_size, ...).
+Every `TrainingArguments` flag works (--num_train_epochs, --learning_rate, --per_device_train_batch_size, ...) but
+--resume_from_checkpoint: a run is short, and is rerun rather than resumed.
 """
 
 import os
@@ -162,6 +163,10 @@ def main(argv):
     if training_args.should_log:
         logging.set_verbosity_warning()
     check_training_arguments(training_args)
+    if training_args.resume_from_checkpoint is not None:  # (Trainer's flag, which only train() reads: it was ignored)
+        raise UsageError("--resume_from_checkpoint: a train_classifier.py run is not resumed (it writes its classifier "
+                         "once, at the end); rerun the command, with --overwrite_output_dir where its folder is not "
+                         "empty.")
     check_ddl_environment()
     check_checkpoint(args)
     if args.model_name_or_path is None:  # a fresh model's config, checked before any data work

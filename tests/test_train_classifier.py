@@ -199,6 +199,9 @@ BAD_INPUTS = {
     "negative-warmup": (["--warmup_steps", "-1"], "warmup_steps >= 0"),
     "truncated-checkpoint": (["--model_name_or_path", "{truncated}"], "model.safetensors is cut short"),
     "misshapen-checkpoint": (["--model_name_or_path", "{misshapen}"], "its weights do not fit its config.json"),
+    # (Trainer's flag was accepted and ignored: the run started over from the pretrained model)
+    "resume": (["--resume_from_checkpoint", "{tmp}/out/checkpoint-2"], "--resume_from_checkpoint: a "
+               "train_classifier.py run is not resumed"),
 }
 
 
