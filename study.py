@@ -162,7 +162,8 @@ def study_parser() -> argparse.ArgumentParser:
     p.add_argument("--study_dir", default=None, help="runs (default outputs/study; --quick outputs/study-quick)")
     p.add_argument("--report_dir", default=None, help="report (default docs/study; --quick <study_dir>/report)")
     p.add_argument("--quick", action="store_true", help="5-minute smoke test: all variants, one seed, 16 steps")
-    p.add_argument("--report_only", action="store_true", help="only rebuild the report from finished runs")
+    p.add_argument("--report_only", action="store_true",
+                   help="only rebuild the report from finished runs, with the settings the study recorded")
     return p
 
 
@@ -171,15 +172,16 @@ def fill_defaults(args, argv) -> None:
     from ddl_tools.presets import PRESET_RUN_DEFAULTS
 
     run_defaults = PRESET_RUN_DEFAULTS[args.preset]
-    args.per_device_train_batch_size = args.per_device_train_batch_size or run_defaults["per_device_train_batch_size"]
-    args.block_size = args.block_size or run_defaults["block_size"]
+    for name in ("per_device_train_batch_size", "block_size"):  # only where left out: a 0 given is refused
+        if getattr(args, name) is None:
+            setattr(args, name, run_defaults[name])
     if args.quick:
         tokens_per_step = (args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
                            * args.block_size)
         args.seeds = args.seeds if "--seeds" in argv else [0]
         if args.budget_hours is None:
-            args.max_tokens = args.max_tokens or QUICK_STEPS * tokens_per_step
-        args.eval_tokens = args.eval_tokens or 8192
+            args.max_tokens = QUICK_STEPS * tokens_per_step if args.max_tokens is None else args.max_tokens
+        args.eval_tokens = 8192 if args.eval_tokens is None else args.eval_tokens
         args.audit_tokens = 4096 if "--audit_tokens" not in argv else args.audit_tokens
         args.curve_evals = args.curve_evals if "--curve_evals" in argv else 2
         args.curve_eval_blocks = args.curve_eval_blocks if "--curve_eval_blocks" in argv else 8
@@ -194,7 +196,11 @@ def check_arguments(args, parser) -> None:
     """Refuse what no run could follow (argparse's one-line error)."""
     if args.max_tokens is not None and args.budget_hours is not None:
         parser.error("give --max_tokens or --budget_hours, not both: the budget chooses the tokens per run.")
-    for name in ("budget_hours", "calibration_steps", "curve_evals", "curve_eval_blocks"):
+    # a negative --eval_tokens N or --audit_tokens N used to score all but N tokens (a slice), and a 0 batch or block
+    # to stand for the preset's; the sizes come first, as --quick's --max_tokens follows from them
+    for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "world_size", "block_size",
+                 "max_tokens", "budget_hours", "calibration_steps", "curve_evals", "curve_eval_blocks", "eval_tokens",
+                 "audit_tokens"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             parser.error(f"--{name} must be positive, got {getattr(args, name)}.")
     if not 0 <= args.budget_slack < 1:
@@ -550,6 +556,44 @@ def describe_scale(plan: dict | None, results: list[dict]) -> dict:
 # ---------------------------------------------------------------------------------------------------- main
 
 
+def given_settings(argv: list[str]) -> set[str]:
+    """The settings the command line gives itself (not argparse's or `fill_defaults`' defaults)."""
+    flags = argv[: argv.index("--")] if "--" in argv else argv
+    parser = study_parser()
+    # None stands for "not given" (argparse.SUPPRESS as the default breaks --seeds' nargs="*" in Python 3.11)
+    parser.set_defaults(**dict.fromkeys(vars(parser.parse_args([]))))
+    given = {name for name, value in vars(parser.parse_args(flags)).items() if value is not None}
+    return given | ({"train_args"} if "--" in argv else set())
+
+
+def recorded_settings(settings: StudySettings, args, argv: list[str]) -> None:
+    """--report_only: take the settings the study's runs had from its study.json, so that the report states them
+    (it used to state the command line's, defaults included). A flag given with another value is refused (raises
+    ValueError, one line). Runs without a study.json are reported with the command line's settings."""
+    from ddl_tools import study
+
+    path = os.path.join(args.study_dir, study.STUDY_FILE)
+    if not os.path.isfile(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        recorded = {k: v for k, v in json.load(f).items() if k in StudySettings.__dataclass_fields__}
+    given = given_settings(argv)
+
+    def shown(name, value):  # the train.py flags after -- as typed
+        return (" ".join(value) or "none") if name == "train_args" else value
+
+    differ = [f"--{'' if name == 'train_args' else name} {shown(name, getattr(settings, name))} (the study's: "
+              f"{shown(name, value)})" for name, value in recorded.items()
+              if name in given and json.loads(json.dumps(getattr(settings, name))) != value]
+    if differ:
+        raise ValueError(f"{args.study_dir!r} holds a study run with other settings: {', '.join(differ)}; "
+                         "--report_only reports it as it ran: leave these flags out.")
+    for name, value in recorded.items():
+        setattr(settings, name, value)
+    if settings.budget_hours is not None:
+        settings.max_tokens = None  # read with the plan from calibration.json (`resolve_scale`)
+
+
 def check_settings(settings: StudySettings, args):
     """The grid, and a study folder that holds runs of these settings only (raises ValueError)."""
     from ddl_tools import study
@@ -673,6 +717,8 @@ def main(argv: list[str]) -> int:
 
             study.build_grid(settings.variants, settings.seeds)  # bad names: refused before any calibration
             study.check_report_dir(args.report_dir)
+            if args.report_only:
+                recorded_settings(settings, args, argv)
             claims = claim_folders(args)  # one study.py at a time: before the calibration
             plan = resolve_scale(settings, args)
             grid = check_settings(settings, args)

@@ -449,6 +449,49 @@ def test_a_report_before_every_seed_ran_names_the_seeds_it_has(tmp_path, capsys)
     assert "[0] (of [0, 1, 2]; the others have no finished run)" in setup, setup
 
 
+def test_report_only_states_the_settings_the_study_ran_with(tmp_path, capsys):
+    """--report_only used to report the command line's settings (defaults included), not the study's: a study of
+    4 steps x 128 tokens, reported with --max_tokens 1048576 --block_size 256, said 256 x 4096 tokens."""
+    script = study_script()
+    folder, report = str(tmp_path / "s"), tmp_path / "r"
+    ran = ["--variants", "additive-dv1", "--seeds", "0", "--max_tokens", "512", "--block_size", "32",
+           "--per_device_train_batch_size", "4", "--study_dir", folder, "--report_dir", str(tmp_path / "r0")]
+    settings, parsed = script.parse_args(ran + ["--", "--learning_rate", "3e-4"])
+    os.makedirs(folder)
+    script.check_settings(settings, parsed)  # writes the study's study.json, as a training run does
+    run = tmp_path / "s" / "runs" / "additive-dv1-s0"
+    run.mkdir(parents=True)
+    (run / "result.json").write_text(json.dumps({"variant": "additive-dv1", "seed": 0,
+                                                 **fake_result(study.RunSpec("additive-dv1", 0))}))
+    listed = sorted(os.listdir(folder))
+    code = script.main(["--report_only", "--study_dir", folder, "--report_dir", str(report), "--max_tokens",
+                        "1048576", "--block_size", "256", "--per_device_train_batch_size", "4"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert "--max_tokens 1048576 (the study's: 512), --block_size 256 (the study's: 32)" in err, err
+    assert not report.exists() and sorted(os.listdir(folder)) == listed  # refused before anything is written
+    code = script.main(["--report_only", "--study_dir", folder, "--report_dir", str(report)])  # the study's own
+    assert code == 0, capsys.readouterr().err[-2000:]
+    setup = (report / "report.md").read_text().split("## Setup")[1].split("##")[0]
+    assert "4 x 128" in setup and "512" in setup and "--learning_rate 3e-4" in setup, setup
+
+
+@pytest.mark.parametrize("flag, value", [("--eval_tokens", "-100"), ("--audit_tokens", "-1"), ("--eval_tokens", "0"),
+                                         ("--per_device_train_batch_size", "0"), ("--block_size", "0"),
+                                         ("--gradient_accumulation_steps", "0"), ("--world_size", "0")])
+def test_sizes_must_be_positive(tmp_path, capsys, flag, value):
+    """A negative --eval_tokens N or --audit_tokens N used to score (audit) all but N tokens, as a slice does, and a
+    0 batch or block to be replaced by the preset's: one line, before study.py writes anything."""
+    script = study_script()
+    with pytest.raises(SystemExit) as exit_:
+        script.parse_args(["--max_tokens", "4096", "--study_dir", str(tmp_path / "s"), flag, value])
+    assert exit_.value.code == 2
+    assert f"error: {flag} must be positive, got {value}." in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # --quick's defaults do not stand in for it either
+        script.parse_args(["--quick", "--study_dir", str(tmp_path / "s"), flag, value])
+    assert f"error: {flag} must be positive, got {value}." in capsys.readouterr().err
+
+
 def test_a_study_folder_being_written_is_refused_and_a_write_cut_short_does_not_block_it(tmp_path, capsys):
     """While a study.py writes its folder (holds its lock), another one into it stops with one line that names the
     writer, and writes nothing (it used to record its study.json there first). A study.json whose write a kill cut
