@@ -46,13 +46,28 @@ class _Fp32Linear(torch.autograd.Function):
 
 
 def delta_gate(c, weight, bias, hidden_weight=None, hidden_bias=None):
-    """`reference.delta_gate`, whose first product, when c is bf16/fp16 and gradients are kept, is `_Fp32Linear`."""
+    """`reference.delta_gate`, whose first product, when c is bf16/fp16 and gradients are kept, is `_Fp32Linear`;
+    traced by torch.compile, a single gate's product is `_traced_product`."""
+    if hidden_weight is None and torch.compiler.is_compiling():
+        return 2.0 * torch.sigmoid(_traced_product(c.float(), weight.float().unsqueeze(0), bias.float()))
     if c.dtype in (torch.float32, torch.float64) or not torch.is_grad_enabled():
         return reference_gate(c, weight, bias, hidden_weight, hidden_bias)
     if hidden_weight is None:
         return 2.0 * torch.sigmoid(_Fp32Linear.apply(c, weight.unsqueeze(0), bias))
     hidden = torch.tanh(_Fp32Linear.apply(c, hidden_weight, hidden_bias))
     return 2.0 * torch.sigmoid(F.linear(hidden, weight.float().unsqueeze(0), bias.float()))
+
+
+def delta_value(u, weight, bias, scale=4.0):
+    """`reference.delta_value`; traced by torch.compile, its product is `_traced_product`."""
+    v = _traced_product(u, weight, bias) if torch.compiler.is_compiling() else F.linear(u, weight, bias)
+    return v if scale is None else scale * torch.sigmoid(v)
+
+
+def _traced_product(x, weight, bias):
+    """F.linear(x, weight, bias) to the few outputs of a gate or value `(..., N)`, as products summed over d: Inductor
+    fuses that into the seam's kernel, where F.linear stays a library call (two per sublayer of a decoding step)."""
+    return (x.unsqueeze(-2) * weight).sum(-1) + bias
 
 
 def _dot_h(h, state, scalar_state):
@@ -257,5 +272,5 @@ def conv_step(past, x, weight):
     return out
 
 
-__all__ = ["as_taps", "conv", "conv_step", "delta_gate", "fused_delta_update", "readout", "readout_backward",
-           "readout_forward", "window_step"]
+__all__ = ["as_taps", "conv", "conv_step", "delta_gate", "delta_value", "fused_delta_update", "readout",
+           "readout_backward", "readout_forward", "window_step"]

@@ -22,7 +22,7 @@ from functools import partial
 import torch
 from transformers.utils import logging
 
-from .fused import as_taps, conv, delta_gate, fused_delta_update, readout
+from .fused import as_taps, conv, delta_gate, delta_value, fused_delta_update, readout
 from .fused import conv_step as torch_conv_step
 from .fused import window_step as torch_window_step
 from .reference import causal_token_conv, causal_token_readout
@@ -100,8 +100,9 @@ def delta_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias,
     if implementation == "reference":
         return reference_residual(*args)
     out = _run("delta_residual", implementation, *args)
-    if out is None:  # the gate's PyTorch path, the specification's value, then this module's `delta_update`
-        out = reference_residual(*args, update=partial(delta_update, implementation=implementation), gate=delta_gate)
+    if out is None:  # the gate's and the value's PyTorch paths, then this module's `delta_update`
+        out = reference_residual(*args, update=partial(delta_update, implementation=implementation), gate=delta_gate,
+                                 value=delta_value)
     return out
 
 

@@ -79,18 +79,19 @@ def constant_value(x, constant):
 
 
 def delta_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale=4.0, k_eps=1e-5,
-                   mode="delta", gate_hidden=None, v_constant=None, update=delta_update, gate=delta_gate):
+                   mode="delta", gate_hidden=None, v_constant=None, update=delta_update, gate=delta_gate,
+                   value=delta_value):
     r"""One sublayer's whole residual seam: the gate, the value and the update,
 
         X_next = delta_update(X, h, delta_value(u), delta_gate(c))
 
     x: the state X; h: the sublayer output; c: the normalised sublayer input; u: the value input (c, or the
     un-normalised sublayer input x_in); `gate_hidden`: `(W_1, b_1)` of a two-layer gate (b_1 may be None), or None;
-    `v_constant`: a fixed target instead of `delta_value` (then `value_weight`/`value_bias` are None); `update`, `gate`:
-    the `delta_update` and `delta_gate` that run (`ddl.kernels` passes its own).
+    `v_constant`: a fixed target instead of `delta_value` (then `value_weight`/`value_bias` are None); `update`, `gate`,
+    `value`: the `delta_update`, `delta_gate` and `delta_value` that run (`ddl.kernels` passes its own).
     """
     beta = gate(c, gate_weight, gate_bias, *(gate_hidden or ()))
-    v = constant_value(x, v_constant) if v_constant is not None else delta_value(u, value_weight, value_bias, v_scale)
+    v = constant_value(x, v_constant) if v_constant is not None else value(u, value_weight, value_bias, v_scale)
     return update(x, h, v, beta, mode=mode, k_eps=k_eps)
 
 
