@@ -107,7 +107,7 @@ def check_writable_file(path, flag, overwrite=False):
     takes a file (one is created under the `temporary_name` and removed), `path` is not a folder, and nothing is
     there unless `overwrite` (`--overwrite`). A `UsageError` now, before the run, instead of an error after it, when
     its results would be lost, or a file lost to them."""
-    folder = os.path.dirname(os.path.abspath(path))
+    folder = os.path.realpath(os.path.dirname(path) or ".")  # (abspath reads `link/..` as text: another folder)
     if os.path.isdir(path):
         raise UsageError(f"{flag} {path!r} is a folder; name a file to write.")
     if os.path.lexists(path) and not overwrite:
@@ -115,7 +115,7 @@ def check_writable_file(path, flag, overwrite=False):
     if not os.path.isdir(folder):
         raise UsageError(f"{flag} {path!r}: its folder {folder!r} does not exist; create it, or name a file in an "
                          "existing folder.")
-    probe = temporary_name(os.path.abspath(path))
+    probe = temporary_name(os.path.join(folder, os.path.basename(path)))
     try:
         with open(probe, "w", encoding="utf-8"):
             pass

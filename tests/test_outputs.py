@@ -98,3 +98,18 @@ def test_publish_through_a_link_and_dotdot_replaces_the_earlier_results(tmp_path
             records.append)
     assert sorted(os.listdir(real / "lm")) == ["results.json"] and (real / "lm" / "results.json").read_text() == "new"
     assert records[-1] == ["lm/results.json"] and not (tmp_path / "x").exists()
+
+
+def test_a_file_flag_through_a_link_and_dotdot_is_checked_in_its_real_folder(tmp_path, monkeypatch):
+    """`--json link/../x/f.json` names real/x/f.json (the link's target's parent); abspath read it as ./x/f.json and
+    refused a folder that exists (or probed another one)."""
+    from ddl_tools.outputs import check_writable_file
+
+    (tmp_path / "real" / "deep").mkdir(parents=True)
+    (tmp_path / "real" / "x").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real" / "deep")
+    monkeypatch.chdir(tmp_path)
+    check_writable_file(os.path.join("link", "..", "x", "f.json"), "--json")  # real/x exists: accepted
+    with pytest.raises(UsageError, match="its folder .*does not exist"):
+        check_writable_file(os.path.join("link", "..", "nope", "f.json"), "--json")
+    assert sorted(os.listdir(tmp_path / "real" / "x")) == []  # the probe was removed
