@@ -310,7 +310,7 @@ def test_ab_cpu_kernels_times_two_builds_in_one_process(tmp_path):
         figures = [line for line in lines if "new/old speed:" in line]
         assert len(figures) == 1 and ("training step" in figures[0]) == bool(mode), lines
         ratio = float(figures[0].split("new/old speed: ")[1].split()[0])
-        assert 0.2 < ratio < 5, figures
+        assert 0.05 < ratio < 20, figures  # (2 pairs of sub-millisecond calls beside a busy suite: 0.19 was seen)
 
 
 def _ab_cpu_kernels():
