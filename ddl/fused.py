@@ -47,8 +47,8 @@ class _Fp32Linear(torch.autograd.Function):
 
 def delta_gate(c, weight, bias, hidden_weight=None, hidden_bias=None):
     """`reference.delta_gate`, whose first product, when c is bf16/fp16 and gradients are kept, is `_Fp32Linear`;
-    traced by torch.compile, a single gate's product is `_traced_product`."""
-    if hidden_weight is None and torch.compiler.is_compiling():
+    traced by torch.compile without autograd (decoding), a single gate's product is `_traced_product`."""
+    if hidden_weight is None and torch.compiler.is_compiling() and not torch.is_grad_enabled():
         return 2.0 * torch.sigmoid(_traced_product(c.float(), weight.float().unsqueeze(0), bias.float()))
     if c.dtype in (torch.float32, torch.float64) or not torch.is_grad_enabled():
         return reference_gate(c, weight, bias, hidden_weight, hidden_bias)
@@ -59,8 +59,9 @@ def delta_gate(c, weight, bias, hidden_weight=None, hidden_bias=None):
 
 
 def delta_value(u, weight, bias, scale=4.0):
-    """`reference.delta_value`; traced by torch.compile, its product is `_traced_product`."""
-    v = _traced_product(u, weight, bias) if torch.compiler.is_compiling() else F.linear(u, weight, bias)
+    """`reference.delta_value`; traced by torch.compile without autograd (decoding), its product as a sum."""
+    traced = torch.compiler.is_compiling() and not torch.is_grad_enabled()  # (training: measured nowhere)
+    v = _traced_product(u, weight, bias) if traced else F.linear(u, weight, bias)
     return v if scale is None else scale * torch.sigmoid(v)
 
 
