@@ -4,6 +4,7 @@ rotary embeddings are transformers' Llama modules (Llama's parameter names, atte
 defaults are the authors' (docs/faithfulness.md). The operations are specified in `ddl.reference` and run by
 `ddl.kernels`; the cache windows come first, then Llama's order."""
 
+import contextvars
 import math
 import weakref
 from contextlib import nullcontext
@@ -81,8 +82,9 @@ def _crop_static_hybrid(layer, tokens_to_remove):  # (transformers 5.x's crops t
 
 
 StaticHybridLayer.crop = vars(StaticHybridLayer).get("crop", _crop_static_hybrid)
-# Readout weights kept for one fill of a cache (`_check_cache`); not keyed on `_version` (fused AdamW does not bump it)
-_DERIVED_PER_CACHE = weakref.WeakKeyDictionary()
+# The compressors' readout weights of one `generate` call, made once there (read 2L + 1 times a token), never kept
+# past it: weights change in place between calls (fused AdamW bumps no `_version`), and a cache may be reused
+_KEPT_IN_GENERATE = contextvars.ContextVar("ddl_readout_weights", default=None)
 
 
 def steppable_window(cache, layer_idx, slot, kernel_size):
@@ -320,10 +322,10 @@ class DDLCompressor(nn.Module):
         return self._fold().unsqueeze(0)
 
     def readout_weight(self, cache=None):
-        """`derived_weight()`; in a decoding run (a cache, no autograd) made once per fill of the cache."""
-        if cache is None or torch.is_grad_enabled() or torch.compiler.is_compiling():
+        """`derived_weight()`; decoding inside `generate` (a cache, no autograd), made once for that call."""
+        if cache is None or torch.is_grad_enabled() or torch.compiler.is_compiling() or (
+                kept := _KEPT_IN_GENERATE.get()) is None:
             return self.derived_weight()
-        kept = _DERIVED_PER_CACHE.setdefault(cache, {})
         return kept[self] if self in kept else kept.setdefault(self, self._kept_layout())
 
     def _kept_layout(self):
@@ -619,9 +621,6 @@ class DDLModel(DDLPreTrainedModel):
         if self._keeps_token_histories() and not isinstance((cache.layers or [0])[0], LinearAttentionCacheLayerMixin):
             raise ValueError("This DDL variant keeps token-convolution histories, which a bare `DynamicCache()` cannot "
                              "hold: pass `DynamicCache(config=model.config)` (or let `generate()` build the cache).")
-        if not torch.compiler.is_compiling() and cache in _DERIVED_PER_CACHE and not getattr(
-                cache, "get_seq_length", int)():  # (a kept readout weight, and the cache starts again; paged: none)
-            _DERIVED_PER_CACHE.pop(cache, None)
 
     @staticmethod
     def _count_positions(attention_mask, pad_mask, cache, embeds):
@@ -751,6 +750,14 @@ class DDLForCausalLM(DDLPreTrainedModel, GenerationMixin):
         if conv_state_slots(self.config):  # (EC or TC)
             raise AttributeError("init_continuous_batching")
         return super().init_continuous_batching
+
+    def generate(self, *args, **kwargs):
+        """GenerationMixin's; the compressors' readout weights are made once for this call (`_KEPT_IN_GENERATE`)."""
+        token = _KEPT_IN_GENERATE.set({})
+        try:
+            return super().generate(*args, **kwargs)
+        finally:
+            _KEPT_IN_GENERATE.reset(token)
 
     def generate_batch(self, *args, **kwargs):
         if conv_state_slots(self.config):  # (EC or TC)

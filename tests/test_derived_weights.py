@@ -112,11 +112,10 @@ def test_inference_after_edits_outside_autograd_reads_the_new_weights(variant):
         _assert_reads_current_weights(model)
 
 
-def test_weights_derived_for_a_decoding_run_are_made_once_per_cache_and_dropped_with_it():
-    """Decoding reads each compressor's derived weight 2L + 1 times per token: made once for a cache (whose keys and
-    values are themselves derived from these weights) and never outliving it; a new cache derives them anew."""
-    import gc
-    import weakref
+def test_weights_derived_for_generate_are_made_once_per_call_and_kept_no_longer():
+    """Decoding reads each compressor's derived weight 2L + 1 times per token: `generate` makes it once per call, and
+    a later call (or a forward outside `generate`) makes it again, never reading the one kept before."""
+    from ddl.modeling_ddl import _KEPT_IN_GENERATE
 
     model = _model("tc-ec")
     compressor = model.model.layers[0].compress
@@ -124,20 +123,34 @@ def test_weights_derived_for_a_decoding_run_are_made_once_per_cache_and_dropped_
     make = compressor.derived_weight
     compressor.derived_weight = lambda *args: calls.append(1) or make(*args)
     ids = _ids()
-    with torch.no_grad():
+    model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    assert len(calls) == 1  # five forwards, each reading it in both sublayers of the block: made once
+    model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    assert len(calls) == 2 and _KEPT_IN_GENERATE.get() is None
+
+
+@pytest.mark.parametrize("variant", ["cc-ec", "tc-ec"])
+def test_a_cache_kept_across_a_weight_change_reads_the_new_weights(variant):
+    """A cache filled, the weights changed in place (test-time training, `p.data` edits, fused AdamW), decoding
+    continued with that cache: the compressors' weights made for the cache's first fill were read (logits 0.01-0.04
+    off the same step on a copy of the cache). Within `generate` or by hand, the step reads the current weights."""
+    import copy
+
+    model = _model(variant)
+    ids = _ids()
+    for by_generate in (False, True):
         cache = DynamicCache(config=model.config)
-        for token in (ids, ids[:, :1], ids[:, 1:2]):
-            model(token, cache=cache, use_cache=True)
-    assert len(calls) == 1  # three forwards, each reading it in both sublayers of the block: made once
-    with torch.no_grad():
-        made = compressor.readout_weight(cache)
-        assert compressor.readout_weight(cache) is made
-        assert compressor.readout_weight(DynamicCache(config=model.config)) is not made
-    assert compressor.readout_weight(cache).requires_grad  # with autograd: made anew, never the kept one
-    gone = weakref.ref(made)
-    del cache, made
-    gc.collect()
-    assert gone() is None
+        with torch.no_grad():
+            if by_generate:
+                model.generate(ids, past_key_values=cache, max_new_tokens=2, min_new_tokens=2, do_sample=False)
+            else:
+                model(ids, cache=cache, use_cache=True)
+                model(ids[:, :1], cache=cache, use_cache=True)
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=seeded(2)))
+            copied, step = copy.deepcopy(cache), ids[:, 2:3]
+            torch.testing.assert_close(model(step, cache=cache, use_cache=True).logits,
+                                       model(step, cache=copied, use_cache=True).logits, rtol=0, atol=0)
 
 
 FSDP_WORKER = r"""

@@ -422,14 +422,19 @@ def test_cc_conv_is_a_same_padded_depthwise_conv_along_the_value_channels_then_a
 
 
 def test_weights_kept_for_a_decoding_run_are_in_their_kernels_layout():
-    """The readout weight a decoding run keeps (`DDLCompressor.readout_weight`, tests/test_derived_weights.py) is the
-    derived one, stored as its kernels read it: CC's in the state's layout, TC's in a cached window's (d_v, d, K)."""
+    """The readout weight a `generate` call keeps (`DDLCompressor.readout_weight`, tests/test_derived_weights.py) is
+    the derived one, stored as its kernels read it: CC's in the state's layout, TC's in a cached window's (d_v, d, K)."""
+    from ddl.modeling_ddl import _KEPT_IN_GENERATE
+
     for compressor, layout in (("cc", (0, 2, 1)), ("tc", (2, 1, 0))):
         model = _model(ddl_value_channels=4, ddl_compressor=compressor)
         compress = model.model.layers[0].compress
+        token = _KEPT_IN_GENERATE.set({})  # (as inside generate)
         with torch.no_grad():
             kept = compress.readout_weight(DynamicCache(config=model.config))
+            assert compress.readout_weight(DynamicCache(config=model.config)) is kept
             torch.testing.assert_close(kept, compress.derived_weight(), rtol=0, atol=0)
+        _KEPT_IN_GENERATE.reset(token)
         assert kept.permute(layout).is_contiguous()
         if compressor == "cc":
             assert as_taps(kept).data_ptr() == kept.data_ptr()  # read without a copy
