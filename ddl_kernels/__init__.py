@@ -65,7 +65,8 @@ _NOT_THE_KERNELS = (torch.OutOfMemoryError,) + ((_STOP_RECOMPUTATION,) if _STOP_
 
 def refuse_second_derivative(operation):
     """First in each backward here: its gradients are computed outside autograd, so under create_graph=True autograd
-    would take them for constants, a second derivative silently wrong (as `ddl.fused`'s of the same name)."""
+    would take them for constants, a second derivative silently wrong (as `ddl.fused`'s of the same name: this
+    package serves a checkpoint's code without the `ddl` package, tests/test_remote_code.py)."""
     if torch.is_grad_enabled():
         raise RuntimeError(f"DDL: a second derivative (create_graph=True) through {operation} is not supported; set "
                            "model.config.ddl_implementation = 'reference' (and ddl_rebuild_states = False), whose "
