@@ -92,8 +92,9 @@ def add_lora(model, model_args, verbose: bool = True):
     except ValueError as err:  # e.g. a target module the model does not have
         raise UsageError(f"--lora: {err}") from err
     base = model_args.model_name_or_path
-    if base and os.path.isdir(base):  # each checkpoint's adapter_config names its base: a relative path would be
-        config.base_model_name_or_path = os.path.realpath(base)  # read from wherever eval.py or PEFT later runs
+    if base and os.path.isdir(base):  # each checkpoint's adapter_config names its base, which a relative path would
+        # name from wherever eval.py or PEFT later runs
+        peft_model.peft_config[peft_model.active_adapter].base_model_name_or_path = os.path.realpath(base)
     if not verbose:
         return peft_model
     trainable, total = peft_model.get_nb_trainable_parameters()
