@@ -47,7 +47,7 @@ import torch
 from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM
 
 from ddl import DDLConfig, DDLForCausalLM
-from ddl.configuration_ddl import DDL_IMPLEMENTATIONS
+from ddl.ops import FAST
 from ddl_tools.outputs import (
     UsageError,
     check_writable_file,
@@ -405,7 +405,7 @@ def parse_args(argv=None):
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=DEFAULT_VARIANTS)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    parser.add_argument("--implementation", choices=list(DDL_IMPLEMENTATIONS), default="auto",
+    parser.add_argument("--implementation", choices=list(FAST), default="auto",
                         help="DDL's ddl_implementation (see ddl/kernels.py)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model for training and prefill, and "
                         "decode with generate's compiled static-cache path (cache_implementation='static')")

@@ -1,8 +1,8 @@
 """Deep Delta Learning for 🤗 transformers: `import ddl` registers the Auto classes.
 
 What a checkpoint ships: `configuration_ddl` (DDLConfig), `modeling_ddl` (the model), `reference` (the operations'
-specifications), `kernels` (the one place that chooses each operation's implementation: `fused`'s PyTorch, or the
-`ddl_kernels` package's C++ and Triton when installed) and `packing` (packed batches).
+specifications), `ops` (the one place that chooses each operation's implementation: the specification, or the
+`ddl_kernels` package's C++ and Triton when installed) and `packing` (packed and padded batches).
 """
 
 from transformers import (

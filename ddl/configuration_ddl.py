@@ -1,8 +1,5 @@
 """DDL model configuration: Llama's configuration plus one group of `ddl_*` fields."""
 
-import os
-from collections import Counter
-
 import transformers
 from packaging.version import Version
 
@@ -29,9 +26,6 @@ QK_NORM_POSITIONS = ("after_rope", "before_rope")
 # loads with these values.
 LEGACY_DEFAULTS = {"ddl_shared_compressor": False, "ddl_cc_form": "matrix", "ddl_initialization": "llama",
                    "ddl_beta_hidden_bias": True, "qk_norm_position": "before_rope"}
-DDL_IMPLEMENTATIONS = ("auto", "triton", "torch", "reference")  # a runtime choice, never saved (see `ddl.kernels`)
-CACHE_LAYOUT_SOURCES = {"num_hidden_layers", "ddl_value_channels", "ddl_compressor", "ddl_state_kernel_size",
-                        "ddl_embed_conv", "ddl_embed_kernel_size"}  # (what `conv_state_slots` reads)
 # Lets the Auto classes load a saved folder with trust_remote_code=True without `ddl` installed, the task heads too (a
 # causal LM fine-tuned as a classifier); `transformers serve` loads by AutoModelForDecision (else it looks the class
 # up on the transformers module, where no checkpoint's own class is).
@@ -92,8 +86,8 @@ class DDLConfig(LlamaConfig):
             Token-axis kernel of the TC compressor (>= 1; 1 = no token mixing).
         ddl_embed_conv (`bool`, *optional*):
             EC: the d x d_v state from a causal depthwise convolution of the token embeddings (identity at init);
-            default (None) d_v > 1, and it follows d_v set later; False required when d_v == 1. Without EC the
-            embedding is repeated over the d_v channels.
+            None (the default) is d_v > 1, resolved when the config is made; False required when d_v == 1. Without EC
+            the embedding is repeated over the d_v channels.
         ddl_embed_kernel_size (`int`, *optional*, defaults to 4):
             Token-axis kernel of EC (>= 1).
         ddl_residual (`str`, *optional*, defaults to `"delta"`):
@@ -133,11 +127,12 @@ class DDLConfig(LlamaConfig):
             states, for a second derivative (`create_graph=True`, with `ddl_implementation="reference"`) or code that
             changes a state in place.
 
-    Runtime choice, not saved (like `attn_implementation`): `ddl_implementation` (`"auto"` | `"triton"` | `"torch"` |
-    `"reference"`, see `ddl.kernels`), on the config, in `from_pretrained(...)` or as `DDL_IMPLEMENTATION`.
+        ddl_implementation (`str`, *optional*):
+            How DDL's operations run here, a runtime choice never saved (like `attn_implementation`): `"auto"`,
+            `"triton"`, `"torch"` or `"reference"` (`ddl.ops` says what each runs); None = `ddl.ops`' default.
 
-    Derived fields (not to be set; made again whenever a field they come from is set): `layer_types` marks the layers
-    whose cache also holds token-conv histories (`"hybrid"`), `number_of_conv_states`, `per_layer_config` how many.
+    Read from these (properties, never stale): `layer_types` marks the layers whose cache also holds token-conv
+    histories (`"hybrid"`), `number_of_conv_states` how many, for `generate()`'s cache.
     """
 
     model_type = "ddl"
@@ -169,42 +164,29 @@ class DDLConfig(LlamaConfig):
     ddl_initialization: str = "authors"
     ddl_init_std_factor: float = 0.5
     ddl_rebuild_states: bool = True
-    layer_types: list[str] | None = None
-    number_of_conv_states: int = 0
+    ddl_implementation: str | None = None
 
     def __post_init__(self, **kwargs):
-        # A runtime choice (checkpoints saved before it was one carry `ddl_impl`: "fused" = "auto").
-        legacy, implementation = kwargs.pop("ddl_impl", None), kwargs.pop("ddl_implementation", None)
-        self._ddl_implementation = None
-        if implementation is not None or legacy == "reference":
-            self.ddl_implementation = implementation or "reference"
-        kwargs.pop("per_layer_config", None)  # (derived, below: a saved config.json carries a copy of it)
+        if kwargs.pop("ddl_impl", None) == "reference":  # (checkpoints saved when it was a saved field)
+            self.ddl_implementation = self.ddl_implementation or "reference"
+        for derived in ("layer_types", "number_of_conv_states", "per_layer_config"):  # (a saved config.json's copies)
+            kwargs.pop(derived, None)
+        if self.ddl_embed_conv is None:
+            self.ddl_embed_conv = self.ddl_value_channels > 1
         kwargs["auto_map"] = {**AUTO_MAP, **(kwargs.get("auto_map") or {})}
         super().__post_init__(**kwargs)
-        self._derive_cache_layout()
 
-    def __setattr__(self, key, value):
-        """EC's default (None = d_v > 1) and the cache layout are derived: setting a field they come from, here or
-        in `from_pretrained(path, num_hidden_layers=...)`, derives them again, so they never go stale."""
-        old = self.__dict__
-        if key == "ddl_embed_conv":  # (a default follows d_v until EC is set; a saved config's value is a choice)
-            old["_ec_default"], value = value is None, old.get("ddl_value_channels", 0) > 1 if value is None else value
-        super().__setattr__(key, value)
-        if key == "ddl_value_channels" and old.get("_ec_default"):
-            super().__setattr__("ddl_embed_conv", value > 1)
-        if key in CACHE_LAYOUT_SOURCES and old.get("_post_init_done"):
-            self._derive_cache_layout()
+    @property
+    def layer_types(self) -> list[str]:
+        """`"hybrid"` for the layers whose cache also keeps token-convolution inputs (EC, TC), else `"full_attention"`."""
+        layers = {layer_idx for layer_idx, _ in conv_state_slots(self)}
+        return ["hybrid" if i in layers else "full_attention" for i in range(self.num_hidden_layers)]
 
-    def __eq__(self, other):  # (the dataclass's reads every field: a heterogeneous one raises)
-        return type(self) is type(other) and self.to_dict() == other.to_dict()
-
-    def _derive_cache_layout(self):
-        per_layer = Counter(layer_idx for layer_idx, _ in conv_state_slots(self))  # (its slots are 0, 1, ...)
-        self.per_layer_config = None
-        self.layer_types = ["hybrid" if i in per_layer else "full_attention" for i in range(self.num_hidden_layers)]
-        self.number_of_conv_states = max(per_layer.values(), default=0)
-        overrides = {i: {"number_of_conv_states": n} for i, n in per_layer.items() if n != self.number_of_conv_states}
-        self.per_layer_config = overrides or None
+    @property
+    def number_of_conv_states(self) -> int:
+        """Token-convolution inputs a hybrid cache layer keeps (the most any layer needs; unused ones stay empty)."""
+        layers = [layer_idx for layer_idx, _ in conv_state_slots(self)]
+        return max([0] + [layers.count(i) for i in range(self.num_hidden_layers)])  # (as torch.compile traces it)
 
     @classmethod
     def from_dict(cls, config_dict, **kwargs):
@@ -219,26 +201,10 @@ class DDLConfig(LlamaConfig):
         """Taps of the CC convolution along d_v (`ddl_cc_kernel_size`, None = d_v)."""
         return self.ddl_cc_kernel_size or self.ddl_value_channels
 
-    @property
-    def ddl_implementation(self) -> str:
-        """How DDL's operations run here (`ddl.kernels`), never saved: set on this config, else `DDL_IMPLEMENTATION`,
-        else auto."""
-        if self._ddl_implementation is not None:
-            return self._ddl_implementation
-        value = os.environ.get("DDL_IMPLEMENTATION", "").strip().lower() or "auto"
-        if value not in DDL_IMPLEMENTATIONS:
-            raise ValueError(f"DDL_IMPLEMENTATION={value!r} must be one of {DDL_IMPLEMENTATIONS}; unset it or pick one")
-        return value
-
-    @ddl_implementation.setter
-    def ddl_implementation(self, name: str | None):
-        if name is not None and name not in DDL_IMPLEMENTATIONS:
-            raise ValueError(f"ddl_implementation must be one of {DDL_IMPLEMENTATIONS} (see ddl.kernels), got {name!r}")
-        self._ddl_implementation = name
-
     def to_dict(self):
-        output = super().to_dict()  # (not the runtime choice: a checkpoint must not pin another machine's)
-        return {key: value for key, value in output.items() if key not in ("_ec_default", "_ddl_implementation")}
+        output = super().to_dict()
+        output.pop("ddl_implementation", None)  # (a runtime choice: a checkpoint must not pin another machine's)
+        return output
 
     def validate_architecture(self):
         """Checked at construction (and by `config.validate()`): every DDL field, with what is allowed."""

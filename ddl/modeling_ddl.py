@@ -2,22 +2,19 @@
 with each residual addition of a decoder layer a delta update of the residual state. Attention, MLP, RMSNorm and
 rotary embeddings are transformers' Llama modules (Llama's parameter names, attention backends and caches); the
 defaults are the authors' (docs/faithfulness.md). The operations are specified in `ddl.reference` and run by
-`ddl.kernels`; the cache windows come first, then Llama's order."""
+`ddl.ops`; the cache windows come first, then Llama's order."""
 
-import contextvars
 import math
 import weakref
 from contextlib import nullcontext
-from dataclasses import dataclass
-from functools import partial
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModel
 from transformers import initialization as init
-from transformers.cache_utils import Cache, DynamicCache, LinearAttentionCacheLayerMixin
-from transformers.cache_utils import LinearAttentionAndStaticFullAttentionLayer as StaticHybridLayer
+from transformers.cache_utils import Cache, DynamicCache, LinearAttentionCacheLayerMixin, StaticCache
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask
 from transformers.modeling_layers import GenericForQuestionAnswering, GenericForSequenceClassification
@@ -32,18 +29,34 @@ from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
+from .ops import choose, conv_step, delta_residual, kernel, token_conv, token_readout, window_step
 from .configuration_ddl import DDLConfig, conv_state_slots
-from .fused import _dot_h
-from .kernels import conv_step, delta_residual, delta_residual_readout, offered, token_conv, token_readout
-from .kernels import window_step
-from .packing import Padding, check_documents_start, find_documents
-from .reference import constant_value, delta_gate, delta_update, delta_value
+from .packing import Documents, Padding, check_documents_start, find_documents
+from .reference import constant_value, delta_gate, delta_value
 
 
 logger = logging.get_logger(__name__)
 
 # beta = 2 sigmoid(b) can only reach 0 or 2 in the limit; the bias for beta_init in {0, 2} is clamped to this logit.
 _MAX_GATE_LOGIT = 9.21
+
+
+@dataclass
+class BatchPlan:
+    """What one forward's DDL operations need beside their tensors, made once by `DDLModel.forward`: the generation
+    cache (token windows), the batch's padding and packed documents (`packing`), the implementation that runs
+    (`ops`), the state rebuild (or None), and whether a seam may make the next sublayer's input itself."""
+
+    cache: Cache | None = None
+    padding: Padding | None = None
+    documents: Documents | None = None
+    implementation: str = "auto"
+    rebuild: "StateRebuild | None" = None
+    reads_ahead: bool = True
+
+    def saving(self):
+        """Where an operation saves the state for backward: under the state rebuild's hooks, or as autograd does."""
+        return self.rebuild.hooks if self.rebuild is not None else nullcontext()
 
 
 def cached_window(x, kernel_size, cache, layer_idx, slot, documents=None):
@@ -76,20 +89,10 @@ def _cached_window_of_documents(flat, kernel_size, cache, layer_idx, slot, had_p
     return torch.cat([F.pad(past, (kernel_size - 1 - past.shape[-1], 0)), flat], dim=-1)
 
 
-def _crop_static_hybrid(layer, tokens_to_remove):  # (transformers 5.x's crops the windows, not the keys)
-    raise ValueError("Assisted or prompt-lookup decoding cannot roll back a static cache that also holds token "
-                     "windows (DDL's EC, TC): use the default dynamic cache (drop cache_implementation='static').")
-
-
-StaticHybridLayer.crop = vars(StaticHybridLayer).get("crop", _crop_static_hybrid)
-# The compressors' readout weights of one `generate` call, made once there (read 2L + 1 times a token), never kept
-# past it: weights change in place between calls (fused AdamW bumps no `_version`), and a cache may be reused
-_KEPT_IN_GENERATE = contextvars.ContextVar("ddl_readout_weights", default=None)
-
-
 def steppable_window(cache, layer_idx, slot, kernel_size):
     """The K-1 inputs before a decoding step's token `(B, C, K-1)` where the cache keeps them, for its step
-    (`window_step`, `conv_step`) to advance in place; None where it keeps none or its whole past (assisted decoding)."""
+    (`ops.window_step`, `ops.conv_step`) to advance in place; None where it keeps none or its whole past (assisted
+    decoding)."""
     if cache is None or kernel_size == 1 or not cache.has_previous_state(layer_idx, slot):
         return None
     layer = cache.layers[layer_idx]
@@ -103,11 +106,11 @@ def window_history(window, x):
     return None if past is None else past.transpose(1, 2).reshape(x.shape[0], past.shape[-1], *x.shape[2:])
 
 
-def convolve_tokens(op, x, weight, cache=None, layer_idx=0, slot=None, padding=None, documents=None,
-                    implementation="auto"):
-    """`op(x, weight, history, implementation)` (EC's `token_conv`, TC's `token_readout`) with the cache's history,
-    padding zeroed or compacted (`packing.Padding`), a packed batch's documents apart (`packing.Documents`)."""
-    kernel = weight.shape[0]
+def convolve_tokens(op, x, weight, plan, layer_idx=0, slot=None):
+    """`op(x, weight, history, implementation)` (EC's `token_conv`, TC's `token_readout`) with the cache's
+    history, padding zeroed or compacted (`packing.Padding`), a packed batch's documents apart (`packing.Documents`)."""
+    kernel, cache, padding, documents = weight.shape[0], plan.cache, plan.padding, plan.documents
+    implementation = plan.implementation
     if padding is not None:
         x = padding.masked(x)
         if padding.compacts and kernel > 1:
@@ -127,16 +130,16 @@ def convolve_tokens(op, x, weight, cache=None, layer_idx=0, slot=None, padding=N
 class StateRebuild:
     r"""The expanded states of one training forward, rebuilt in backward instead of kept (`ddl_rebuild_states`).
 
-    Every update writes along h: X_{l+1} = X_l + h (x) w, w = h^T (X_{l+1} - X_l) / |h|^2, so X_l = X_{l+1} - h (x) w
-    (w as the update's implementation wrote it where it says, else that projection, which reads both states).
+    Every update writes along h: X_{l+1} = X_l + h (x) w, w = h^T (X_{l+1} - X_l) / |h|^2, so X_l = X_{l+1} - h (x) w.
     Under `hooks`, a saved tensor that *is* the live state is saved as its place and rebuilt in backward. The chain
-    stops where an update reads another tensor (a hook's; a recompute) and raises on a state changed in place. One
-    rounding per update: fp32/fp64. Only detached tensors are held (no cycle through autograd's graph). Inside the
-    modules it wraps, `hooks` takes over from a caller's own (`save_on_cpu` offloads nothing there)."""
+    stops where an update reads another tensor (a recompute) and raises on a state changed in place; it is made only
+    where no code outside ddl sees a state (`DDLModel._rebuilds`): a state edited through `.data` (which autograd does
+    not see) would rebuild the wrong ones. One rounding per update: fp32/fp64. Only detached tensors are held (no
+    cycle through autograd's graph). Inside the operations it wraps, `hooks` takes over from a caller's own."""
 
     def __init__(self, x0):
         chain = weakref.ref(self)  # (a bound method would be a cycle: the chain and its last state kept until gc)
-        pack, unpack = lambda t: chain()._pack(t), lambda s: s[0].state(s[1]) if isinstance(s, tuple) else s
+        pack, unpack = lambda t: chain()._pack(t), lambda s: s[0]._unpack(*s[1:]) if isinstance(s, tuple) else s
         self.hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         self.states, self.versions, self.writes, self.live = [x0.detach()], [x0._version], [], weakref.ref(x0)
         self.buffer, self.held = None, None  # (backward's rebuilt state, and which one it holds)
@@ -147,16 +150,28 @@ class StateRebuild:
             self.live = None  # (the chain stops: the states from here on are kept by autograd)
             return
         self._check(len(self.states) - 1)
-        h, w = h.detach().to(x.dtype), getattr(x_next.grad_fn, "write", None)  # (the update's own: `ddl.kernels`)
-        if w is None:  # (no bf16 matmul: w is a difference)
-            with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
-                w = (_dot_h(h, x_next, False) - _dot_h(h, x, False)) / h.square().sum(-1, keepdim=True).clamp_min(1e-30)
-        self.writes.append((h, w))
+        with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+            h = h.detach().to(x.dtype).unsqueeze(-2)  # (B, T, 1, d)
+            w = ((h @ x_next.transpose(-1, -2)) - (h @ x.transpose(-1, -2))).squeeze(-2)  # h^T (X_next - X)
+            w = w / h.squeeze(-2).square().sum(-1, keepdim=True).clamp_min(1e-30)
+        self.writes.append((h.squeeze(-2), w))
         self.states[-1:], self.live = [None, x_next.detach()], weakref.ref(x_next)
         self.versions.append(x_next._version)
 
+    def end(self):
+        """No state after this one: a recompute in backward (torch's checkpoint) keeps its states."""
+        self.live = None
+
     def _pack(self, tensor):
-        return (self, len(self.states) - 1) if self.live is not None and tensor is self.live() else tensor
+        """The live state, or a view of it (as the specifications' operations save it), as its place and view."""
+        live = self.live() if self.live is not None else None
+        if live is None or not live.is_contiguous() or tensor.dtype != live.dtype or (
+                tensor.untyped_storage().data_ptr() != live.untyped_storage().data_ptr()):
+            return tensor
+        return self, len(self.states) - 1, tensor.shape, tensor.stride(), tensor.storage_offset() - live.storage_offset()
+
+    def _unpack(self, index, shape, stride, offset):
+        return self.state(index).as_strided(shape, stride, offset)
 
     def _check(self, index):
         if self.states[index]._version != self.versions[index]:
@@ -184,45 +199,20 @@ class StateRebuild:
         return self.buffer
 
 
-class ReadoutAhead:
-    r"""Compressors' readouts made by the updates before them, for one forward: `kernels.delta_residual_readout` makes
-    each in the update's own pass over the state (forward and backward); TC's only where the compressor reads nothing
-    before the tokens (no padding, packed documents or cached tokens; `DDLCompressor._store_window_if_first`). The
-    compressor is still called (its hooks see every readout) and uses one only for that very state, unchanged in
-    place and in the graph; given another tensor (a hook's), it reads that one itself. Not where a block is
-    recomputed (gradient checkpointing; blocks wrapped by torch's checkpoint_wrapper or FSDP1), in inference mode, in
-    a trace, or in a one-token decoding step (what it saves there, its own Python steps cost)."""
+# Hooks of the libraries that wrap a model (transformers' output capture, FSDP, DeepSpeed, accelerate) read, gather or
+# move tensors; any other forward hook is user code, which may see a state and edit it in place.
+_LIBRARIES = ("torch.", "transformers.", "accelerate.", "deepspeed.")
 
-    def __init__(self, layers, readout, cache):
-        compressors = [layer.compressor(which) for layer in layers for which in ("attn", "mlp")] + [readout]
-        self.following = dict(zip([delta for layer in layers for delta in (layer.attn_delta, layer.mlp_delta)],
-                                  compressors[1:]))
-        self.cache, self.kept = cache, None
 
-    def weight(self, delta):
-        """The readout weight of the compressor after `delta`, or None: a compressor whose pre-hooks may remake its
-        weight (pruning), parameters not here as plain tensors (another block's under FSDP2 or DeepSpeed; offloaded by
-        accelerate), or inside a trace (regional compile)."""
-        compressor = self.following.get(delta)
-        if compressor is None or compressor._forward_pre_hooks or not all(
-                type(p) is nn.Parameter and p.numel() and not p.is_meta and not hasattr(p, "ds_id")
-                for p in compressor._parameters.values()) or torch.compiler.is_compiling():
-            return None
-        self.kept = compressor
-        return compressor.readout_weight(self.cache)
+def user_hooks(module):
+    """Whether user code hooks `module`'s forward (its own hooks, or every module's)."""
+    hooks = (*module._forward_hooks.values(), *module._forward_pre_hooks.values())
+    return bool(_global_hooks()) or any(not getattr(hook, "__module__", "").startswith(_LIBRARIES) for hook in hooks)
 
-    def keep(self, state, readout):
-        self.following = self.following if readout is not None else {}  # none made (no C++ build): fold no more
-        self.kept = (self.kept, state, state._version, readout)
-        return state
 
-    def take(self, compressor, state):
-        """The readout kept for `compressor` of this state, or None (none made, another tensor, or made without
-        autograd for a state with it: a reentrant checkpoint's forward); let go."""
-        kept, self.kept = self.kept, None
-        if kept and kept[0] is compressor and kept[1] is state and kept[2] == state._version and kept[3] is not None:
-            return kept[3] if kept[3].requires_grad or not state.requires_grad else None
-        return None
+def _global_hooks():
+    modules = torch.nn.modules.module
+    return {**getattr(modules, "_global_forward_hooks", {}), **getattr(modules, "_global_forward_pre_hooks", {})}
 
 
 class DDLDeltaResidual(nn.Module):
@@ -240,13 +230,12 @@ class DDLDeltaResidual(nn.Module):
         super().__init__()
         self.config = config
         self.mode = config.ddl_residual
-        if self.mode == "additive":
-            return
-        # read once, as Llama's modules read theirs (decoding would read these 2L times per token)
         self.value_from_state = config.ddl_value_input == "state"
         self.v_scale, self.k_eps, self.v_constant = config.ddl_v_sigmoid_scale, config.ddl_k_eps, config.ddl_v_constant
         d, dv, hb = config.hidden_size, config.ddl_value_channels, config.ddl_beta_hidden_size
-        self.gate_is_mlp = hb is not None
+        self.gate_is_mlp = hb is not None and self.mode != "additive"
+        if self.mode == "additive":  # (X + h: no gate, no value)
+            return
         if hb is not None:
             self.beta_hidden_weight = nn.Parameter(torch.empty(hb, d))
             self.beta_hidden_bias = nn.Parameter(torch.empty(hb)) if config.ddl_beta_hidden_bias else None
@@ -256,24 +245,38 @@ class DDLDeltaResidual(nn.Module):
             self.value_weight = nn.Parameter(torch.empty(dv, d))
             self.value_bias = nn.Parameter(torch.empty(dv))
 
-    def forward(self, x, h, context, sublayer_input, implementation=None, ahead=None, rebuild=None):
-        """x: state X; h: sublayer output (gives k); context: c = RMSNorm(x_in); sublayer_input: x_in. With `ahead`
-        (a `ReadoutAhead`), the next compressor's readout of X_next is made here where it can be, and kept there;
-        with `rebuild` (a `StateRebuild`), the update is recorded there as made of these very inputs (a pre-hook's)."""
-        if self.mode == "additive":
-            out, weight = delta_update(x, h, mode="additive"), None
-        else:
-            u = sublayer_input if self.value_from_state else context
-            learned = self.v_constant is None
-            value_weight, value_bias = (self.value_weight, self.value_bias) if learned else (None, None)
-            weight = ahead.weight(self) if ahead is not None else None
-            seam = delta_residual if weight is None else partial(delta_residual_readout, readout_weight=weight)
-            out = seam(x, h, context, u, self.beta_weight, self.beta_bias, value_weight, value_bias,
-                       v_scale=self.v_scale, k_eps=self.k_eps, mode=self.mode, gate_hidden=self._gate_hidden(),
-                       v_constant=self.v_constant, implementation=implementation or self.config.ddl_implementation)
-        if rebuild is not None:
-            rebuild.push(x, out if weight is None else out[0], h)
-        return out if weight is None else ahead.keep(*out)
+    def forward(self, state, h, context, x_in, plan, read_next=None, slot=None):
+        """(X_next, the next sublayer's input) for the state X, the sublayer output h, its normalised input c
+        (`context`) and its input x_in: the next input is `read_next`'s readout of X_next (its cache `slot`), made in
+        the update's own pass where a kernel can (`ops.delta_residual`), or X_next itself without `read_next`."""
+        readout = read_next.derived_weight() if read_next is not None and self._reads_ahead(
+            read_next, state, plan, slot) else None
+        weights = [getattr(self, name, None) for name in ("beta_weight", "beta_bias", "value_weight", "value_bias")]
+        with plan.saving():
+            out = delta_residual(state, h, context, x_in if self.value_from_state else context, *weights,
+                                 v_scale=self.v_scale, k_eps=self.k_eps, mode=self.mode,
+                                 gate_hidden=self._gate_hidden(), v_constant=self.v_constant, readout=readout,
+                                 implementation=plan.implementation)
+        out, made = out if readout is not None else (out, None)
+        if made is not None and read_next.kind == "tc":  # (the window it read from zeros, for the next tokens)
+            cached_window(out, read_next.conv_weight.shape[0], plan.cache, read_next.layer_idx, slot)
+        if plan.rebuild is not None:
+            plan.rebuild.push(state, out, h)
+        if read_next is None:
+            return out, out
+        return out, made if made is not None else read_next(out, plan, slot)
+
+    def _reads_ahead(self, compressor, state, plan, slot):
+        """Whether a kernel may make `compressor`'s readout of X_next in this seam's pass: only where no code outside
+        ddl sees the state between them (no user hook here; no hook at all on the compressor, whose hooks must run:
+        DeepSpeed gathers its weights in one), its weights are here (not offloaded), and, TC, no tokens come before
+        (no padding or packed documents; nothing in the cache's window `slot`)."""
+        return (plan.reads_ahead and self.mode != "additive"
+                and kernel("delta_residual", plan.implementation, state.device) is not None
+                and not (compressor._forward_hooks or compressor._forward_pre_hooks) and not user_hooks(self)
+                and all(p.device == state.device for p in compressor.parameters())
+                and (compressor.kind != "tc" or plan.padding is plan.documents is None and (
+                    plan.cache is None or not plan.cache.has_previous_state(compressor.layer_idx, slot))))
 
     def _gate_hidden(self):
         return (self.beta_hidden_weight, self.beta_hidden_bias) if self.gate_is_mlp else None
@@ -314,55 +317,25 @@ class DDLCompressor(nn.Module):
 
     def derived_weight(self):
         """The readout's weight `(K, d, d_v)`, with autograd: CC's (K = 1: the matrix, or the conv and read vector
-        folded, w[i, j] = sum_o r_o c[i, j + p - o], zero outside [0, K)), or TC's taps times the read vector."""
+        folded, w[i, j] = sum_m c[i, m] r[j + p - m], zero outside [0, K)), or TC's taps times the read vector."""
         if self.kind == "cc_matrix":
             return self.weight.unsqueeze(0)
         if self.kind == "tc":
             return self.conv_weight * self.read
-        return self._fold().unsqueeze(0)
-
-    def readout_weight(self, cache=None):
-        """`derived_weight()`; decoding inside `generate` (a cache, no autograd), made once for that call."""
-        if cache is None or torch.is_grad_enabled() or torch.compiler.is_compiling() or (
-                kept := _KEPT_IN_GENERATE.get()) is None:
-            return self.derived_weight()
-        return kept[self] if self in kept else kept.setdefault(self, self._kept_layout())
-
-    def _kept_layout(self):
-        """`derived_weight()` stored as CC `(1, d_v, d)` / TC `(d_v, d, K)`, returned as a `(K, d, d_v)` view."""
-        weight = self.derived_weight()
-        layout = (2, 1, 0) if self.kind == "tc" else (0, 2, 1)  # (each its own inverse)
-        return weight.permute(layout).contiguous().permute(layout)
-
-    def _fold(self):
         kernel, dv = self.conv_weight.shape[1], self.read.shape[0]
         pad = (kernel - 1) // 2
         windows = F.pad(self.read, (kernel, kernel)).unfold(0, dv, 1)  # windows[s, j] = r[s + j - K] (0 outside)
         # (d_v, K) @ (K, d), returned transposed: w[i, j] = sum_m c[i, m] r[j + p - m]
-        return (windows[pad + 1 : pad + kernel + 1].flip(0).t() @ self.conv_weight.t()).t()
+        return (windows[pad + 1 : pad + kernel + 1].flip(0).t() @ self.conv_weight.t()).t().unsqueeze(0)
 
-    def forward(self, state, cache=None, padding=None, cache_slot=None, documents=None, implementation=None,
-                ahead=None):
-        """x_in `(B, T, d)`: made with the update of this state where `ahead` (a `ReadoutAhead`) kept it, else read."""
-        made = ahead.take(self, state) if ahead is not None else None
-        if made is not None and (cache is None or self.kind != "tc" or self._store_window_if_first(state, cache,
-                                                                                                cache_slot)):
-            return made
-        implementation = implementation or self.config.ddl_implementation
-        weight = self.readout_weight(cache)  # (K, d, d_v)
-        if self.kind != "tc":
-            return token_readout(state, weight, implementation=implementation)  # (B, T, d)
-        return convolve_tokens(token_readout, state, weight, cache, self.layer_idx, cache_slot, padding, documents,
-                               implementation)  # (B, T, d)
-
-    def _store_window_if_first(self, state, cache, cache_slot):
-        """Stores this state's window in the cache where it holds no inputs before it (K = 1: none), and says so: a
-        TC readout made ahead, with zeros before the tokens, is then this call's."""
-        kernel = self.conv_weight.shape[0]
-        if kernel > 1 and cache.has_previous_state(self.layer_idx, cache_slot):
-            return False
-        cached_window(state, kernel, cache, self.layer_idx, cache_slot)
-        return True
+    def forward(self, state, plan=None, slot=None):
+        """x_in `(B, T, d)`: the readout of the state (TC: over the tokens, with the cache's window in `slot`)."""
+        plan = plan or BatchPlan(implementation=choose(self.config.ddl_implementation))
+        weight = self.derived_weight()  # (K, d, d_v)
+        with plan.saving():
+            if self.kind != "tc":
+                return token_readout(state, weight, implementation=plan.implementation)
+            return convolve_tokens(token_readout, state, weight, plan, self.layer_idx, slot)
 
 
 class DDLEmbedConv(nn.Module):
@@ -375,9 +348,9 @@ class DDLEmbedConv(nn.Module):
         self.weight = nn.Parameter(torch.empty(config.ddl_embed_kernel_size, config.hidden_size,
                                                config.ddl_value_channels))
 
-    def forward(self, embeds, cache=None, padding=None, documents=None, implementation=None):
-        return convolve_tokens(token_conv, embeds, self.weight, cache, 0, self.cache_slot, padding, documents,
-                               implementation or self.config.ddl_implementation)  # (B, T, d_v, d)
+    def forward(self, embeds, plan=None):
+        plan = plan or BatchPlan(implementation=choose(self.config.ddl_implementation))
+        return convolve_tokens(token_conv, embeds, self.weight, plan, 0, self.cache_slot)  # (B, T, d_v, d)
 
 
 class DDLQKNormAttention(LlamaAttention):
@@ -412,10 +385,12 @@ class DDLQKNormAttention(LlamaAttention):
 
 
 class DDLDecoderLayer(GradientCheckpointingLayer):
-    """Llama's decoder layer; its two `residual + h` lines are delta updates of the state X."""
+    """Llama's decoder layer; its two `residual + h` lines are delta updates of the state X (`DDLDeltaResidual`),
+    each of which also gives the next sublayer's input."""
 
     def __init__(self, config: DDLConfig, layer_idx: int):
         super().__init__()
+        self.config = config
         self.hidden_size = config.hidden_size
         attention_class = DDLQKNormAttention if config.qk_norm else LlamaAttention
         self.self_attn = attention_class(config=config, layer_idx=layer_idx)
@@ -426,9 +401,9 @@ class DDLDecoderLayer(GradientCheckpointingLayer):
         self.mlp_delta = DDLDeltaResidual(config)
         # The authors' initialisation divides these by the depth (they write into the residual state).
         self.self_attn.o_proj.ddl_residual_output = self.mlp.down_proj.ddl_residual_output = True
+        slots = conv_state_slots(config)
+        self.cache_slots = {which: slots.get((layer_idx, which)) for which in ("attn", "mlp")}
         if config.ddl_value_channels > 1:
-            slots = conv_state_slots(config)
-            self.cache_slots = {which: slots.get((layer_idx, which)) for which in ("attn", "mlp")}
             if config.ddl_shared_compressor:
                 self.compress = DDLCompressor(config, layer_idx)  # one per block, as in the authors' code
             else:
@@ -440,49 +415,30 @@ class DDLDecoderLayer(GradientCheckpointingLayer):
         modules = self._modules  # (asked twice per block of every decoding step: no missing-attribute exception)
         return modules.get("compress") or modules.get(f"{which}_compress")
 
-    def sublayer_input(self, which, hidden_states, cache, padding, documents=None, implementation=None, rebuild=None,
-                       ahead=None):
-        """x_in of sublayer `which` ("attn" or "mlp"): the state compressed (the state itself when d_v = 1)."""
-        if hidden_states.dim() == 3:
-            return hidden_states
-        compressor, slot = self.compressor(which), self.cache_slots[which]
-        if rebuild is None:  # (as `update`: no context manager in a decoding step)
-            return compressor(hidden_states, cache, padding, slot, documents, implementation, ahead)
-        with rebuild.hooks:
-            return compressor(hidden_states, cache, padding, slot, documents, implementation, ahead)
-
-    @staticmethod
-    def update(delta, hidden_states, h, context, x_in, implementation, rebuild=None, ahead=None):
-        """The sublayer's delta update of the state, recorded on `rebuild` (a `StateRebuild`) when there is one."""
-        if rebuild is None:
-            return delta(hidden_states, h, context, x_in, implementation, ahead)
-        with rebuild.hooks:
-            return delta(hidden_states, h, context, x_in, implementation, ahead, rebuild=rebuild)
-
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(self, hidden_states, attention_mask=None, position_ids=None, cache: Cache | None = None,
-                use_cache: bool | None = False, position_embeddings=None, padding=None, documents=None,
-                implementation=None, rebuild=None, ahead=None, **kwargs):
-        x_in = self.sublayer_input("attn", hidden_states, cache, padding, documents, implementation, rebuild, ahead)
+                use_cache: bool | None = False, position_embeddings=None, plan: BatchPlan | None = None, **kwargs):
+        plan = plan or BatchPlan(cache, implementation=choose(self.config.ddl_implementation))
+        read_attn, read_mlp = self.compressor("attn"), self.compressor("mlp")
+        # Self Attention: on the state's readout x_in (the state itself at d_v = 1)
+        x_in = hidden_states if read_attn is None else read_attn(hidden_states, plan, self.cache_slots["attn"])
         context = self.input_layernorm(x_in)
-        attn_out, _ = self.self_attn(hidden_states=context, attention_mask=attention_mask, position_ids=position_ids,
-                                     cache=cache, use_cache=use_cache, position_embeddings=position_embeddings,
-                                     **kwargs)
-        hidden_states = self.update(self.attn_delta, hidden_states, attn_out, context, x_in, implementation, rebuild,
-                                    ahead)
+        h, _ = self.self_attn(hidden_states=context, attention_mask=attention_mask, position_ids=position_ids,
+                              cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+        hidden_states, x_in = self.attn_delta(hidden_states, h, context, x_in, plan, read_mlp, self.cache_slots["mlp"])
 
-        x_in = self.sublayer_input("mlp", hidden_states, cache, padding, documents, implementation, rebuild, ahead)
+        # Fully Connected
         context = self.post_attention_layernorm(x_in)
-        return self.update(self.mlp_delta, hidden_states, self.mlp(context), context, x_in, implementation, rebuild,
-                           ahead)
+        hidden_states, _ = self.mlp_delta(hidden_states, self.mlp(context), context, x_in, plan)
+        return hidden_states
 
 
 class DDLStateReadout(nn.Module):
     r"""What `output_hidden_states` records after each block: the state read through the final readout `(B, T, d)`
     (no cache: full forwards, not decoding steps), and the first call's first argument (the embeddings) as entry 0."""
 
-    def forward(self, embeds, state, readout=None, padding=None, documents=None):
-        return state if state.dim() == 3 else readout(state, None, padding, None, documents)
+    def forward(self, embeds, state, readout=None, plan=None):
+        return state if state.dim() == 3 else readout(state, replace(plan, cache=None))
 
 
 @dataclass
@@ -593,6 +549,7 @@ class DDLModel(DDLPreTrainedModel):
         self.vocab_size = config.vocab_size
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         slots = conv_state_slots(config)
+        self.keeps_token_histories = bool(slots)  # (EC, TC: the cache keeps their inputs)
         if config.ddl_embed_conv:
             self.embed_conv = DDLEmbedConv(config, slots.get((0, "embed")))
         self.layers = nn.ModuleList([DDLDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
@@ -606,21 +563,32 @@ class DDLModel(DDLPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    def expand(self, embeds, cache, padding, documents=None, implementation=None):
+    def expand(self, embeds, plan):
         """The initial state X_0: the embeddings (d_v = 1), EC of them, or them repeated over the d_v channels."""
         if self.config.ddl_embed_conv:
-            return self.embed_conv(embeds, cache, padding, documents, implementation)
+            return self.embed_conv(embeds, plan)
         d_v = self.config.ddl_value_channels
         return embeds if d_v == 1 else embeds.unsqueeze(-2).expand(*embeds.shape[:2], d_v, embeds.shape[-1])
 
-    def _keeps_token_histories(self):
-        # When any layer keeps conv histories, layer 0 does (EC lives there, TC in every layer): O(1) per forward
-        return self.config.layer_types[0] == "hybrid"
-
     def _check_cache(self, cache):
-        if self._keeps_token_histories() and not isinstance((cache.layers or [0])[0], LinearAttentionCacheLayerMixin):
+        if self.keeps_token_histories and not isinstance((cache.layers or [0])[0], LinearAttentionCacheLayerMixin):
             raise ValueError("This DDL variant keeps token-convolution histories, which a bare `DynamicCache()` cannot "
                              "hold: pass `DynamicCache(config=model.config)` (or let `generate()` build the cache).")
+
+    def _rebuilds(self, state, kwargs):
+        """Whether backward rebuilds the expanded states instead of keeping them (`StateRebuild`): in training, fp32 or
+        fp64, with `ddl_rebuild_states`, where no block is recomputed (gradient checkpointing) or traced, no state is
+        handed out (`output_expanded_states`) and no user code sees one (a forward hook on a layer, a seam, a
+        compressor or the readouts)."""
+        if not (self.config.ddl_rebuild_states and state.dim() == 4 and torch.is_grad_enabled()
+                and state.dtype in (torch.float32, torch.float64) and not self.gradient_checkpointing
+                and not torch.compiler.is_compiling()
+                and not kwargs.get("output_expanded_states", getattr(self.config, "output_expanded_states", False))):
+            return False
+        seen = [self, self.state_readout, *self.layers, getattr(self, "embed_conv", None), getattr(self, "readout", None)]
+        seen += [module for layer in self.layers for module in layer.children() if isinstance(
+            module, (DDLDeltaResidual, DDLCompressor))]
+        return not any(user_hooks(module) for module in seen if module is not None)
 
     @staticmethod
     def _count_positions(attention_mask, pad_mask, cache, embeds):
@@ -672,43 +640,30 @@ class DDLModel(DDLPreTrainedModel):
         if not isinstance(attention_mask, dict):
             documents, packed_attention = self._find_documents(
                 inputs_embeds, attention_mask, pad_mask, position_ids, cache, kwargs.get("cu_seq_lens_q"))
-            if position_ids is not None and pad_mask is None and self._keeps_token_histories() and (
+            if position_ids is not None and pad_mask is None and self.keeps_token_histories and (
                     cache is None or cache.get_seq_length() == 0):
                 check_documents_start(position_ids)
             causal_mask = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds,
                                              attention_mask=attention_mask, cache=cache, position_ids=positions,
                                              and_mask_function=packed_attention)
-        padding = Padding.of(pad_mask, inputs_embeds.dtype, cache)
-
+        plan = BatchPlan(cache, Padding.of(pad_mask, inputs_embeds.dtype, cache), documents,
+                         choose(self.config.ddl_implementation), reads_ahead=not user_hooks(self))
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids=positions)
-        implementation = self.config.ddl_implementation  # (a runtime choice: read once, passed to every module)
-        hidden_states = self.expand(inputs_embeds, cache, padding, documents, implementation)  # X_0: (B, T, [d_v,] d)
-        rebuild = StateRebuild(hidden_states) if (self.config.ddl_rebuild_states and hidden_states.dim() == 4 and (
-            hidden_states.dtype in (torch.float32, torch.float64)) and torch.is_grad_enabled() and not (
-                self.gradient_checkpointing or torch.compiler.is_compiling())) else None  # (see StateRebuild)
+
+        hidden_states = self.expand(inputs_embeds, plan)  # X_0: (B, T, [d_v,] d)
+        plan.rebuild = StateRebuild(hidden_states) if self._rebuilds(hidden_states, kwargs) else None
         record = kwargs.get("output_hidden_states", self.config.output_hidden_states)
         readout = getattr(self, "readout", None)
-        layers = list(self.layers)[: self.config.num_hidden_layers]  # (a slice of a ModuleList builds a new module)
-        ahead = ReadoutAhead(layers, readout, cache) if readout is not None and not torch.compiler.is_compiling() and (
-            torch.is_grad_enabled() or inputs_embeds.shape[1] > 1) and (  # (not a decoding step: no gain there)
-            inputs_embeds.is_cpu and offered("delta_residual_readout", implementation)) and (  # (C++ only)
-            readout.kind != "tc" or padding is None and documents is None and (  # (TC: nothing before the tokens)
-                cache is None or cache.get_seq_length() == 0)) and not (
-            self.gradient_checkpointing and self.training or torch.is_inference_mode_enabled()) and all(
-            isinstance(layer, DDLDecoderLayer) for layer in layers) else None
-        for i, decoder_layer in enumerate(layers):
+        for i, decoder_layer in enumerate(self.layers[: self.config.num_hidden_layers]):
             hidden_states = decoder_layer(hidden_states, attention_mask=causal_mask,
                                           position_embeddings=position_embeddings, position_ids=positions,
-                                          cache=cache, use_cache=use_cache, padding=padding, documents=documents,
-                                          implementation=implementation, rebuild=rebuild, ahead=ahead, **kwargs)
+                                          cache=cache, use_cache=use_cache, plan=plan, **kwargs)
             if record:
-                self.state_readout(inputs_embeds if i == 0 else None, hidden_states, readout, padding, documents)
-        if hidden_states.dim() == 4:
-            with rebuild.hooks if rebuild else nullcontext():
-                hidden_states = self.readout(hidden_states, cache, padding, self.readout_slot, documents,
-                                             implementation, ahead)  # (B, T, d)
-            if rebuild:
-                rebuild.live = None  # the chain ends: a recompute in backward (torch's checkpoint) keeps its states
+                self.state_readout(inputs_embeds if i == 0 else None, hidden_states, readout, plan)
+        if readout is not None:
+            hidden_states = readout(hidden_states, plan, self.readout_slot)  # (B, T, d)
+        if plan.rebuild is not None:
+            plan.rebuild.end()
         hidden_states = self.norm(hidden_states)
         return DDLModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
 
@@ -752,12 +707,18 @@ class DDLForCausalLM(DDLPreTrainedModel, GenerationMixin):
         return super().init_continuous_batching
 
     def generate(self, *args, **kwargs):
-        """GenerationMixin's; the compressors' readout weights are made once for this call (`_KEPT_IN_GENERATE`)."""
-        token = _KEPT_IN_GENERATE.set({})
-        try:
-            return super().generate(*args, **kwargs)
-        finally:
-            _KEPT_IN_GENERATE.reset(token)
+        """GenerationMixin's. transformers' static cache layer for token windows (EC, TC) rolls back the windows but
+        not the keys, so drafting decoding (assisted, prompt lookup) over one is refused before it starts."""
+        config = kwargs.get("generation_config") or self.generation_config
+        static = kwargs.get("cache_implementation", config.cache_implementation) == "static" or isinstance(
+            kwargs.get("past_key_values", kwargs.get("cache")), StaticCache)
+        drafts = kwargs.get("assistant_model") is not None or kwargs.get(
+            "prompt_lookup_num_tokens", config.prompt_lookup_num_tokens)
+        if static and drafts and conv_state_slots(self.config):
+            raise ValueError("Assisted or prompt-lookup decoding cannot roll back a static cache that also holds "
+                             "token windows (DDL's EC, TC): use the default dynamic cache (drop "
+                             "cache_implementation='static').")
+        return super().generate(*args, **kwargs)
 
     def generate_batch(self, *args, **kwargs):
         if conv_state_slots(self.config):  # (EC or TC)

@@ -1,5 +1,6 @@
-r"""The specifications: DDL's operations in plain PyTorch, written to read like the paper; every faster path
-(`ddl.fused`, ddl_kernels' C++ and Triton) is tested against them on outputs and gradients.
+r"""The specifications: DDL's operations in plain PyTorch, written to read like the paper. They are what runs wherever
+no faster implementation serves (autograd gives their gradients, Inductor fuses them under torch.compile), and every
+faster path (ddl_kernels' C++ and Triton, chosen in `ddl.ops`) is tested against them on outputs and gradients.
 
 - `delta_update`: the residual update of one sublayer (paper Eq. 2.1-2.2), with the write-only and additive controls.
 - `delta_gate`, `delta_value`, `delta_residual`: where beta and v come from, and the whole residual seam.
@@ -40,7 +41,7 @@ def delta_update(x, h, v=None, beta=None, mode="delta", k_eps=1e-5):
     k = h32 * torch.rsqrt(h32.pow(2).sum(-1, keepdim=True) + k_eps**2)  # (B, T, d), |k| < 1
     state = x.unsqueeze(-2) if scalar_state else x  # (B, T, d_v, d)
     if mode == "delta":
-        readout = torch.einsum("btd,btvd->btv", k, state.to(acc))  # k^T X: (B, T, d_v)
+        readout = _dot(k, state.to(acc))  # k^T X: (B, T, d_v)
         coef = beta * (v.to(acc) - readout)  # (B, T, d_v)
     elif mode == "write_only":
         coef = beta * v.to(acc)
@@ -51,16 +52,17 @@ def delta_update(x, h, v=None, beta=None, mode="delta", k_eps=1e-5):
 
 
 def delta_gate(c, weight, bias, hidden_weight=None, hidden_bias=None):
-    r"""The gate beta = 2 sigmoid(w . c + b) in (0, 2), `(B, T, 1)`, in fp32 (only the logit, for stability).
+    r"""The gate beta = 2 sigmoid(w . c + b) in (0, 2), `(B, T, 1)`, in at least fp32 (only the logit, for stability).
 
     With `hidden_weight` `(H, d)` and `hidden_bias` `(H,)` (or None: no hidden bias, as the authors' gate), the
     two-layer gate 2 sigmoid(w . tanh(W_1 c + b_1) + b).
     c: `(B, T, d)`, the normalised sublayer input; weight: `(d,)` (or `(H,)`); bias: `(1,)`.
     """
-    c = c.float()
+    acc = torch.promote_types(c.dtype, torch.float32)  # fp32 at least (fp64 stays fp64)
+    c = c.to(acc)
     if hidden_weight is not None:
-        c = torch.tanh(F.linear(c, hidden_weight.float(), None if hidden_bias is None else hidden_bias.float()))
-    return 2.0 * torch.sigmoid(F.linear(c, weight.float().unsqueeze(0), bias.float()))
+        c = torch.tanh(F.linear(c, hidden_weight.to(acc), None if hidden_bias is None else hidden_bias.to(acc)))
+    return 2.0 * torch.sigmoid(_project(c, weight.to(acc).unsqueeze(0), bias.to(acc)))
 
 
 def delta_value(u, weight, bias, scale=4.0):
@@ -68,8 +70,24 @@ def delta_value(u, weight, bias, scale=4.0):
 
     u: `(B, T, d)`, the value input; weight: `(d_v, d)`; bias: `(d_v,)`.
     """
-    v = F.linear(u, weight, bias)
+    v = _project(u, weight, bias)
     return v if scale is None else scale * torch.sigmoid(v)
+
+
+def _dot(k, state):
+    """k^T X per token `(B, T, d_v)` of k `(B, T, d)` and the state `(B, T, d_v, d)`; traced by torch.compile, as
+    products summed over d (fused into the seam's kernel, not a batched matrix product)."""
+    if torch.compiler.is_compiling():
+        return (k.unsqueeze(-2) * state).sum(-1)
+    return torch.einsum("btd,btvd->btv", k, state)
+
+
+def _project(x, weight, bias):
+    """F.linear(x, weight, bias) to the few outputs of a gate or value `(..., N)`; traced by torch.compile, as products
+    summed over d, which Inductor fuses into the seam's kernel where F.linear stays a library call."""
+    if torch.compiler.is_compiling():
+        return (x.unsqueeze(-2) * weight).sum(-1) + bias
+    return F.linear(x, weight, bias)
 
 
 def constant_value(x, constant):
@@ -79,20 +97,20 @@ def constant_value(x, constant):
 
 
 def delta_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale=4.0, k_eps=1e-5,
-                   mode="delta", gate_hidden=None, v_constant=None, update=delta_update, gate=delta_gate,
-                   value=delta_value):
+                   mode="delta", gate_hidden=None, v_constant=None):
     r"""One sublayer's whole residual seam: the gate, the value and the update,
 
         X_next = delta_update(X, h, delta_value(u), delta_gate(c))
 
     x: the state X; h: the sublayer output; c: the normalised sublayer input; u: the value input (c, or the
     un-normalised sublayer input x_in); `gate_hidden`: `(W_1, b_1)` of a two-layer gate (b_1 may be None), or None;
-    `v_constant`: a fixed target instead of `delta_value` (then `value_weight`/`value_bias` are None); `update`, `gate`,
-    `value`: the `delta_update`, `delta_gate` and `delta_value` that run (`ddl.kernels` passes its own).
+    `v_constant`: a fixed target instead of `delta_value` (then `value_weight`/`value_bias` are None).
     """
-    beta = gate(c, gate_weight, gate_bias, *(gate_hidden or ()))
-    v = constant_value(x, v_constant) if v_constant is not None else value(u, value_weight, value_bias, v_scale)
-    return update(x, h, v, beta, mode=mode, k_eps=k_eps)
+    if mode == "additive":
+        return delta_update(x, h, mode=mode)
+    beta = delta_gate(c, gate_weight, gate_bias, *(gate_hidden or ()))
+    v = constant_value(x, v_constant) if v_constant is not None else delta_value(u, value_weight, value_bias, v_scale)
+    return delta_update(x, h, v, beta, mode=mode, k_eps=k_eps)
 
 
 def _causal_window(x, kernel, history):
@@ -127,12 +145,19 @@ def causal_token_readout(x, weight, history=None):
         y[t, i] = sum_j sum_s weight[s, i, j] * x[t - (K - 1) + s, j, i]      (weight = conv taps c * read r)
 
     x: `(B, T, d_v, d)`; weight: `(K, d, d_v)`; history: `(B, K-1, d_v, d)` or None (zeros). Returns `(B, T, d)`.
-    CC is the one-tap case (K = 1, weight = w).
+    CC is the one-tap case (K = 1, weight = w). Products and sums in at least fp32.
     """
     kernel, seq_len = weight.shape[0], x.shape[1]
-    full = _causal_window(x, kernel, history)  # (B, K-1+T, d_v, d)
-    weight = weight.transpose(1, 2).contiguous()  # (K, d_v, d), like the state
-    return sum((full[:, s : s + seq_len] * weight[s]).sum(-2) for s in range(kernel))
+    full = x if history is None else torch.cat([history, x], dim=1)  # (B, H+T, d_v, d), H = 0 or K-1
+    length, weight = full.shape[1], weight.transpose(1, 2).contiguous()  # (K, d_v, d), like the state
+    dtype = torch.promote_types(x.dtype, weight.dtype)
+    acc = torch.promote_types(dtype, torch.float32)
+    y = 0
+    for s in range(kernel):  # tap s reads the input lag = K-1-s tokens before (zeros before the sequence)
+        lag = kernel - 1 - s
+        tap = (full * weight[s].to(acc)).sum(-2)  # (B, H+T, d): products and sums in fp32 (no copy of the state)
+        y = y + (tap if lag == 0 else F.pad(tap, (0, 0, lag, 0))[:, :length])  # (no guard on a symbolic T)
+    return y[:, length - seq_len :].to(dtype)
 
 
 __all__ = ["DELTA_MODES", "causal_token_conv", "causal_token_readout", "delta_gate", "delta_residual", "delta_update",

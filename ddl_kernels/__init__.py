@@ -1,42 +1,74 @@
 """DDL's accelerators: faster implementations of the operations a DDL checkpoint specifies, used when installed.
 
-A DDL checkpoint's code (`ddl/`, what `save_pretrained` ships) holds each operation's specification and its
-PyTorch paths, and runs anywhere without this package. When `ddl_kernels` is importable and declares the interface
-version the checkpoint's dispatcher (`ddl.kernels`) expects, the dispatcher puts the implementations listed here in
-front of its own, in this order; each says next to its code which inputs it serves. One folder per operation:
+A DDL checkpoint's code (`ddl/`, what `save_pretrained` ships) holds each operation's specification and runs anywhere
+without this package. When `ddl_kernels` is importable and declares the interface version the checkpoint's
+dispatcher (`ddl.ops`) expects, the dispatcher runs the implementation listed here for the inputs' device where it
+serves them. One folder per operation:
 
-    residual/   the residual seam (gate, value and delta update; with the next readout) in C++ for CPU; the seam
-                and the delta update alone in Triton for CUDA
+    residual/   the residual seam (gate, value and delta update, and optionally the next compressor's readout of the
+                new state): C++ for CPU, Triton for CUDA
     readout/    the TC readout of the expanded state (CC: one tap) and a decoding step's window step: C++; Triton
-    conv/       EC, the embedding convolution: C++; Triton (the readout's kernels run the other way); a decoding
-                step's EC from the cached window: C++
+    conv/       EC, the embedding convolution, and a decoding step's EC from the cached window: C++; Triton
     build.py    building the C++ kernels once per machine (`python -m ddl_kernels.build`; else on first use)
 
 Every implementation is tested against the specification on outputs and every gradient (tests/test_cpu_kernel.py,
-tests/test_kernels.py). Every Triton launch runs under `torch.cuda.device_of` its tensors: Triton launches on the
-current device, and a model split over GPUs by `device_map` runs each layer on its own.
+tests/test_kernels.py). This package imports nothing from `ddl`: its kernels are checked against `ddl.reference` by
+the tests, not by themselves.
 """
-
-from collections import namedtuple
 
 import torch
 import torch.utils.checkpoint
 
 
-INTERFACE_VERSION = 2  # what the operations take and return (ddl.kernels); raised on any change of a contract
+# What the operations take and return, as `implementations()` lists them; raised on any change of a contract:
+#   delta_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, mode, readout)
+#       -> X_next, or (X_next, y) with the readout weight `(K, d, d_v)` of the next compressor (y: its readout of
+#       X_next, zeros before the first token); a single linear gate and a learned value; mode "delta"/"write_only"
+#   token_readout(x, taps) / token_conv(x, taps) -> y: taps `(K, d_v, d)`, zeros before the first token
+#   window_step(past, x, weight) / conv_step(past, x, weight) -> one decoding step's output; `past` advanced in place
+INTERFACE_VERSION = 3
 
-# name: for messages; choices: the values of `DDLConfig.ddl_implementation` that may use it; serves(*args): whether
-# it computes these inputs (the operation's arguments); run(*args): the result, or None when it cannot run after all
-Implementation = namedtuple("Implementation", "name choices serves run")
+
+def implementations():
+    """{operation: {device type: run}}: at most one implementation per operation and device. `run(*args)` returns
+    the operation's result, or None where it does not serve these inputs (then the specification runs). Triton's are
+    listed where CUDA is there (importing triton costs seconds; its kernels serve CUDA tensors only)."""
+    from .conv import cpu as conv_cpu
+    from .readout import cpu as readout_cpu
+    from .residual import cpu as residual_cpu
+
+    found = {
+        "delta_residual": {"cpu": residual_cpu.run},
+        "token_readout": {"cpu": readout_cpu.run},
+        "window_step": {"cpu": readout_cpu.step},
+        "token_conv": {"cpu": conv_cpu.run},
+        "conv_step": {"cpu": conv_cpu.step},
+    }
+    if torch.cuda.is_available():
+        from .conv import triton as conv_triton
+        from .readout import triton as readout_triton
+        from .residual import triton as residual_triton
+
+        found["delta_residual"]["cuda"] = residual_triton.RUN
+        found["token_readout"]["cuda"] = readout_triton.RUN
+        found["window_step"]["cuda"] = readout_triton.STEP
+        found["token_conv"]["cuda"] = conv_triton.RUN
+        found["conv_step"]["cuda"] = conv_triton.STEP
+    return found
 
 
-_failed = set()  # kernels that failed to compile or launch in this process: the next implementation serves them
+def serving(serves, run):
+    """`run` as the dispatcher calls it: its result where `serves(*args)`, else None."""
+    return lambda *args: run(*args) if serves(*args) else None
+
+
+_failed = set()  # kernels that failed to compile or launch in this process: the specification serves them
 
 
 def fallible(name, run):
     """`run`, returning None instead of raising (once, with one warning that names the kernel; never again in this
     process) when it fails to compile or launch, e.g. Triton on a GPU it does not support: the dispatcher then runs
-    the next implementation, which computes the same numbers."""
+    the specification, which computes the same numbers."""
 
     def guarded(*args):
         if name in _failed:
@@ -50,8 +82,8 @@ def fallible(name, run):
 
             _failed.add(name)
             logging.get_logger(__name__).warning(
-                f"DDL: the {name} kernel failed ({type(error).__name__}: {str(error)[:300]}); DDL uses the next "
-                "implementation (PyTorch) for it from now on.")
+                f"DDL: the {name} kernel failed ({type(error).__name__}: {str(error)[:300]}); DDL uses the "
+                "specification (PyTorch) for it from now on.")
             return None
 
     return guarded
@@ -65,8 +97,7 @@ _NOT_THE_KERNELS = (torch.OutOfMemoryError,) + ((_STOP_RECOMPUTATION,) if _STOP_
 
 def refuse_second_derivative(operation):
     """First in each backward here: its gradients are computed outside autograd, so under create_graph=True autograd
-    would take them for constants, a second derivative silently wrong (as `ddl.fused`'s of the same name: this
-    package serves a checkpoint's code without the `ddl` package, tests/test_remote_code.py)."""
+    would take them for constants, a second derivative silently wrong."""
     if torch.is_grad_enabled():
         raise RuntimeError(f"DDL: a second derivative (create_graph=True) through {operation} is not supported; set "
                            "model.config.ddl_implementation = 'reference' (and ddl_rebuild_states = False), whose "
@@ -75,8 +106,8 @@ def refuse_second_derivative(operation):
 
 def eager():
     """Neither torch.compile nor torch.jit.trace is tracing: every kernel here serves only then (a launch inside a
-    trace would be recorded wrongly or not at all: Inductor fuses the PyTorch path itself; a jit trace would keep the
-    allocation, not the kernel's writes; a C++ build must not start there)."""
+    trace would be recorded wrongly or not at all: Inductor fuses the specification itself; a jit trace would keep
+    the allocation, not the kernel's writes; a C++ build must not start there)."""
     return not (_is_compiling() or _is_tracing())
 
 
@@ -84,34 +115,4 @@ def eager():
 _is_compiling, _is_tracing = torch.compiler.is_compiling, torch.jit.is_tracing
 
 
-def implementations():
-    """{operation: [Implementation, ...]} in the order the dispatcher tries them. Triton's are listed where CUDA
-    and triton are there (importing triton costs seconds; its kernels serve CUDA tensors only)."""
-    from .conv import cpu as conv_cpu
-    from .readout import cpu as readout_cpu
-    from .residual import cpu as residual_cpu
-
-    found = {
-        "delta_residual": [residual_cpu.SEAM],
-        "delta_residual_readout": [residual_cpu.SEAM_READOUT],
-        "delta_update": [],
-        "token_readout": [readout_cpu.READOUT],
-        "window_step": [readout_cpu.STEP],
-        "token_conv": [conv_cpu.CONV],
-        "conv_step": [conv_cpu.STEP],
-    }
-    if torch.cuda.is_available():
-        from .conv import triton as conv_triton
-        from .readout import triton as readout_triton
-        from .residual import triton as residual_triton
-
-        found["delta_residual"].append(residual_triton.SEAM)
-        found["delta_update"].append(residual_triton.UPDATE)
-        found["token_readout"].append(readout_triton.READOUT)
-        found["window_step"].append(readout_triton.STEP)
-        found["token_conv"].append(conv_triton.CONV)
-        found["conv_step"].append(conv_triton.STEP)
-    return found
-
-
-__all__ = ["INTERFACE_VERSION", "Implementation", "eager", "fallible", "implementations", "refuse_second_derivative"]
+__all__ = ["INTERFACE_VERSION", "eager", "fallible", "implementations", "refuse_second_derivative", "serving"]

@@ -120,19 +120,57 @@ def cpu_kernel_on_or_off(request, monkeypatch):
     return request.param
 
 
-def count_calls(monkeypatch, op, name_part):
-    """A list that gets an entry for every call of the implementations of `op` (a `ddl.kernels` registry) whose name
-    contains `name_part`, for as long as the test runs."""
-    from ddl import kernels
+def count_calls(monkeypatch, op, which):
+    """A list that gets an entry for every call of `op` (a `ddl.ops` operation) that ddl_kernels' C++ kernel served
+    (`which="C++"`) or that the specification computed (`which="PyTorch"`), for as long as the test runs."""
+    from ddl import modeling_ddl, ops
 
-    calls, registries = [], kernels.registries()
+    calls, cpu = [], torch.device("cpu")
+    kernel = ops.kernel(op, "auto", cpu)  # (also fills ops' table of installed kernels)
+    if which == "C++":
+        if kernel is not None:
+            def counted(*args):
+                out = kernel(*args)
+                return out if out is None else calls.append(1) or out
 
-    def counted(run):
-        return lambda *args: calls.append(1) or run(*args)
+            monkeypatch.setitem(ops._installed[op], "cpu", counted)
+        return calls
+    dispatched, served = getattr(ops, op), []
+    if kernel is not None:
+        monkeypatch.setitem(ops._installed[op], "cpu", lambda *args: (lambda out: out if out is None else served.append(
+            1) or out)(kernel(*args)))
 
-    monkeypatch.setitem(registries, op, [impl._replace(run=counted(impl.run)) if name_part in impl.name else impl
-                                         for impl in registries[op]])
+    def counted(*args, **kwargs):
+        before = len(served)
+        out = dispatched(*args, **kwargs)
+        if len(served) == before:
+            calls.append(1)
+        return out
+
+    monkeypatch.setattr(modeling_ddl, op, counted)  # (where the model calls it)
     return calls
+
+
+def triton_on_cpu(monkeypatch, operations=("delta_residual", "token_readout", "token_conv")):
+    """ddl_kernels' Triton kernels for `operations`, run through Triton's CPU interpreter (TRITON_INTERPRET=1) as if
+    these CPU tensors were on a GPU: put in `ddl.ops`' table for the CPU, where the C++ kernels would be (not fp64,
+    as on CUDA), for as long as the test runs."""
+    pytest.importorskip("triton")
+    from ddl import ops
+    from ddl_kernels import fallible, serving
+    from ddl_kernels.readout.triton import token_window
+    from ddl_kernels.residual import triton as residual
+
+    runs = {"delta_residual": ("Triton residual seam", residual.run),
+            "token_readout": ("Triton readout", lambda x, taps: token_window(x, taps, read=True)),
+            "token_conv": ("Triton EC", lambda x, taps: token_window(x, taps, read=False))}
+    ops.kernel("delta_residual", "auto", torch.device("cpu"))  # (fills ops' table of installed kernels)
+    for op in operations:
+        name, run = runs[op]
+        monkeypatch.setitem(ops._installed[op], "cpu", serving(lambda *args: args[0].dtype != torch.float64,
+                                                               fallible(name, run)))
+    for op in set(runs) - set(operations):
+        monkeypatch.setitem(ops._installed[op], "cpu", lambda *args: None)  # (the C++ kernels' place: not these)
 
 
 def assert_same_loss_and_gradients(models, ids, loss_atol=1e-6, grad_rtol=1e-5, grad_atol=1e-6):

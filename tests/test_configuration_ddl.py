@@ -1,10 +1,11 @@
 import dataclasses
 
 import pytest
+import torch
 from huggingface_hub.errors import StrictDataclassError
 from transformers import LlamaConfig
 
-from ddl import DDLConfig
+from ddl import DDLConfig, DDLModel, ops
 
 
 def test_llama_fields_names_and_defaults_are_llamas():
@@ -54,27 +55,41 @@ def test_cache_layout_is_derived():
     cc = DDLConfig(num_hidden_layers=3)  # EC history lives in layer 0
     assert cc.layer_types == ["hybrid", "full_attention", "full_attention"] and cc.number_of_conv_states == 1
     scalar = DDLConfig(num_hidden_layers=3, ddl_value_channels=1)
-    assert scalar.layer_types == ["full_attention"] * 3
+    assert scalar.layer_types == ["full_attention"] * 3 and scalar.number_of_conv_states == 0
     tc = DDLConfig(num_hidden_layers=3, ddl_compressor="tc")  # attn + mlp per layer, + EC (0), + readout (2)
-    assert tc.layer_types == ["hybrid"] * 3
-    assert [tc.per_layer_config[i].number_of_conv_states for i in range(3)] == [3, 2, 3]
-    # a stale layout in a saved config.json is replaced, not trusted
-    stale = DDLConfig(num_hidden_layers=2, layer_types=["full_attention"] * 2)
-    assert stale.layer_types == ["hybrid", "full_attention"]
+    assert tc.layer_types == ["hybrid"] * 3 and tc.number_of_conv_states == 3
+    # a stale layout in a saved config.json is replaced, not trusted, and never written
+    stale = DDLConfig(num_hidden_layers=2, layer_types=["full_attention"] * 2, number_of_conv_states=7)
+    assert stale.layer_types == ["hybrid", "full_attention"] and stale.number_of_conv_states == 1
+    assert "layer_types" not in stale.to_dict() and "number_of_conv_states" not in stale.to_dict()
 
 
-@pytest.mark.parametrize("change", [{"num_hidden_layers": 3}, {"num_hidden_layers": 1}, {"ddl_value_channels": 1},
-                                    {"ddl_value_channels": 8}, {"ddl_compressor": "tc"}, {"ddl_compressor": "cc"},
-                                    {"ddl_state_kernel_size": 1}, {"ddl_embed_kernel_size": 1},
-                                    {"ddl_embed_conv": False}, {"ddl_embed_conv": None}])
+@pytest.mark.parametrize("change", [{"num_hidden_layers": 3}, {"num_hidden_layers": 1}, {"ddl_compressor": "tc"},
+                                    {"ddl_compressor": "cc"}, {"ddl_state_kernel_size": 1},
+                                    {"ddl_embed_kernel_size": 1}, {"ddl_embed_conv": False}])
 @pytest.mark.parametrize("start", [{"ddl_value_channels": 1}, {}, {"ddl_compressor": "tc"}], ids=["dv1", "cc", "tc"])
-def test_a_field_set_on_a_built_config_gives_the_config_built_with_it(start, change):
-    """What the cache layout and EC's default come from, set after construction (by a user, or by
-    `from_pretrained(path, num_hidden_layers=...)`): what depends on it follows, as if it had been passed."""
+def test_a_field_set_on_a_built_config_gives_the_cache_layout_of_the_config_built_with_it(start, change):
+    """What the cache layout comes from, set after construction (by a user, or by `from_pretrained(path,
+    num_hidden_layers=...)`): the layout generate's cache reads follows, as if it had been passed."""
+    if start.get("ddl_value_channels") == 1 and change.get("ddl_embed_conv") is False:
+        change = {}
     config = DDLConfig(num_hidden_layers=2, **start)
     for field, value in change.items():
         setattr(config, field, value)
-    assert config.to_dict() == DDLConfig(**{"num_hidden_layers": 2, **start, **change}).to_dict()
+    built = DDLConfig(**{"num_hidden_layers": 2, **start, **change})
+    assert (config.layer_types, config.number_of_conv_states) == (built.layer_types, built.number_of_conv_states)
+
+
+def test_ec_is_resolved_when_the_config_is_made_and_a_later_contradiction_is_one_error():
+    """`ddl_embed_conv=None` is d_v > 1, resolved at construction (as Llama's config resolves its defaults); a d_v
+    set later that contradicts it is refused where the model is built, in one line that says what to set."""
+    assert DDLConfig().ddl_embed_conv is True and DDLConfig(ddl_value_channels=1).ddl_embed_conv is False
+    config = DDLConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64)
+    config.ddl_value_channels = 1
+    with pytest.raises(ValueError, match="ddl_embed_conv must be False when ddl_value_channels == 1"):
+        DDLModel(config)
+    config.ddl_embed_conv = False
+    DDLModel(config)
 
 
 @pytest.mark.parametrize("order", ["ec-first", "dv-first"])
@@ -160,35 +175,38 @@ def test_boundary_beta_init_values_are_allowed():
 
 def test_implementation_is_a_runtime_choice_not_saved(tmp_path, monkeypatch):
     """`ddl_implementation` chooses the kernels on this machine (like attn_implementation): never written to
-    config.json, so a checkpoint does not pin another machine's; the environment gives the default."""
+    config.json, so a checkpoint does not pin another machine's; unset, the dispatcher's default runs (the
+    environment's `DDL_IMPLEMENTATION`, else "auto"), and a name it does not know is one error naming the choices."""
     monkeypatch.delenv("DDL_IMPLEMENTATION", raising=False)
     config = DDLConfig(ddl_implementation="reference")
-    assert config.ddl_implementation == "reference"
-    assert "ddl_implementation" not in config.to_dict() and "_ddl_implementation" not in config.to_dict()
+    assert config.ddl_implementation == "reference" and "ddl_implementation" not in config.to_dict()
     config.save_pretrained(tmp_path)
     assert "implementation" not in (tmp_path / "config.json").read_text()
-    assert DDLConfig.from_pretrained(tmp_path).ddl_implementation == "auto"
+    assert DDLConfig.from_pretrained(tmp_path).ddl_implementation is None and ops.choose(None) == "auto"
     assert DDLConfig.from_pretrained(tmp_path, ddl_implementation="torch").ddl_implementation == "torch"
     monkeypatch.setenv("DDL_IMPLEMENTATION", "torch")
-    assert DDLConfig.from_pretrained(tmp_path).ddl_implementation == "torch"
-    assert DDLConfig(ddl_implementation="auto").ddl_implementation == "auto"  # an explicit choice wins
+    assert ops.choose(DDLConfig.from_pretrained(tmp_path).ddl_implementation) == "torch"
+    assert ops.choose("auto") == "auto"  # an explicit choice wins
     monkeypatch.setenv("DDL_IMPLEMENTATION", "fast")
     with pytest.raises(ValueError, match="DDL_IMPLEMENTATION='fast' must be one of"):
-        DDLConfig().ddl_implementation
-    with pytest.raises(ValueError, match="ddl_implementation must be one of"):
-        DDLConfig(ddl_implementation="cuda")
+        ops.choose(None)
+    model = DDLModel(DDLConfig(ddl_implementation="cuda", num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+                               intermediate_size=64))
+    with pytest.raises(ValueError, match="ddl_implementation='cuda' must be one of"):
+        model(torch.tensor([[1, 2]]))
 
 
-def test_checkpoints_saved_with_the_old_ddl_impl_field_load(tmp_path):
+def test_checkpoints_saved_with_the_old_ddl_impl_field_load(tmp_path, monkeypatch):
     """config.json files written before the implementation became a runtime choice carry `ddl_impl`."""
     import json
 
+    monkeypatch.delenv("DDL_IMPLEMENTATION", raising=False)
     DDLConfig().save_pretrained(tmp_path)
     path = tmp_path / "config.json"
     for legacy, expected in (("fused", "auto"), ("reference", "reference")):
         path.write_text(json.dumps({**json.loads(path.read_text()), "ddl_impl": legacy}))
         config = DDLConfig.from_pretrained(tmp_path)
-        assert config.ddl_implementation == expected and "ddl_impl" not in config.to_dict()
+        assert ops.choose(config.ddl_implementation) == expected and "ddl_impl" not in config.to_dict()
 
 
 # The authors' parameter counts (their model files at d1f76215: the modules each variant creates), small = 12 x 768,

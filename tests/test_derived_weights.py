@@ -112,23 +112,6 @@ def test_inference_after_edits_outside_autograd_reads_the_new_weights(variant):
         _assert_reads_current_weights(model)
 
 
-def test_weights_derived_for_generate_are_made_once_per_call_and_kept_no_longer():
-    """Decoding reads each compressor's derived weight 2L + 1 times per token: `generate` makes it once per call, and
-    a later call (or a forward outside `generate`) makes it again, never reading the one kept before."""
-    from ddl.modeling_ddl import _KEPT_IN_GENERATE
-
-    model = _model("tc-ec")
-    compressor = model.model.layers[0].compress
-    calls = []
-    make = compressor.derived_weight
-    compressor.derived_weight = lambda *args: calls.append(1) or make(*args)
-    ids = _ids()
-    model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
-    assert len(calls) == 1  # five forwards, each reading it in both sublayers of the block: made once
-    model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
-    assert len(calls) == 2 and _KEPT_IN_GENERATE.get() is None
-
-
 @pytest.mark.parametrize("variant", ["cc-ec", "tc-ec"])
 def test_a_cache_kept_across_a_weight_change_reads_the_new_weights(variant):
     """A cache filled, the weights changed in place (test-time training, `p.data` edits, fused AdamW), decoding

@@ -16,7 +16,6 @@ from transformers import (
 
 from conftest import TINY, count_calls, in_hf_cache, seeded, tiny_config, trained_looking
 from ddl import DDLConfig, DDLForCausalLM, DDLModel
-from ddl.fused import as_taps
 from ddl.configuration_ddl import conv_state_slots
 from ddl.modeling_ddl import DDLCompressor, DDLDeltaResidual, DDLEmbedConv
 
@@ -137,7 +136,7 @@ def test_a_field_set_out_of_range_after_construction_is_refused_where_the_model_
 @pytest.mark.parametrize("batch", [1, 2], ids=["one-sequence", "batch"])
 def test_tc_decoding_steps_read_the_cached_window(batch, cpu_kernel_on_or_off, monkeypatch):
     """Each decoding step's TC readouts read their window where the cache keeps it and advance it there (ddl_kernels'
-    C++ window step, or `fused.window_step` without the kernels) and give the full forward."""
+    C++ window step, or the specification without the kernels) and give the full forward."""
     calls = {name: count_calls(monkeypatch, "window_step", name) for name in ("C++", "PyTorch")}
     model = _model(ddl_value_channels=4, ddl_compressor="tc", ddl_embed_conv=True)
     ids = _ids(batch, 9)
@@ -157,7 +156,7 @@ def test_tc_decoding_steps_read_the_cached_window(batch, cpu_kernel_on_or_off, m
 @pytest.mark.parametrize("compressor", ["cc", "tc"])
 def test_ec_decoding_steps_read_the_cached_window(compressor, cpu_kernel_on_or_off, monkeypatch):
     """Each decoding step's EC reads its window where the cache keeps it and advances it there (ddl_kernels' C++ EC
-    step, or `fused.conv_step` without the kernels), and the steps give the full forward."""
+    step, or the specification without the kernels), and the steps give the full forward."""
     calls = {name: count_calls(monkeypatch, "conv_step", name) for name in ("C++", "PyTorch")}
     expected, other = ("C++", "PyTorch") if cpu_kernel_on_or_off == "cpu-kernel" else ("PyTorch", "C++")
     steps = calls[expected]
@@ -419,25 +418,6 @@ def test_cc_conv_is_a_same_padded_depthwise_conv_along_the_value_channels_then_a
         conv = torch.nn.functional.conv1d(rows, taps, padding="same", groups=TINY["hidden_size"])
         expected = (conv * compress.read).sum(-1).reshape(2, 5, TINY["hidden_size"])
         torch.testing.assert_close(compress(state), expected)
-
-
-def test_weights_kept_for_a_decoding_run_are_in_their_kernels_layout():
-    """The readout weight a `generate` call keeps (`DDLCompressor.readout_weight`, tests/test_derived_weights.py) is
-    the derived one, stored as its kernels read it: CC's in the state's layout, TC's in a cached window's (d_v, d, K)."""
-    from ddl.modeling_ddl import _KEPT_IN_GENERATE
-
-    for compressor, layout in (("cc", (0, 2, 1)), ("tc", (2, 1, 0))):
-        model = _model(ddl_value_channels=4, ddl_compressor=compressor)
-        compress = model.model.layers[0].compress
-        token = _KEPT_IN_GENERATE.set({})  # (as inside generate)
-        with torch.no_grad():
-            kept = compress.readout_weight(DynamicCache(config=model.config))
-            assert compress.readout_weight(DynamicCache(config=model.config)) is kept
-            torch.testing.assert_close(kept, compress.derived_weight(), rtol=0, atol=0)
-        _KEPT_IN_GENERATE.reset(token)
-        assert kept.permute(layout).is_contiguous()
-        if compressor == "cc":
-            assert as_taps(kept).data_ptr() == kept.data_ptr()  # read without a copy
 
 
 @pytest.mark.parametrize("initialization", ["authors", "llama"])

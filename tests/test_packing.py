@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import DataCollatorWithFlattening
 
-from conftest import TINY, seeded, tiny_config, trained_looking
-from ddl import DDLForCausalLM, kernels
+from conftest import TINY, seeded, tiny_config, trained_looking, triton_on_cpu
+from ddl import DDLForCausalLM
 
 
 pytestmark = pytest.mark.device  # (runs on DDL_TEST_DEVICE: see conftest.py)
@@ -38,18 +38,7 @@ LENGTHS = (7, 2, 9)  # a document shorter than the kernels' K-1 = 3 history, bet
 
 def _model(overrides, implementation, monkeypatch, dtype=torch.float32):
     if implementation == "triton":  # ddl_kernels' Triton through its CPU interpreter (conftest: TRITON_INTERPRET=1)
-        pytest.importorskip("triton")
-        import importlib
-
-        registries = kernels.registries()
-        for op, module in (("delta_update", "residual"), ("token_readout", "readout"), ("token_conv", "conv")):
-            entry = getattr(importlib.import_module(f"ddl_kernels.{module}.triton"), {"residual": "UPDATE",
-                                                                                   "readout": "READOUT",
-                                                                                   "conv": "CONV"}[module])
-            # as if these CPU tensors were on a GPU
-            serving = entry._replace(serves=lambda *args: args[0].dtype != torch.float64)
-            monkeypatch.setitem(registries, op, [serving, *registries[op]])
-        monkeypatch.setitem(registries, "delta_residual", [])  # the C++ seam would come first on CPU
+        triton_on_cpu(monkeypatch)
     torch.manual_seed(0)
     model = DDLForCausalLM(tiny_config(ddl_implementation=implementation, **overrides))
     return trained_looking(model).to(dtype).eval()

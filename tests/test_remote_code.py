@@ -1,9 +1,9 @@
 """What a checkpoint ships, run as a Hub user runs it: `from_pretrained(folder, trust_remote_code=True)` in a fresh
 process that cannot import this project. The shipped code is the model (configuration, modeling, specifications,
-PyTorch paths, packing, the dispatcher) and nothing else: loading it, a training step and `generate` start no process
+packing, the dispatcher) and nothing else: loading it, a training step and `generate` start no process
 and write nothing outside the Hugging Face cache (Python's audit hooks watch), and give the in-repo model's numbers.
-With ddl_kernels installed the same remote code runs its kernels; with another interface version, PyTorch and one
-warning.
+With ddl_kernels installed the same remote code runs its kernels; with another interface version, the
+specifications and one warning.
 """
 
 import json
@@ -18,7 +18,9 @@ from conftest import ROOT, TINY, tiny_config, trained_looking
 from ddl import DDLForCausalLM
 
 
-SHIPPED_LINES = 1847  # the most a checkpoint's code may hold (it is what a reviewer reads before trusting it)
+# The most a checkpoint's code may hold (it is what a reviewer reads before trusting it): a fixed budget, never moved to
+# fit the code.
+SHIPPED_LINES = 1500
 
 VARIANTS = {
     "dv1": dict(ddl_value_channels=1),
@@ -67,13 +69,16 @@ logging.set_verbosity_info()
 
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)
 assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
-kernels = sys.modules[type(model).__module__.rsplit(".", 1)[0] + ".kernels"]
-used = {op: [impl.name for impl in impls] for op, impls in kernels.registries().items()}
+ops = sys.modules[type(model).__module__.rsplit(".", 1)[0] + ".ops"]
+ops.kernel("delta_residual", "auto", torch.device("cpu"))  # (fills its table of installed kernels)
+used = {op: sorted(devices) for op, devices in ops._installed.items()}
 calls = {}
-for op, impls in kernels.registries().items():
+for op, devices in ops._installed.items():
     def counted(run, name):
-        return lambda *args: calls.__setitem__(name, calls.get(name, 0) + 1) or run(*args)
-    kernels.registries()[op] = [impl._replace(run=counted(impl.run, impl.name)) for impl in impls]
+        return lambda *args: (lambda out: out if out is None else calls.__setitem__(name, calls.get(name, 0) + 1)
+                              or out)(run(*args))
+    for device, run in devices.items():
+        devices[device] = counted(run, f"{op} on {device}")
 ids = torch.tensor(json.loads(sys.argv[2]))
 """ + STEP + r"""
 print("RESULT " + json.dumps({"loss": loss.item(), "logits": logits.tolist(), "generated": generated.tolist(),
@@ -112,8 +117,7 @@ def test_a_checkpoint_ships_the_model_and_nothing_else(tmp_path):
     """The files a saved folder carries: Python only (no native source, no build supervision), within the budget."""
     DDLForCausalLM(tiny_config()).save_pretrained(tmp_path)
     shipped = sorted(f for f in os.listdir(tmp_path) if f.endswith(".py"))
-    assert shipped == ["configuration_ddl.py", "fused.py", "kernels.py", "modeling_ddl.py", "packing.py",
-                       "reference.py"]
+    assert shipped == ["configuration_ddl.py", "modeling_ddl.py", "ops.py", "packing.py", "reference.py"]
     lines = sum(len((tmp_path / f).read_text().splitlines()) for f in shipped)
     assert lines <= SHIPPED_LINES, f"{lines} lines shipped"
     text = "".join((tmp_path / f).read_text() for f in shipped)
@@ -126,8 +130,7 @@ def test_remote_code_without_the_project_trains_and_generates_starting_nothing_w
     model, folder = _saved(variant, tmp_path)
     ids = torch.randint(3, TINY["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(1))
     result, stderr = _run_user(folder, ids, tmp_path, ["ddl", "ddl_tools", "ddl_kernels"])
-    assert result["events"] == []
-    assert all(not any("C++" in name or "Triton" in name for name in names) for names in result["registries"].values())
+    assert result["events"] == [] and result["registries"] == {}
     assert stderr.count("ddl_kernels package") == 1 and "is not installed" in stderr  # said once
     loss, logits, generated = _in_repo(model, ids)
     assert result["loss"] == pytest.approx(loss, rel=1e-6)
@@ -137,7 +140,7 @@ def test_remote_code_without_the_project_trains_and_generates_starting_nothing_w
 
 def test_remote_code_runs_the_installed_kernels(tmp_path):
     """ddl_kernels installed (the project's model package still not importable): the checkpoint's own dispatcher
-    puts the C++ kernels first and runs them, with the same numbers up to rounding."""
+    finds the C++ kernels and runs them, with the same numbers up to rounding."""
     from ddl_kernels.build import kernels as built
 
     if built() is None:
@@ -147,10 +150,9 @@ def test_remote_code_runs_the_installed_kernels(tmp_path):
     result, _ = _run_user(folder, ids, tmp_path, ["ddl", "ddl_tools"],
                           {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", "")} if
                           os.environ.get("TORCH_EXTENSIONS_DIR") else None)
-    assert result["registries"]["delta_residual"][0] == "C++ residual seam"  # (Triton's after it on CUDA)
-    assert result["registries"]["token_readout"][0] == "C++ readout"
-    for name in ("C++ residual seam", "C++ readout", "C++ EC", "C++ window step"):
-        assert result["calls"].get(name, 0) > 0, (name, result["calls"])
+    assert "cpu" in result["registries"]["delta_residual"] and "cpu" in result["registries"]["token_readout"]
+    for op in ("delta_residual", "token_readout", "token_conv", "window_step", "conv_step"):
+        assert result["calls"].get(f"{op} on cpu", 0) > 0, (op, result["calls"])
     loss, logits, _ = _in_repo(model, ids)
     assert result["loss"] == pytest.approx(loss, rel=1e-5)
     torch.testing.assert_close(torch.tensor(result["logits"]), logits, rtol=1e-4, atol=1e-4)
@@ -167,8 +169,8 @@ model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True
 ids = torch.arange(3, 11).view(1, 8)
 model(ids, labels=ids).loss.backward()
 model(ids)
-kernels = sys.modules[type(model).__module__.rsplit(".", 1)[0] + ".kernels"]
-print("REGISTRIES", [impl.name for impls in kernels.registries().values() for impl in impls])
+ops = sys.modules[type(model).__module__.rsplit(".", 1)[0] + ".ops"]
+print("REGISTRIES", ops._installed)
 """
 
 
@@ -179,7 +181,7 @@ def test_a_mismatched_kernel_interface_runs_pytorch_with_one_warning(tmp_path):
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     names = next(line for line in done.stdout.splitlines() if line.startswith("REGISTRIES"))
-    assert "C++" not in names and "PyTorch" in names
+    assert names == "REGISTRIES {}"  # (the specifications run)
     assert done.stderr.count("interface version") == 1
 
 
@@ -209,19 +211,15 @@ def test_an_older_transformers_is_told_which_to_install(tmp_path):
     assert f"pip install -U 'transformers>={MIN_TRANSFORMERS}'" in done.stderr
 
 
-def test_the_in_repo_dispatch_order():
-    """The registries take ddl_kernels' implementations first (C++ for CPU; Triton only where CUDA is), PyTorch's
-    last; `implementation` narrows which may run."""
-    from ddl import kernels
-    from ddl_kernels.build import kernels as built
+def test_the_in_repo_kernels():
+    """ddl_kernels lists one implementation per operation and device: C++ for the CPU where it builds (listed
+    anyway; it serves nothing unbuilt), Triton for CUDA only where CUDA is."""
+    import ddl_kernels
 
-    names = {op: [impl.name for impl in impls] for op, impls in kernels.registries().items()}
-    assert names["token_readout"][-1] == "PyTorch readout" and names["delta_update"][-1] == "PyTorch delta update"
-    assert not any("Triton" in name for impls in names.values() for name in impls) or torch.cuda.is_available()
-    if built() is not None:
-        assert names["delta_residual"][0] == "C++ residual seam" and names["token_conv"][0] == "C++ EC"
-    torch_only = [impl.name for impl in kernels.registries()["token_readout"] if "torch" in impl.choices]
-    assert torch_only == ["PyTorch readout"]
+    found = ddl_kernels.implementations()
+    assert set(found) == {"delta_residual", "token_readout", "window_step", "token_conv", "conv_step"}
+    assert all(set(devices) == ({"cpu", "cuda"} if torch.cuda.is_available() else {"cpu"})
+               for devices in found.values())
 
 
 EARLIER = ["ddl-cc-ec-3b07340"]  # the default variant saved by ddl 0.2 with its own 11 files (C++ source included)

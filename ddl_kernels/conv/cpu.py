@@ -11,29 +11,9 @@ holds them, `(B, d, K-1)` (time last), which it then advances in place, no autog
 """
 
 import torch
-import torch.nn.functional as F
 
-from .. import Implementation
+from .. import refuse_second_derivative
 from ..build import kernels, ready
-
-
-def serves(x, taps):
-    return taps.dtype is x.dtype and taps.is_cpu and ready(x)
-
-
-def conv_backward(grad, x, taps):
-    """The gradients of EC (`reference.causal_token_conv`, taps `(K, d_v, d)`) for the state's gradient G
-    `(B, T, d_v, d)`, in differentiable operations (for a second derivative; the C++ kernel serves the first):
-        dx[t] = sum_s sum_j taps[s, j] * G[t + (K-1) - s, j]
-        dtaps[s, j] = sum over tokens of x[t - (K-1) + s] * G[t, j]
-    """
-    kernel, seq_len = taps.shape[0], x.shape[1]
-    grad = grad.to(x.dtype)
-    ahead = F.pad(grad, (0, 0, 0, 0, 0, kernel - 1))  # G then K-1 zero tokens
-    behind = F.pad(x, (0, 0, kernel - 1, 0))  # K-1 zero tokens then x
-    grad_x = sum((ahead[:, kernel - 1 - s : kernel - 1 - s + seq_len] * taps[s]).sum(-2) for s in range(kernel))
-    grad_taps = torch.stack([(behind[:, s : s + seq_len].unsqueeze(-2) * grad).sum((0, 1)) for s in range(kernel)])
-    return grad_x, grad_taps.to(taps.dtype)
 
 
 class _Conv(torch.autograd.Function):
@@ -44,29 +24,28 @@ class _Conv(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        refuse_second_derivative("the C++ EC")
         x, taps = ctx.saved_tensors
-        if torch.is_grad_enabled() or grad.dtype is not x.dtype:  # create_graph: the C++ gradients carry no graph
-            return conv_backward(grad, x, taps)
-        return tuple(kernels().conv_backward(grad.contiguous(), x, taps))
+        return tuple(kernels().conv_backward(grad.to(x.dtype).contiguous(), x, taps))
 
 
 def run(x, taps):
+    """`reference.causal_token_conv` without history (None where it does not serve: one dtype, fp32 or fp64, CPU,
+    eager)."""
+    if not (taps.dtype is x.dtype and taps.is_cpu and ready(x)):
+        return None
     x, taps = x.contiguous(), taps.contiguous()
     return _Conv.apply(x, taps) if torch.is_grad_enabled() else kernels().conv_forward(x, taps)
 
 
-def step_serves(past, x, weight):
-    """A decoding step's cached embeddings `(B, d, K-1)` (advanced in place), its embedding `(B, 1, d)` and the weight
-    `(K, d, d_v)` as the model keeps it: no autograd (no backward here), one dtype, CPU, eager."""
-    return (weight.dtype is past.dtype and x.dtype is past.dtype and weight.is_cpu and weight.is_contiguous()
-            and past.is_contiguous() and not torch.is_grad_enabled() and ready(past))
-
-
-def step_run(past, x, weight):
+def step(past, x, weight):
+    """A decoding step's EC from its cached embeddings `(B, d, K-1)` (advanced in place), its embedding `(B, 1, d)`
+    and the weight `(K, d, d_v)` as the model keeps it (None where it does not serve: no autograd, one dtype, CPU,
+    eager)."""
+    if not (weight.dtype is past.dtype and x.dtype is past.dtype and weight.is_cpu and weight.is_contiguous()
+            and past.is_contiguous() and not torch.is_grad_enabled() and ready(past)):
+        return None
     return kernels().conv_step(past, x, weight)
 
 
-CONV = Implementation("C++ EC", ("auto", "triton"), serves, run)
-STEP = Implementation("C++ EC step", ("auto", "triton"), step_serves, step_run)
-
-__all__ = ["CONV", "STEP"]
+__all__ = ["run", "step"]

@@ -14,12 +14,8 @@ dropped, the new one appended), no autograd: the readout of the window those inp
 
 import torch
 
-from .. import Implementation
+from .. import refuse_second_derivative
 from ..build import kernels, ready
-
-
-def serves(x, taps):
-    return taps.dtype is x.dtype and taps.is_cpu and ready(x)
 
 
 class _Readout(torch.autograd.Function):
@@ -30,32 +26,28 @@ class _Readout(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        refuse_second_derivative("the C++ readout")
         x, taps = ctx.saved_tensors
-        if torch.is_grad_enabled() or grad.dtype is not x.dtype:  # create_graph: the C++ gradients carry no graph
-            from ddl.fused import readout_backward
-
-            return readout_backward(grad, x, taps, *ctx.needs_input_grad)
-        return tuple(kernels().readout_backward(grad.contiguous(), x.contiguous(), taps))
+        return tuple(kernels().readout_backward(grad.to(x.dtype).contiguous(), x.contiguous(), taps))
 
 
 def run(x, taps):
+    """`reference.causal_token_readout` without history (None where it does not serve: taps and x of one dtype, fp32
+    or fp64, on the CPU, eager)."""
+    if not (taps.dtype is x.dtype and taps.is_cpu and ready(x)):
+        return None
     if torch.is_grad_enabled():
         return _Readout.apply(x, taps.contiguous())
     return kernels().readout_forward(x.contiguous(), taps.contiguous())  # (a stride-0 repeated state is copied)
 
 
-def step_serves(past, x, weight):
-    """A decoding step's cached inputs `(B, d_v*d, K-1)` (advanced in place), its state `(B, 1, d_v, d)` and weight
-    `(K, d, d_v)`: no autograd (no backward here), one dtype, CPU, eager."""
-    return (weight.dtype is past.dtype and x.dtype is past.dtype and weight.is_cpu and past.is_contiguous()
-            and not torch.is_grad_enabled() and ready(past))
-
-
-def step_run(past, x, weight):
+def step(past, x, weight):
+    """A decoding step's readout from its cached inputs `(B, d_v*d, K-1)` (advanced in place), its state
+    `(B, 1, d_v, d)` and weight `(K, d, d_v)` (None where it does not serve: no autograd, one dtype, CPU, eager)."""
+    if not (weight.dtype is past.dtype and x.dtype is past.dtype and weight.is_cpu and past.is_contiguous()
+            and not torch.is_grad_enabled() and ready(past)):
+        return None
     return kernels().window_step(past, x, weight)  # (the weight read in place where kept as taps (d_v, d, K))
 
 
-READOUT = Implementation("C++ readout", ("auto", "triton"), serves, run)
-STEP = Implementation("C++ window step", ("auto", "triton"), step_serves, step_run)
-
-__all__ = ["READOUT", "STEP"]
+__all__ = ["run", "step"]

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import Implementation, eager, fallible
+from .. import eager, fallible, serving
 
 
 # Token convolutions. A program's output row `t` reads source rows src = t + offset + direction * s for the lags
@@ -248,9 +248,8 @@ def step_shapes(past, x, weight):
     return x.shape == token and past.shape == (x.shape[0], dv * d if x.dim() == 4 else d, kernel_size - 1)
 
 
-READOUT = Implementation("Triton readout", ("triton",), serves,
-                         fallible("Triton readout", lambda x, taps: token_window(x, taps, read=True)))
-STEP = Implementation("Triton window step", ("triton",), step_serves, fallible("Triton window step", window_step))
+RUN = serving(serves, fallible("Triton readout", lambda x, taps: token_window(x, taps, read=True)))
+STEP = serving(step_serves, fallible("Triton window step", window_step))
 
-__all__ = ["READOUT", "STEP", "channel_block", "conv_step", "step_serves", "step_shapes", "token_window",
+__all__ = ["RUN", "STEP", "channel_block", "conv_step", "serves", "step_serves", "step_shapes", "token_window",
            "window_step"]

@@ -1,19 +1,19 @@
 r"""One sublayer's residual seam in C++ (residual.cpp): the gate, the value and the delta update, forward and
 backward, in one pass over each token's rows.
 
-Serves `reference.delta_residual` with a single linear gate and a learned value, delta or write-only, for CPU tensors
-all in fp32 or all in fp64, eager (no autocast, not traced). Per token (rows of length d; the state X has d_v rows),
-the specification's numbers:
+Serves `reference.delta_residual` (a single linear gate and a learned value, as the dispatcher asks), delta or
+write-only, for CPU tensors all in fp32 or all in fp64, eager (no autocast, not traced). Per token (rows of length d;
+the state X has d_v rows), the specification's numbers:
     beta = 2 sigmoid(w . c + b),   v_j = s_v sigmoid(W_v[j] . u + b_v[j])  (or W_v[j] . u + b_v[j] when s_v = None)
     s = 1 / sqrt(|h|^2 + eps^2),   t_j = v_j - s h . X_j  (write-only: t_j = v_j)
     X_next_j = X_j + h (beta s t_j)
-and its gradients (those of `ddl.fused`'s update, followed by the gate's and the value's):
+and its gradients (the update's, followed by the gate's and the value's):
     b_j = h . G_j,   c_j = s b_j,   dv_j = beta c_j,   dbeta = sum_j c_j t_j
     dX_j = G_j - h (beta s c_j),   dh = sum_j G_j (s beta t_j) - X_j (s beta c_j) - h s^3 beta (sum_j b_j t_j - hX_j c_j)
     dz = dbeta beta (1 - beta/2),  dy_j = dv_j v_j (1 - v_j / s_v)  (dv_j without the sigmoid)
     dc = dz w (+ sum_j dy_j W_v[j] when u is c),  du = sum_j dy_j W_v[j]  (into dX when u is the d_v = 1 state)
     dw = sum over tokens of dz c,  db = sum dz,  dW_v[j] = sum dy_j u,  db_v[j] = sum dy_j
-With the next compressor's weight W_r `(K, d, d_v)` (`delta_residual_readout`; CC: one tap, TC: K taps over the
+With the next compressor's weight W_r `(K, d, d_v)` (the `readout` argument; CC: one tap, TC: K taps over the
 tokens of each sequence, zeros before its first), also that readout of X_next, y_t = sum_s sum_j W_r[s, j]
 X_next_{t-(K-1)+s, j}, while the rows are in cache: its backward adds sum_s W_r[s, j] g_y[t+(K-1)-s] into each G_j and
 sums dW_r[s, j] = X_next_j g_y[t+(K-1)-s] (X_next recomputed from X) in the same pass, so the readout reads no state
@@ -25,20 +25,18 @@ operation; here each token's rows are read once for the dot products and once fo
 
 import torch
 
-from .. import Implementation, refuse_second_derivative
+from .. import refuse_second_derivative
 from ..build import kernels, ready
 from . import value_input_kind
 
 
-def serves(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, mode, gate_hidden,
-           v_constant):
-    """A single linear gate, a learned value, delta or write-only; every tensor on the CPU and in x's dtype (fp32 or
-    fp64), eager. Checked on every sublayer of every decoding step, so written out flat."""
+def serves(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, mode, readout):
+    """Delta or write-only; every tensor on the CPU and in x's dtype (fp32 or fp64), eager; a readout weight
+    `(K, d, d_v)` with the expanded state `(B, T, d_v, d)`. Checked on every sublayer of every decoding step, so
+    written out flat."""
     dtype = x.dtype
     return (
-        gate_hidden is None
-        and v_constant is None
-        and mode != "additive"
+        mode != "additive"
         and h.dtype is dtype
         and c.dtype is dtype
         and u.dtype is dtype
@@ -48,6 +46,7 @@ def serves(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale
         and value_bias.dtype is dtype
         and gate_weight.is_cpu
         and value_weight.is_cpu
+        and (readout is None or (x.dim() == 4 and readout.dtype is dtype and readout.is_cpu))
         and ready(x)
     )
 
@@ -61,12 +60,12 @@ class _Seam(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, erase, u_kind,
                 readout):
-        out, stats, y, write = kernels().residual_forward(x, h, c, u, gate_weight, gate_bias, value_weight,
-                                                          value_bias, v_scale, k_eps, erase, True,
-                                                          _NONE if readout is None else readout)
+        out, stats, y, _ = kernels().residual_forward(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias,
+                                                      v_scale, k_eps, erase, True,
+                                                      _NONE if readout is None else readout)
         ctx.save_for_backward(x, h, c, u, gate_weight, value_weight, stats, readout)
         ctx.v_scale, ctx.erase, ctx.u_kind = v_scale, erase, u_kind
-        ctx.write = write.view(*h.shape[:-1], -1)  # X_next = X + h (x) write, per token and row (`ddl.kernels`)
+        ctx.set_materialize_grads(False)  # (an output the loss does not reach gets no gradient, not zeros)
         return out if readout is None else (out, y)
 
     @staticmethod
@@ -82,30 +81,22 @@ class _Seam(torch.autograd.Function):
                 gwr if read else None)
 
 
-def run(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, mode, gate_hidden=None,
-        v_constant=None, readout=None):
-    """`reference.delta_residual` (where `serves`) through the C++ kernel, for any number of tokens, with autograd;
-    with `readout` `(K, d, d_v)`, (X_next, its `reference.causal_token_readout` `(B, T, d)` without history)."""
+def run(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, mode, readout=None):
+    """`reference.delta_residual` through the C++ kernel (None where it does not serve), for any number of tokens,
+    with autograd; with `readout` `(K, d, d_v)`, (X_next, its `reference.causal_token_readout` without history)."""
+    if not serves(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, mode, readout):
+        return None
     u_kind = value_input_kind(x, h, c, u)
     x = x.contiguous()  # the stride-0 repeated embeddings of a d_v > 1 model without EC
     u = x if u_kind == 2 else u.contiguous()
     args = (x, h.contiguous(), c.contiguous(), u, gate_weight.contiguous(), gate_bias.contiguous(),
             value_weight.contiguous(), value_bias.contiguous(), -1.0 if v_scale is None else float(v_scale),
             float(k_eps), mode == "delta")
-    read = None if readout is None else readout.transpose(1, 2).contiguous()  # (K, d_v, d): CC's kept layout
+    read = None if readout is None else readout.transpose(1, 2).contiguous()  # (K, d_v, d): the state's layout
     if torch.is_grad_enabled():
         return _Seam.apply(*args, u_kind, read)
     out, _, y, _ = kernels().residual_forward(*args, False, _NONE if read is None else read)
     return out if read is None else (out, y)
 
 
-def readout_serves(*args):
-    """`serves`, the expanded state `(B, T, d_v, d)`, and the readout weight `(K, d, d_v)` in its dtype on the CPU."""
-    readout, x = args[-1], args[0]
-    return serves(*args[:-1]) and x.dim() == 4 and readout.dtype is x.dtype and readout.is_cpu
-
-
-SEAM = Implementation("C++ residual seam", ("auto", "triton"), serves, run)
-SEAM_READOUT = Implementation("C++ residual seam with the next readout", ("auto", "triton"), readout_serves, run)
-
-__all__ = ["SEAM", "SEAM_READOUT", "run", "serves"]
+__all__ = ["run", "serves"]

@@ -1,6 +1,5 @@
 r"""The residual seam in Triton for CUDA: one program per token. `_seam_*` make the gate, the value and the delta update
-in one kernel each way (`reference.delta_residual`); `_delta_*` the update alone (`reference.delta_update`) for the
-seams that one does not serve (a two-layer gate, a constant target). Each program loads h (d), the state X (d_v x d,
+in one kernel each way (`reference.delta_residual`). Each program loads h (d), the state X (d_v x d,
 stored column after column) and the inputs of beta and v, and writes X_next; the backward program recomputes k, k^T X,
 beta, v and the coefficient from the same inputs, so nothing else is stored. The same kernels serve d_v = 1 and every
 d_v > 1.
@@ -16,8 +15,8 @@ and u: products in PyTorch, from the per-token dz and dy the kernel writes. Why:
 are 9 more launches forward and 5 more backward per sublayer in bf16 (scripts/launch_count.py), each a launch that a
 GPU step waits for.
 
-Serves `reference.delta_residual` (a single linear gate, a learned value; delta or write-only) and
-`reference.delta_update` (delta or write-only) for CUDA tensors other than fp64, outside traces (`ddl_kernels.eager`).
+Serves `reference.delta_residual` (a single linear gate, a learned value; delta or write-only) for CUDA tensors
+other than fp64, outside traces (`ddl_kernels.eager`).
 The seam computes v from u in fp32 where the specification, in a bf16 model, rounds W_v u to bf16 first (so a bf16
 seam is closer to the fp64 numbers). Opt-in (`ddl_implementation="triton"`; docs/gpu.md says why); tested on CPU
 through Triton's interpreter (`TRITON_INTERPRET=1`, tests/test_kernels.py).
@@ -27,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import Implementation, eager, fallible, refuse_second_derivative
+from .. import eager, fallible, refuse_second_derivative, serving
 from ..readout.triton import channel_block
 from . import value_input_kind
 
@@ -47,19 +46,6 @@ def _token_state(x_ptr, h_ptr, token, d, dv, k_eps_sq, BLOCK_D: tl.constexpr, BL
     return rows, row_ok, cols, col_ok, tile, tile_ok, x, h * inv_norm, inv_norm, h
 
 @triton.jit
-def _load_token(
-    x_ptr, h_ptr, v_ptr, beta_ptr, token, d, dv, k_eps_sq,
-    ERASE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
-):
-    """`_token_state`, the target t (v - k^T X, or v) and beta, v and beta given."""
-    rows, row_ok, cols, col_ok, tile, tile_ok, x, k, inv_norm, h = _token_state(
-        x_ptr, h_ptr, token, d, dv, k_eps_sq, BLOCK_D, BLOCK_V
-    )
-    target = _target(tl.load(v_ptr + token * dv + cols, mask=col_ok, other=0.0).to(tl.float32), k, x, ERASE)
-    beta = tl.load(beta_ptr + token).to(tl.float32)
-    return rows, row_ok, cols, col_ok, tile, tile_ok, x, k, inv_norm, target, beta
-
-@triton.jit
 def _target(v, k, x, ERASE: tl.constexpr):
     """t = v - k^T X (delta), or v (write-only): `(BLOCK_V,)`."""
     if ERASE:
@@ -76,35 +62,6 @@ def _update_grads(x, k, inv_norm, target, beta, g, ERASE: tl.constexpr):
         grad_k = grad_k - tl.sum(x * (beta * grad_coef)[None, :], axis=1)
         gx = g - k[:, None] * (beta * grad_coef)[None, :]
     return grad_coef, gx, inv_norm * (grad_k - k * tl.sum(k * grad_k, axis=0))
-
-@triton.jit
-def _delta_fwd_kernel(
-    x_ptr, h_ptr, v_ptr, beta_ptr, out_ptr, d, dv, k_eps_sq,
-    ERASE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
-):
-    token = tl.program_id(0).to(tl.int64)
-    rows, row_ok, cols, col_ok, tile, tile_ok, x, k, inv_norm, target, beta = _load_token(
-        x_ptr, h_ptr, v_ptr, beta_ptr, token, d, dv, k_eps_sq, ERASE, BLOCK_D, BLOCK_V
-    )
-    out = x + k[:, None] * (beta * target)[None, :]
-    tl.store(out_ptr + token * d * dv + tile, out.to(out_ptr.dtype.element_ty), mask=tile_ok)
-
-@triton.jit
-def _delta_bwd_kernel(
-    x_ptr, h_ptr, v_ptr, beta_ptr, grad_ptr, gx_ptr, gh_ptr, gv_ptr, gbeta_ptr, d, dv, k_eps_sq,
-    ERASE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
-):
-    token = tl.program_id(0).to(tl.int64)
-    rows, row_ok, cols, col_ok, tile, tile_ok, x, k, inv_norm, target, beta = _load_token(
-        x_ptr, h_ptr, v_ptr, beta_ptr, token, d, dv, k_eps_sq, ERASE, BLOCK_D, BLOCK_V
-    )
-    g = tl.load(grad_ptr + token * d * dv + tile, mask=tile_ok, other=0.0).to(tl.float32)
-    grad_coef, gx, grad_h = _update_grads(x, k, inv_norm, target, beta, g, ERASE)
-    tl.store(gx_ptr + token * d * dv + tile, gx.to(gx_ptr.dtype.element_ty), mask=tile_ok)
-    tl.store(gh_ptr + token * d + rows, grad_h.to(gh_ptr.dtype.element_ty), mask=row_ok)
-    tl.store(gv_ptr + token * dv + cols, (beta * grad_coef).to(gv_ptr.dtype.element_ty), mask=col_ok)
-    tl.store(gbeta_ptr + token, tl.sum(grad_coef * target, axis=0).to(gbeta_ptr.dtype.element_ty))
-
 
 @triton.jit
 def _gate_and_value(
@@ -127,11 +84,10 @@ def _gate_and_value(
 
 @triton.jit
 def _seam_fwd_kernel(
-    x_ptr, h_ptr, c_ptr, u_ptr, w_ptr, b_ptr, wv_ptr, bv_ptr, out_ptr, write_ptr, d, dv, k_eps_sq, v_scale,
-    ERASE: tl.constexpr, U_IS_C: tl.constexpr, SIGMOID: tl.constexpr, WRITE: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    x_ptr, h_ptr, c_ptr, u_ptr, w_ptr, b_ptr, wv_ptr, bv_ptr, out_ptr, d, dv, k_eps_sq, v_scale,
+    ERASE: tl.constexpr, U_IS_C: tl.constexpr, SIGMOID: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """X_next = X + h (x) w with w = s beta t `(d_v,)`, also written out where WRITE (for `StateRebuild`)."""
+    """X_next = X + h (x) w with w = s beta t `(d_v,)`."""
     token = tl.program_id(0).to(tl.int64)
     rows, row_ok, cols, col_ok, tile, tile_ok, x, k, inv_norm, h = _token_state(
         x_ptr, h_ptr, token, d, dv, k_eps_sq, BLOCK_D, BLOCK_V
@@ -144,8 +100,6 @@ def _seam_fwd_kernel(
     write = inv_norm * beta * target
     out = x + h[:, None] * write[None, :]
     tl.store(out_ptr + token * d * dv + tile, out.to(out_ptr.dtype.element_ty), mask=tile_ok)
-    if WRITE:
-        tl.store(write_ptr + token * dv + cols, write.to(write_ptr.dtype.element_ty), mask=col_ok)
 
 @triton.jit
 def _seam_bwd_kernel(
@@ -194,61 +148,27 @@ def _blocks(d, dv):
     return dict(BLOCK_D=block_d, BLOCK_V=block_v, num_warps=min(16, max(4, block_d * block_v // 1024)))
 
 
-class _TritonDeltaUpdate(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, h, v, beta, k_eps, erase):
-        d, dv = h.shape[-1], v.shape[-1]
-        x, h, v, beta = x.contiguous(), h.contiguous(), v.contiguous(), beta.contiguous()
-        out = torch.empty_like(x)
-        with torch.cuda.device_of(x):
-            _delta_fwd_kernel[(h.numel() // d,)](x, h, v, beta, out, d, dv, k_eps**2, ERASE=erase, **_blocks(d, dv))
-        ctx.save_for_backward(x, h, v, beta)
-        ctx.k_eps, ctx.erase = k_eps, erase
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        refuse_second_derivative("the Triton delta update")
-        x, h, v, beta = ctx.saved_tensors
-        d, dv = h.shape[-1], v.shape[-1]
-        grad_x, grad_h = torch.empty_like(x), torch.empty_like(h)
-        grad_v, grad_beta = torch.empty_like(v), torch.empty_like(beta)
-        with torch.cuda.device_of(x):
-            _delta_bwd_kernel[(h.numel() // d,)](
-                x, h, v, beta, grad_out.contiguous(), grad_x, grad_h, grad_v, grad_beta, d, dv, ctx.k_eps**2,
-                ERASE=ctx.erase, **_blocks(d, dv),
-            )
-        return grad_x, grad_h, grad_v, grad_beta, None, None
-
-
-_SEAM, _SEAM_BACKWARD = "Triton residual seam", "Triton residual seam's backward"
+_SEAM = "Triton residual seam"
 
 
 class _TritonSeam(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, erase, u_kind,
-                keep_write):
+    def forward(ctx, x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, erase, u_kind):
         d, dv = h.shape[-1], value_weight.shape[0]
         out = torch.empty_like(x)
-        write = x.new_empty(*h.shape[:-1], dv) if keep_write else out  # (else not written)
         ctx.v_scale, ctx.k_eps, ctx.erase, ctx.u_kind = v_scale, k_eps, erase, u_kind
         with torch.cuda.device_of(x):
             _seam_fwd_kernel[(h.numel() // d,)](
-                x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, out, write, d, dv, k_eps**2,
-                ERASE=erase, U_IS_C=u_kind == 1, WRITE=keep_write, **_value(v_scale), **_blocks(d, dv),
+                x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, out, d, dv, k_eps**2,
+                ERASE=erase, U_IS_C=u_kind == 1, **_value(v_scale), **_blocks(d, dv),
             )
         ctx.save_for_backward(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias)
-        ctx.write = write if keep_write else None  # X_next = X + h (x) write (`ddl.kernels`)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         refuse_second_derivative("the Triton residual seam")  # (its gradients are computed outside autograd)
-        saved = ctx.saved_tensors  # (once: a checkpointed forward's tensors may be unpacked only once)
-        # a backward kernel that fails gives the specification's gradients, this and every later backward; the
-        # forward still serves (a checkpoint's recompute must save what the first forward saved)
-        grads = _seam_backward(ctx, saved, grad_out)
-        return grads if grads is not None else _reference_gradients(ctx, saved, grad_out)
+        return _seam_gradients(ctx, ctx.saved_tensors, grad_out)
 
 
 def _value(v_scale):
@@ -282,57 +202,48 @@ def _seam_gradients(ctx, saved, grad_out):
         if needs[7]:
             grad_bv = grad_y.sum(0).to(value_bias.dtype)
     return (grad_x, grad_h, grad_c, grad_u if ctx.u_kind == 0 else None, grad_w, grad_b, grad_wv, grad_bv,
-            None, None, None, None, None)
+            None, None, None, None)
 
 
-_seam_backward = fallible(_SEAM_BACKWARD, _seam_gradients)
+_compiled = set()  # the kernels' variants whose backward compiled here
 
 
-def _reference_gradients(ctx, saved, grad_out):
-    """The gradients `_seam_gradients` gives, through autograd over `reference.delta_residual` (the same inputs)."""
-    from ddl.reference import delta_residual
+def _backward_compiles(x, h, c, u, weights, v_scale, k_eps, erase, u_kind):
+    """Whether this variant's backward kernel compiles and launches, tried once (on one token) before its forward
+    first serves: a backward that failed only after the forward ran could give no gradient for that step, while a
+    seam that does not serve leaves forward and backward to the specification."""
+    key = (x.dtype, h.dtype, x.device, h.shape[-1], weights[2].shape[0], v_scale is None, erase, u_kind)
+    if key not in _compiled:
+        class Probe:
+            needs_input_grad = (False,) * 12
 
-    leaves = [t.detach().requires_grad_(need) for t, need in zip(saved, ctx.needs_input_grad)]
-    x, h, c, u = leaves[:4]
-    u = (u, c, x)[ctx.u_kind]
-    wanted = [t for t in leaves if t.requires_grad]
-    with torch.enable_grad(), torch.autocast(x.device.type, enabled=False):  # (as the kernel: the inputs' dtypes)
-        out = delta_residual(x, h, c, u, *leaves[4:], ctx.v_scale, ctx.k_eps, "delta" if ctx.erase else "write_only")
-        grads = iter(torch.autograd.grad(out, wanted, grad_out, allow_unused=True))
-    return (*(next(grads) if t.requires_grad else None for t in leaves), None, None, None, None, None)
+        probe = Probe()
+        probe.v_scale, probe.k_eps, probe.erase, probe.u_kind = v_scale, k_eps, erase, u_kind
+        one = [t.reshape(-1, *t.shape[2:])[:1].contiguous() for t in (x, h, c, u)]
+        _seam_gradients(probe, (*one, *weights), torch.zeros_like(one[0]))
+        _compiled.add(key)
+    return True
 
 
-def seam_serves(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, mode, gate_hidden,
-                v_constant):
-    """A single linear gate, a learned value, delta or write-only; every tensor on CUDA and none fp64; `eager`."""
+def serves(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, mode, readout=None):
+    """Delta or write-only; every tensor on CUDA and none fp64; `eager`."""
     tensors = (x, h, c, u, gate_weight, gate_bias, value_weight, value_bias)
-    return (gate_hidden is None and v_constant is None and mode != "additive" and eager()
-            and all(t.is_cuda and t.dtype != torch.float64 for t in tensors))
+    return mode != "additive" and eager() and all(t.is_cuda and t.dtype != torch.float64 for t in tensors)
 
 
-def seam_run(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, mode, gate_hidden=None,
-             v_constant=None):
-    """`reference.delta_residual` (where `seam_serves`) through the seam's kernels, with autograd."""
+def run(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, mode, readout=None):
+    """`reference.delta_residual` through the seam's kernels, with autograd; with `readout`, (X_next, None): the next
+    readout is not made here."""
     u_kind = value_input_kind(x, h, c, u)
     x, h, c = x.contiguous(), h.contiguous(), c.contiguous()
     u = c if u_kind == 1 else (x if u_kind == 2 else u.contiguous())
-    inputs = (x, h, c, u, gate_weight.contiguous(), gate_bias.contiguous(), value_weight.contiguous(),
-              value_bias.contiguous())
-    keep_write = (x.dtype == torch.float32 and torch.is_grad_enabled()  # (for `StateRebuild`: fp32 training)
-                  and any(t.requires_grad for t in inputs))
-    return _TritonSeam.apply(*inputs, None if v_scale is None else float(v_scale), float(k_eps), mode == "delta",
-                             u_kind, keep_write)
+    weights = (gate_weight.contiguous(), gate_bias.contiguous(), value_weight.contiguous(), value_bias.contiguous())
+    v_scale, erase = None if v_scale is None else float(v_scale), mode == "delta"
+    _backward_compiles(x, h, c, u, weights, v_scale, float(k_eps), erase, u_kind)
+    out = _TritonSeam.apply(x, h, c, u, *weights, v_scale, float(k_eps), erase, u_kind)
+    return out if readout is None else (out, None)
 
 
-def serves(x, h, v, beta, mode, k_eps):
-    return x.is_cuda and x.dtype != torch.float64 and mode != "additive" and eager()
+RUN = serving(serves, fallible(_SEAM, run))
 
-
-def run(x, h, v, beta, mode, k_eps):
-    return _TritonDeltaUpdate.apply(x, h, v, beta, k_eps, mode == "delta")
-
-
-UPDATE = Implementation("Triton delta update", ("triton",), serves, fallible("Triton delta update", run))
-SEAM = Implementation(_SEAM, ("triton",), seam_serves, fallible(_SEAM, seam_run))
-
-__all__ = ["SEAM", "UPDATE", "seam_run"]
+__all__ = ["RUN", "run", "serves"]
