@@ -81,6 +81,7 @@ from transformers.utils import logging
 
 import ddl  # noqa: F401  (registers the DDL Auto classes and the code files saved with checkpoints)
 from ddl import DDLConfig, DDLForCausalLM
+from ddl.ops import choose
 from ddl_tools.hub import check_hub_strategy
 from ddl_tools.launch import check_launch, end_process_group, launcher_precision, outside_zero3
 from ddl_tools.lora import (add_lora, check_lora, check_lora_checkpoint, describe_lora, load_lora_weights,
@@ -574,7 +575,8 @@ def build_kernels(config, training_args):
     the clock of `train_runtime` starts, by one process while the others wait and then load them. Not for bf16/fp16
     runs: autocast takes PyTorch."""
     low_precision = training_args.bf16 or training_args.fp16
-    if training_args.device.type == "cpu" and config.ddl_implementation in ("auto", "triton") and not low_precision:
+    if training_args.device.type == "cpu" and choose(config.ddl_implementation) in ("auto", "triton") and not (
+            low_precision):
         try:
             from ddl_kernels.build import kernels
         except ImportError:  # PyTorch paths only

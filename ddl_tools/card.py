@@ -115,7 +115,7 @@ generator = pipeline("text-generation", model=model, tokenizer=tokenizer)
 print(generator({prompt!r}, max_new_tokens=100)[0]["generated_text"])
 ```
 
-The remote code is PyTorch only (the model, its operations' specifications and their PyTorch paths): loading,
+The remote code is PyTorch only (the model and its operations' specifications in PyTorch): loading,
 training and generating start no process and write nothing but transformers' own module cache. Faster kernels (C++
 for CPU, Triton for CUDA) are the optional `ddl_kernels` package of the ddl repository; when it is installed the same
 code uses them (`DDL_IMPLEMENTATION=torch`, or `ddl_implementation="torch"` in `from_pretrained`, keeps PyTorch).

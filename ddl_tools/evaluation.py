@@ -359,7 +359,10 @@ class GateAudit:
         @torch.no_grad()
         def hook(module, args, kwargs, output):
             bound = signature.bind(*args, **kwargs).arguments
-            x, h, context = bound["x"], bound["h"], bound["context"]
+            # (the seam's arguments and result as each version of the model's code names them: a checkpoint's own
+            # remote code may be older; since ddl 0.4 the seam also gives the next sublayer's input)
+            x, h, context = bound.get("state", bound.get("x")), bound["h"], bound["context"]
+            output = output[0] if isinstance(output, tuple) else output
             state, next_state = x.float(), output.float()
             if state.dim() == 3:  # d_v = 1: (B, T, d) -> (B, T, 1, d)
                 state, next_state = state.unsqueeze(-2), next_state.unsqueeze(-2)
@@ -369,7 +372,7 @@ class GateAudit:
             if module.mode == "additive":
                 stats.add(update_share=update_share.flatten())
                 return
-            u = bound["sublayer_input"] if config.ddl_value_input == "state" else context
+            u = bound.get("x_in", bound.get("sublayer_input")) if config.ddl_value_input == "state" else context
             beta = module.gate(context).squeeze(-1)  # (B, T)
             v = (module.value(u, x) if value_takes_state else module.value(u)).float()  # (B, T, d_v)
             h32 = h.float()

@@ -16,6 +16,7 @@ from huggingface_hub.errors import StrictDataclassError
 from transformers.utils import logging
 
 from ddl import DDLConfig
+from ddl.ops import choose
 
 from .outputs import UsageError, check_seeds
 
@@ -141,7 +142,7 @@ def check_ddl_environment() -> None:
     """DDL's runtime choices from the environment (`DDL_IMPLEMENTATION`, `DDL_CPU_KERNEL`), read at the start: an
     invalid value would otherwise be a `ValueError` at the model's first use, after the tokenizer is written."""
     try:
-        DDLConfig().ddl_implementation
+        choose()
         with contextlib.suppress(ImportError):
             from ddl_kernels.build import switched_on
 

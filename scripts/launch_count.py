@@ -1,16 +1,17 @@
-"""How many kernels one training step (forward and backward), or one decoding step, would launch on a GPU, counted on
+"""How many kernels one training step (forward and backward), or one decoded token, would launch on a GPU, counted on
 the CPU.
 
-    python scripts/launch_count.py                       # bf16, tiny size: Llama, then each DDL variant three ways
+    python scripts/launch_count.py                       # bf16, tiny size: Llama, then each DDL variant both ways
     python scripts/launch_count.py --dtype float32
-    python scripts/launch_count.py --decoding --dtype float32   # one cached decoding step at batch 1
+    python scripts/launch_count.py --decoding --dtype float32   # per token decoded inside `generate`, batch 1
 
 A GPU step that waits on the CPU (docs/gpu.md) costs about one launch's overhead per kernel, so the count is what a
 change to the GPU paths can be judged by without a GPU. Counted: every PyTorch operation that computes (views and
-allocations excluded) and every Triton kernel launch. DDL runs three ways: PyTorch only (CUDA's default), Triton's
-update with the gate and value in PyTorch (and PyTorch's decoding steps), and Triton's residual seam and decoding
-steps; the Triton kernels run through Triton's CPU interpreter, made to serve CPU tensors. The optimizer step is not
-counted (one fused or foreach step on a GPU).
+allocations excluded) and every Triton kernel launch. DDL runs two ways: its specifications in PyTorch (what CUDA runs
+by default) and ddl_kernels' Triton kernels (the seam, the readouts, EC and the decoding steps), which run through
+Triton's CPU interpreter, made to serve CPU tensors. The optimizer step is not counted (one fused step on a GPU).
+A decoded token is counted inside `generate` (the launches of 6 new tokens less those of 2, over 4), with generate's
+own per-token work, which is Llama's too.
 """
 
 import argparse
@@ -58,24 +59,17 @@ class CountedKernel:
         return launch
 
 
-def triton_ways(registries):
-    """{label: {operation: [Implementation, ...]}}: DDL's registries for the three ways, Triton serving CPU tensors."""
-    import ddl_kernels
+def triton_table():
+    """ddl.ops' table of installed kernels with ddl_kernels' Triton kernels for the CPU (through the interpreter)."""
+    from ddl_kernels import serving
     from ddl_kernels.readout import triton as readout
     from ddl_kernels.residual import triton as residual
 
     serves = lambda *args: args[0].dtype != torch.float64  # noqa: E731
-    triton = lambda name, run: ddl_kernels.Implementation(name, ("triton",), serves, run)  # noqa: E731
-    pytorch = {op: [impl for impl in impls if "PyTorch" in impl.name] for op, impls in registries.items()}
-    update = {**pytorch, "delta_update": [triton("Triton delta update", residual.run), *pytorch["delta_update"]],
-              "token_readout": [triton("Triton readout", lambda x, taps: readout.token_window(x, taps, read=True)),
-                                *pytorch["token_readout"]],
-              "token_conv": [triton("Triton EC", lambda x, taps: readout.token_window(x, taps, read=False)),
-                             *pytorch["token_conv"]]}
-    return {"PyTorch": pytorch, "Triton update": update,
-            "Triton seam": {**update, "delta_residual": [triton("Triton seam", residual.seam_run)],
-                            "window_step": [triton("Triton window step", readout.window_step), *pytorch["window_step"]],
-                            "conv_step": [triton("Triton EC step", readout.conv_step), *pytorch["conv_step"]]}}
+    runs = {"delta_residual": residual.run, "token_readout": lambda x, taps: readout.token_window(x, taps, read=True),
+            "token_conv": lambda x, taps: readout.token_window(x, taps, read=False),
+            "window_step": readout.window_step, "conv_step": readout.conv_step}
+    return {op: {"cpu": serving(serves, run)} for op, run in runs.items()}
 
 
 def count(model, ids):
@@ -92,27 +86,31 @@ def count(model, ids):
 
 @torch.no_grad()
 def count_decoding(model, ids):
-    """Launches of one cached decoding step (one token, the first row of `ids` as the prompt), after a first one."""
+    """Launches per token decoded inside `generate` (batch 1, the first row of `ids` as the prompt): those of 6 new
+    tokens less those of 2, over 4, after one warm-up call."""
     model.eval()
-    output = model(ids[:1], use_cache=True)
-    cache = output.cache if "cache" in output else output.past_key_values  # (DDL's output names it as 5.x does)
-    model(ids[:1, -1:], cache=cache, use_cache=True)
-    launches.clear()
-    with CountOperations():
-        model(ids[:1, -1:], cache=cache, use_cache=True)
-    return sum(launches.values())
+    kwargs = dict(do_sample=False, pad_token_id=0)
+    model.generate(ids[:1], max_new_tokens=2, min_new_tokens=2, **kwargs)
+    counted = []
+    for new in (2, 6):
+        launches.clear()
+        with CountOperations():
+            model.generate(ids[:1], max_new_tokens=new, min_new_tokens=new, **kwargs)
+        counted.append(sum(launches.values()))
+    return (counted[1] - counted[0]) // 4
 
 
 def counts(variants, dtype, size, decoding=False):
-    """{"llama": (forward, step), variant: {way: (forward, step)}} (`decoding`: a decoding step's launches instead);
-    DDL's registries and Triton's kernels restored."""
-    from ddl import kernels
+    """{"llama": (forward, step), variant: {way: (forward, step)}} (`decoding`: a decoded token's launches instead);
+    ddl.ops' table and Triton's kernels restored."""
+    from ddl import ops
     from ddl_kernels.readout import triton as readout
     from ddl_kernels.residual import triton as residual
 
     ids = torch.randint(3, size.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
-    cpu, registries = torch.device("cpu"), kernels.registries()
-    kept_registries = dict(registries)
+    cpu = torch.device("cpu")
+    ops.kernel("delta_residual", "auto", cpu)  # (fills the table)
+    kept_table = ops._installed
     kept_kernels = [(module, name, kernel) for module in (readout, residual)
                     for name, kernel in list(vars(module).items()) if name.endswith("_kernel")]
     try:
@@ -122,14 +120,12 @@ def counts(variants, dtype, size, decoding=False):
         result = {"llama": measure(build("llama", size, cpu, dtype, "torch"), ids)}
         for variant in variants:
             result[variant] = {}
-            for label, registry in triton_ways(kept_registries).items():
-                registries.clear()
-                registries.update(registry)
-                result[variant][label] = measure(build(variant, size, cpu, dtype, "triton"), ids)
+            for label, table, implementation in (("PyTorch", {}, "torch"), ("Triton", triton_table(), "triton")):
+                ops._installed = table
+                result[variant][label] = measure(build(variant, size, cpu, dtype, implementation), ids)
         return result
     finally:
-        registries.clear()
-        registries.update(kept_registries)
+        ops._installed = kept_table
         for module, name, kernel in kept_kernels:
             setattr(module, name, kernel)
 
@@ -139,7 +135,7 @@ def main(argv=None):
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--size", default="tiny", choices=sorted(SIZES))
     parser.add_argument("--variants", nargs="+", default=["ddl-dv1", "ddl-cc", "ddl-tc"])
-    parser.add_argument("--decoding", action="store_true", help="a cached decoding step (one token, batch 1)")
+    parser.add_argument("--decoding", action="store_true", help="a token decoded inside generate (batch 1)")
     parser.add_argument("--json", action="store_true", help="print the counts as one JSON object")
     args = parser.parse_args(argv)
     result = counts(args.variants, getattr(torch, args.dtype), SIZES[args.size], args.decoding)
@@ -147,7 +143,7 @@ def main(argv=None):
         print(json.dumps(result))
         return 0
     shown = (lambda n: f"{n:5d}") if args.decoding else (lambda n: f"{n[0]:5d} / {n[1]:5d}")  # noqa: E731
-    print(f"launches per {'decoding step' if args.decoding else 'training step (forward / forward + backward)'}, "
+    print(f"launches per {'decoded token' if args.decoding else 'training step (forward / forward + backward)'}, "
           f"{args.dtype}, size {args.size}")
     print(f"{'llama':10s} {shown(result.pop('llama'))}")
     for variant, ways in result.items():

@@ -33,20 +33,15 @@ def variants(d, dv):
     window = readout._tiles(d, dv)[1]
     fp32_out = {"gz_ptr", "gy_ptr"}
     return [
-        (residual._seam_fwd_kernel, "bf16", set(), dict(ERASE=True, U_IS_C=False, SIGMOID=True, WRITE=False,
-                                                        **blocks), warps),
-        (residual._seam_fwd_kernel, "fp32", set(), dict(ERASE=True, U_IS_C=False, SIGMOID=True, WRITE=True,
-                                                        **blocks), warps),
-        (residual._seam_fwd_kernel, "bf16", set(), dict(ERASE=False, U_IS_C=True, SIGMOID=False, WRITE=False,
-                                                        **blocks), warps),
+        (residual._seam_fwd_kernel, "bf16", set(), dict(ERASE=True, U_IS_C=False, SIGMOID=True, **blocks), warps),
+        (residual._seam_fwd_kernel, "fp32", set(), dict(ERASE=True, U_IS_C=False, SIGMOID=True, **blocks), warps),
+        (residual._seam_fwd_kernel, "bf16", set(), dict(ERASE=False, U_IS_C=True, SIGMOID=False, **blocks), warps),
         *[(residual._seam_bwd_kernel, "bf16", fp32_out, dict(ERASE=True, U_KIND=kind, SIGMOID=True, **blocks), warps)
           for kind in (0, 1)],
         # u is the state only where d_v = 1: its own tile
         (residual._seam_bwd_kernel, "bf16", fp32_out, dict(ERASE=True, U_KIND=2, SIGMOID=True, **scalar), scalar_warps),
         (residual._seam_bwd_kernel, "fp32", fp32_out, dict(ERASE=False, U_KIND=2, SIGMOID=False, **scalar),
          scalar_warps),
-        (residual._delta_fwd_kernel, "bf16", set(), dict(ERASE=True, **blocks), warps),
-        (residual._delta_bwd_kernel, "bf16", set(), dict(ERASE=True, **blocks), warps),
         (readout._window_kernel, "bf16", set(), dict(READ=True, K=4, DIRECTION=1, **window), {}),
         (readout._window_kernel, "bf16", set(), dict(READ=False, K=4, DIRECTION=-1, **window), {}),
         (readout._step_kernel, "bf16", set(), dict(READ=True, K=4, **window), {}),
