@@ -106,13 +106,16 @@ def test_the_command_converts_a_compiled_models_ckpt_pt(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["ddl"]  # (no temporary folder left beside it)
 
 
-def test_a_tokenizer_beside_the_weights_is_copied(tmp_path):
-    src = tmp_path / "src"
-    shutil.copytree(os.path.join(FIXTURES, "vdim1"), src)
+def test_a_tokenizer_and_the_special_tokens_come_along(tmp_path):
+    src = _copy(tmp_path, "vdim1", config={"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0})
     (src / "tokenizer.json").write_text("{}")
     (src / "tokenizer_config.json").write_text("{}")
     assert main([str(src), str(tmp_path / "out")]) == 0
     assert {"tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(tmp_path / "out"))
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    generation = json.loads((tmp_path / "out" / "generation_config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config.get("pad_token_id")) == (1, 2, None)
+    assert generation["pad_token_id"] == 0  # (for generate; a model field would freeze that embedding row)
 
 
 # -------------------------------------------------------------------------------------------- refusals
