@@ -163,16 +163,16 @@ def read_source(src):
     elif os.path.isdir(src):
         folder = src
         has_config = os.path.isfile(os.path.join(src, "config.json"))
-        found = [name for name in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
-                 if os.path.isfile(os.path.join(src, name))]
-        checkpoints = [name for name in ("ckpt.pt",) if os.path.isfile(os.path.join(src, name))]
-        if has_config and len(found) == 1:
+        found = [name for name in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                                   "ckpt.pt") if os.path.isfile(os.path.join(src, name))]
+        if len(found) > 1 or (found == ["ckpt.pt"] and has_config):  # (a ckpt.pt carries its own config)
+            both = found + ["config.json"] * (len(found) == 1)
+            raise UsageError(f"SRC {src!r} holds {' and '.join(both)}: which model to convert cannot be told; name "
+                             "the file, or keep one.")
+        if found == ["ckpt.pt"]:
+            config, state = _read_checkpoint_file(os.path.join(src, "ckpt.pt"))
+        elif has_config and found:
             config, state = _read_json(os.path.join(src, "config.json")), _read_folder_weights(src, found[0])
-        elif not has_config and not found and checkpoints:
-            config, state = _read_checkpoint_file(os.path.join(src, checkpoints[0]))
-        elif len(found) > 1:
-            raise UsageError(f"SRC {src!r} holds {' and '.join(found)}: which are the weights cannot be told; "
-                             "keep one.")
         elif found or has_config:
             what = "no weights (model.safetensors or pytorch_model.bin)" if has_config else "no config.json"
             raise UsageError(f"SRC {src!r} holds {what} beside its {'config.json' if has_config else found[0]}.")
