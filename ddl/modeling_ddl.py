@@ -325,8 +325,10 @@ class DDLCompressor(nn.Module):
         kernel, dv = self.conv_weight.shape[1], self.read.shape[0]
         pad = (kernel - 1) // 2
         windows = F.pad(self.read, (kernel, kernel)).unfold(0, dv, 1)  # windows[s, j] = r[s + j - K] (0 outside)
-        # (d_v, K) @ (K, d), returned transposed: w[i, j] = sum_m c[i, m] r[j + p - m]
-        return (windows[pad + 1 : pad + kernel + 1].flip(0).t() @ self.conv_weight.t()).t().unsqueeze(0)
+        shifted = windows[pad + 1 : pad + kernel + 1].flip(0)  # (K, d_v): shifted[m, j] = r[j + p - m]
+        if torch.compiler.is_compiling():  # (as products summed over K, Inductor fuses it; a matmul stays a call)
+            return (self.conv_weight.unsqueeze(-1) * shifted).sum(1).unsqueeze(0)
+        return (self.conv_weight @ shifted).unsqueeze(0)  # w[i, j] = sum_m c[i, m] r[j + p - m]
 
     def forward(self, state, plan=None, slot=None):
         """x_in `(B, T, d)`: the readout of the state (TC: over the tokens, with the cache's window in `slot`)."""
