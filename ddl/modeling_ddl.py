@@ -7,7 +7,7 @@ defaults are the authors' (docs/faithfulness.md). The operations are specified i
 import math
 import weakref
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -53,10 +53,21 @@ class BatchPlan:
     implementation: str = "auto"
     rebuild: "StateRebuild | None" = None
     reads_ahead: bool = True
+    weights: dict = field(default_factory=dict)
 
     def saving(self):
         """Where an operation saves the state for backward: under the state rebuild's hooks, or as autograd does."""
         return self.rebuild.hooks if self.rebuild is not None else nullcontext()
+
+    def readout_weight(self, compressor):
+        """`compressor.derived_weight()`, made once per block (a shared compressor reads twice; each block's call,
+        and a checkpoint's recompute of it, makes its own), but for a compressor whose pre-hooks may remake its
+        parameters."""
+        if compressor._forward_pre_hooks:
+            return compressor.derived_weight()
+        if compressor not in self.weights:
+            self.weights[compressor] = compressor.derived_weight()
+        return self.weights[compressor]
 
 
 def cached_window(x, kernel_size, cache, layer_idx, slot, documents=None):
@@ -249,7 +260,7 @@ class DDLDeltaResidual(nn.Module):
         """(X_next, the next sublayer's input) for the state X, the sublayer output h, its normalised input c
         (`context`) and its input x_in: the next input is `read_next`'s readout of X_next (its cache `slot`), made in
         the update's own pass where a kernel can (`ops.delta_residual`), or X_next itself without `read_next`."""
-        readout = read_next.derived_weight() if read_next is not None and self._reads_ahead(
+        readout = plan.readout_weight(read_next) if read_next is not None and self._reads_ahead(
             read_next, state, plan, slot) else None
         weights = [getattr(self, name, None) for name in ("beta_weight", "beta_bias", "value_weight", "value_bias")]
         with plan.saving():
@@ -272,7 +283,7 @@ class DDLDeltaResidual(nn.Module):
         DeepSpeed gathers its weights in one), its weights are here (not offloaded), and, TC, no tokens come before
         (no padding or packed documents; nothing in the cache's window `slot`)."""
         return (plan.reads_ahead and self.mode != "additive"
-                and kernel("delta_residual", plan.implementation, state.device) is not None
+                and kernel("delta_residual_readout", plan.implementation, state.device) is not None
                 and not (compressor._forward_hooks or compressor._forward_pre_hooks) and not user_hooks(self)
                 and all(p.device == state.device for p in compressor.parameters())
                 and (compressor.kind != "tc" or plan.padding is plan.documents is None and (
@@ -333,7 +344,7 @@ class DDLCompressor(nn.Module):
     def forward(self, state, plan=None, slot=None):
         """x_in `(B, T, d)`: the readout of the state (TC: over the tokens, with the cache's window in `slot`)."""
         plan = plan or BatchPlan(implementation=choose(self.config.ddl_implementation))
-        weight = self.derived_weight()  # (K, d, d_v)
+        weight = plan.readout_weight(self)  # (K, d, d_v)
         with plan.saving():
             if self.kind != "tc":
                 return token_readout(state, weight, implementation=plan.implementation)
@@ -420,7 +431,8 @@ class DDLDecoderLayer(GradientCheckpointingLayer):
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(self, hidden_states, attention_mask=None, position_ids=None, cache: Cache | None = None,
                 use_cache: bool | None = False, position_embeddings=None, plan: BatchPlan | None = None, **kwargs):
-        plan = plan or BatchPlan(cache, implementation=choose(self.config.ddl_implementation))
+        plan = replace(plan, weights={}) if plan is not None else BatchPlan(  # (weights: this block's, once)
+            cache, implementation=choose(self.config.ddl_implementation))
         read_attn, read_mlp = self.compressor("attn"), self.compressor("mlp")
         # Self Attention: on the state's readout x_in (the state itself at d_v = 1)
         x_in = hidden_states if read_attn is None else read_attn(hidden_states, plan, self.cache_slots["attn"])

@@ -67,7 +67,8 @@ def delta_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias,
     `(K, d, d_v)`: (X_next, y), y its readout of X_next (no history) where a kernel made it in the same pass, else
     None."""
     fast = gate_hidden is None and v_constant is None and mode != "additive"  # (what the kernels implement)
-    run = kernel("delta_residual", implementation, x.device) if fast else None
+    op = "delta_residual" if readout is None else "delta_residual_readout"
+    run = kernel(op, implementation, x.device) if fast else None
     out = None if run is None else run(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps,
                                        mode, readout)
     if out is None:

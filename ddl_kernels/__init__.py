@@ -21,9 +21,10 @@ import torch.utils.checkpoint
 
 
 # What the operations take and return, as `implementations()` lists them; raised on any change of a contract:
-#   delta_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, mode, readout)
-#       -> X_next, or (X_next, y) with the readout weight `(K, d, d_v)` of the next compressor (y: its readout of
-#       X_next, zeros before the first token); a single linear gate and a learned value; mode "delta"/"write_only"
+#   delta_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, mode, readout=None)
+#       -> X_next; a single linear gate and a learned value; mode "delta"/"write_only"
+#   delta_residual_readout(..., readout) -> (X_next, y): also the readout y of X_next by the next compressor's weight
+#       `(K, d, d_v)`, zeros before the first token, made in the same pass
 #   token_readout(x, taps) / token_conv(x, taps) -> y: taps `(K, d_v, d)`, zeros before the first token
 #   window_step(past, x, weight) / conv_step(past, x, weight) -> one decoding step's output; `past` advanced in place
 INTERFACE_VERSION = 3
@@ -39,6 +40,7 @@ def implementations():
 
     found = {
         "delta_residual": {"cpu": residual_cpu.run},
+        "delta_residual_readout": {"cpu": residual_cpu.run},
         "token_readout": {"cpu": readout_cpu.run},
         "window_step": {"cpu": readout_cpu.step},
         "token_conv": {"cpu": conv_cpu.run},

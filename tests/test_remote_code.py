@@ -213,11 +213,14 @@ def test_an_older_transformers_is_told_which_to_install(tmp_path):
 
 def test_the_in_repo_kernels():
     """ddl_kernels lists one implementation per operation and device: C++ for the CPU where it builds (listed
-    anyway; it serves nothing unbuilt), Triton for CUDA only where CUDA is."""
+    anyway; it serves nothing unbuilt), Triton for CUDA only where CUDA is; the seam that also makes the next readout
+    on the CPU only."""
     import ddl_kernels
 
     found = ddl_kernels.implementations()
-    assert set(found) == {"delta_residual", "token_readout", "window_step", "token_conv", "conv_step"}
+    assert set(found) == {"delta_residual", "delta_residual_readout", "token_readout", "window_step", "token_conv",
+                          "conv_step"}
+    assert set(found.pop("delta_residual_readout")) == {"cpu"}  # (the C++ seam also makes the next readout)
     assert all(set(devices) == ({"cpu", "cuda"} if torch.cuda.is_available() else {"cpu"})
                for devices in found.values())
 

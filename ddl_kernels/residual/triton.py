@@ -232,16 +232,14 @@ def serves(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale
 
 
 def run(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, mode, readout=None):
-    """`reference.delta_residual` through the seam's kernels, with autograd; with `readout`, (X_next, None): the next
-    readout is not made here."""
+    """`reference.delta_residual` through the seam's kernels, with autograd (no next readout: `readout` is None)."""
     u_kind = value_input_kind(x, h, c, u)
     x, h, c = x.contiguous(), h.contiguous(), c.contiguous()
     u = c if u_kind == 1 else (x if u_kind == 2 else u.contiguous())
     weights = (gate_weight.contiguous(), gate_bias.contiguous(), value_weight.contiguous(), value_bias.contiguous())
     v_scale, erase = None if v_scale is None else float(v_scale), mode == "delta"
     _backward_compiles(x, h, c, u, weights, v_scale, float(k_eps), erase, u_kind)
-    out = _TritonSeam.apply(x, h, c, u, *weights, v_scale, float(k_eps), erase, u_kind)
-    return out if readout is None else (out, None)
+    return _TritonSeam.apply(x, h, c, u, *weights, v_scale, float(k_eps), erase, u_kind)
 
 
 RUN = serving(serves, fallible(_SEAM, run))
