@@ -233,9 +233,9 @@ class RunArguments:
     overwrite_output_dir: bool = field(
         default=False, metadata={"help": "Allow writing into a non-empty --output_dir (otherwise: error, or resume)."}
     )
-    license: str | None = field(
-        default=None, metadata={"help": "The model card's license, a Hub license id (apache-2.0, mit, ...); none if "
-                                        "not given."}
+    license: str = field(
+        default="apache-2.0", metadata={"help": "The model card's license, a Hub license id (default: apache-2.0, the "
+                                                "license of the code the folder ships)."}
     )
 
 

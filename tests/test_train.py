@@ -117,8 +117,10 @@ def test_checkpoint_is_complete(trained):
                                   "AutoModelForQuestionAnswering": "modeling_ddl.DDLForQuestionAnswering"}
     assert config["use_cache"] is True and config["ddl_value_channels"] == 4 and config["ddl_residual"] == "delta"
     card = (out / "README.md").read_text()
-    for needle in ("DDL-CC (d_v=4)", "trust_remote_code=True", "loss_curve.png", "validation", "Tokens seen: 384"):
+    for needle in ("DDL-CC (d_v=4)", "trust_remote_code=True", "loss_curve.png", "validation", "Tokens seen: 384",
+                   "under the Apache-2.0 license"):
         assert needle in card, needle
+    assert ModelCard.load(out / "README.md").data.license == "apache-2.0"  # the code's, unless --license says otherwise
     results = json.loads((out / "all_results.json").read_text())
     assert math.isfinite(results["eval_loss"]) and results["tokens_seen"] == 3 * 4 * 32
     assert "sample from" in proc.stdout
