@@ -21,6 +21,7 @@ eval.py and bench.py take a `--device`: `device_problem` says in one line why on
 
 import contextlib
 import os
+import sys
 
 from .outputs import UsageError
 
@@ -54,6 +55,16 @@ def launched_processes() -> int:
 def launcher_precision() -> str | None:
     """The mixed precision `accelerate launch` asked for ("no", "bf16", "fp16", ...); None when not launched by it."""
     return os.environ.get("ACCELERATE_MIXED_PRECISION") or None
+
+
+def import_deepspeed_only_when_used() -> None:
+    """accelerate's `unwrap_model`, which Trainer calls on every model, imports DeepSpeed wherever it is installed only
+    to tell a DeepSpeed engine from other wrappers, and DeepSpeed's import prints an accelerator warning ("Setting
+    accelerator to CPU ...") into runs that never asked for it. No engine exists before DeepSpeed is imported (a
+    DeepSpeed launch imports it as its process group forms), so accelerate looks for one only once it is."""
+    from accelerate.utils import other
+
+    other.is_deepspeed_available = lambda: "deepspeed" in sys.modules
 
 
 @contextlib.contextmanager
@@ -121,5 +132,5 @@ def check_launch(training_args) -> None:
         )
 
 
-__all__ = ["check_launch", "device_problem", "end_process_group", "fsdp_requested", "launched_processes",
-           "launcher_precision", "outside_zero3"]
+__all__ = ["check_launch", "device_problem", "end_process_group", "fsdp_requested", "import_deepspeed_only_when_used",
+           "launched_processes", "launcher_precision", "outside_zero3"]

@@ -13,6 +13,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy, SaveS
 from transformers.utils import PushInProgress, logging
 
 from .card import model_card, shareable_arguments
+from .launch import import_deepspeed_only_when_used
 from .outputs import UsageError, write_text
 from .resume import tokens_seen
 from .runs import last_complete_checkpoint, saving_into
@@ -55,6 +56,10 @@ class DDLTrainer(Trainer):
     _stream: StreamPosition | None = None  # the streamed training set as this train() call draws it
     _stream_resume: dict | None = None  # where the checkpoint this train() call resumes left its stream
     _eval_sums: list | None = None  # during an evaluation: (summed token loss, tokens) of every row evaluated
+
+    def __init__(self, *args, **kwargs):
+        import_deepspeed_only_when_used()
+        super().__init__(*args, **kwargs)
 
     def _streams(self) -> bool:
         """Whether the training set is streamed through this process (not worker processes): its position can be

@@ -126,6 +126,15 @@ def test_checkpoint_is_complete(trained):
     assert "sample from" in proc.stdout
 
 
+def test_a_plain_cpu_run_prints_nothing_of_deepspeed(trained):
+    """DeepSpeed is installed (for configs/deepspeed_*.yaml) but a plain run does not use it: accelerate's
+    unwrap_model, which Trainer calls, imported it all the same, and its import printed "Setting accelerator to CPU.
+    If you have GPU or other accelerator, we were unable to detect it." into every `python train.py`."""
+    _, proc = trained
+    output = proc.stdout + proc.stderr
+    assert "Setting accelerator" not in output and "real_accelerator" not in output, output[-3000:]
+
+
 def test_reload_in_fresh_process_without_ddl(trained, tmp_path):
     """The folder alone is enough: another cwd, and `import ddl` fails (as for someone who never installed it);
     remote code does the work."""
