@@ -41,7 +41,7 @@ further):
 
 Many processes (see configs/README.md; every TrainingArguments flag works, e.g. --gradient_checkpointing,
 --bf16, --report_to tensorboard, --push_to_hub --hub_model_id me/ddl-small; on a machine without GPUs add
---use_cpu, which --bf16 needs there too):
+--use_cpu, which --bf16 needs there too; `accelerate launch --cpu` gives it):
 
     torchrun --nproc_per_node 8 train.py --preset small ...                              # DDP on GPUs
     torchrun --nproc_per_node 2 train.py --use_cpu ...                                   # DDP on CPU (gloo)
@@ -82,7 +82,7 @@ from transformers.utils import logging
 import ddl  # noqa: F401  (registers the DDL Auto classes and the code files saved with checkpoints)
 from ddl import DDLConfig, DDLForCausalLM
 from ddl_tools.hub import check_hub_strategy
-from ddl_tools.launch import check_launch, end_process_group, launcher_precision, outside_zero3
+from ddl_tools.launch import check_launch, end_process_group, launched_on_cpu, launcher_precision, outside_zero3
 from ddl_tools.lora import (add_lora, check_lora, check_lora_checkpoint, describe_lora, load_lora_weights,
                             save_adapter_and_merge)
 from ddl_tools.outputs import write_json
@@ -251,7 +251,7 @@ def argument_parser(argv: list[str]) -> HfArgumentParser:
     for name in ("preset", "model_name_or_path", "init_from_llama", "dataset_name", "train_file", "output_dir",
                  "ddl_residual", "ddl_value_channels", "ddl_compressor", "ddl_embed_conv"):
         pre.add_argument(f"--{name}")
-    pre.add_argument("--use_cpu", nargs="?", const="true", default="false")
+    pre.add_argument("--use_cpu", nargs="?", const="true")
     known, _ = pre.parse_known_args(argv)
     # The default folder names the variant, so `python train.py --ddl_residual additive` does not collide with
     # the default DDL run.
@@ -267,9 +267,11 @@ def argument_parser(argv: list[str]) -> HfArgumentParser:
     model_name = (f"ddl-{os.path.basename(source.rstrip('/'))}" if source else f"ddl-{preset}") + variant
     # bf16 where the GPU has it; `accelerate launch` states the run's precision (a config's mixed_precision, or
     # --mixed_precision), which the default follows, as DeepSpeed's config and accelerate's autocast do, wherever it
-    # can run (on a machine without GPUs, with --use_cpu; without it the launch is refused first, by `check_launch`).
+    # can run: on a machine without GPUs, with --use_cpu, which `accelerate launch --cpu` gives (without it the
+    # launch is refused first, by `check_launch`).
     gpu_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    launcher, on_cpu = launcher_precision(), known.use_cpu.lower() in ("true", "1", "yes")
+    on_cpu = known.use_cpu.lower() in ("true", "1", "yes") if known.use_cpu else launched_on_cpu()
+    launcher = launcher_precision()
     bf16 = launcher == "bf16" and (gpu_bf16 or on_cpu) if launcher else gpu_bf16
 
     parser = HfArgumentParser((ModelArguments, DataArguments, RunArguments, TrainingArguments))
@@ -284,6 +286,7 @@ def argument_parser(argv: list[str]) -> HfArgumentParser:
         report_to="tensorboard",
         include_num_input_tokens_seen=True,
         bf16=bf16,
+        use_cpu=on_cpu,
         dataloader_pin_memory=torch.cuda.is_available(),
         **PAPER_RECIPE,
         **PRESET_RUN_DEFAULTS[preset],

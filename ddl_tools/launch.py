@@ -67,6 +67,12 @@ def import_deepspeed_only_when_used() -> None:
     other.is_deepspeed_available = lambda: "deepspeed" in sys.modules
 
 
+def launched_on_cpu() -> bool:
+    """Whether `accelerate launch --cpu` started this process: TrainingArguments then runs on the CPU, but its bf16
+    check asks for --use_cpu."""
+    return os.environ.get("ACCELERATE_USE_CPU", "false").lower() in ("true", "1", "yes")
+
+
 @contextlib.contextmanager
 def outside_zero3():
     """Load models in this process alone: under DeepSpeed ZeRO-3, `from_pretrained` partitions the weights it loads
@@ -125,12 +131,15 @@ def check_launch(training_args) -> None:
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" or bool(training_args.deepspeed)
     # (Trainer follows a flag that asks for bf16/fp16, and the launch when none does; DeepSpeed wants them equal)
     if launcher in ("no", "bf16", "fp16") and launcher != flags and (deepspeed or flags == "no"):
+        on_cpu = (" (on a machine without GPUs, train.py follows a bf16 launch with --use_cpu, which accelerate launch "
+                  "--cpu gives)" if launcher == "bf16" and training_args.device.type == "cpu"
+                  and not getattr(training_args, "use_cpu", True) else "")
         raise UsageError(
             f"The launch asks for mixed precision {launcher!r} (the accelerate config's mixed_precision, or accelerate "
             f"launch --mixed_precision) but train.py's flags for {flags!r}: make them agree, e.g. accelerate launch "
-            f"--mixed_precision {flags} ..., or leave --bf16/--fp16 unset to follow the launch."
+            f"--mixed_precision {flags} ..., or leave --bf16/--fp16 unset to follow the launch{on_cpu}."
         )
 
 
 __all__ = ["check_launch", "device_problem", "end_process_group", "fsdp_requested", "import_deepspeed_only_when_used",
-           "launched_processes", "launcher_precision", "outside_zero3"]
+           "launched_on_cpu", "launched_processes", "launcher_precision", "outside_zero3"]
