@@ -1,22 +1,19 @@
-"""How `train.py` was launched: refuse launches that would not do what they say, before anything is written.
+"""How a script was launched: refuse launches that would not do what they say, before anything is written.
 
-Two launches used to exit 0 while doing something else than asked:
-- FSDP on CPU. `accelerate` (1.15) turns a process group into FSDP only when it runs on GPUs (or another
-  accelerator); on CPU it keeps `MULTI_CPU`, which is DDP: every process holds all parameters. PyTorch's FSDP2
-  (`fully_shard`) itself shards a DDL model over gloo on CPU, but `Trainer` reaches it only through `accelerate`.
+- FSDP on CPU. `accelerate` turns a process group into FSDP only on GPUs (or another accelerator); on CPU it keeps
+  `MULTI_CPU`, which is DDP: every process holds all parameters. (PyTorch's `fully_shard` itself shards a DDL model
+  over gloo on CPU, but `Trainer` reaches it only through `accelerate`.)
 - Processes that are not one job. `accelerate launch` with a GPU config on a machine without GPUs (and `torchrun`
   where no process group forms) starts N processes that each train alone, into the same output folder.
+- A precision the flags contradict. Under `accelerate launch` the run's precision has two sources: the launch's
+  mixed_precision (which accelerate autocasts to, and writes into a DeepSpeed config) and Trainer's --bf16 / --fp16.
+  train.py's default follows the launch; flags that contradict it are refused where they would not be followed
+  (DeepSpeed fails at the first step on any difference; elsewhere `--bf16 false` quietly autocasts to the launch's
+  precision while the run's record says otherwise). Other launch precisions (fp8) are accelerate's to handle.
 
-(Two separate runs into one folder, two shells or a rerun while the first still trains, are refused by the output
-folder's lock: `ddl_tools.runs.claim_output_dir`.)
-
-The run's precision has two sources under `accelerate launch`: the launch config's mixed_precision (which accelerate
-autocasts to, and writes into a DeepSpeed config) and Trainer's --bf16 / --fp16. train.py's default follows the
-launcher; flags that contradict it are refused where they would not be followed (DeepSpeed fails at the first step on
-any difference; elsewhere `--bf16 false` quietly autocasts to the launcher's precision while the run's
-record says otherwise). Other launch precisions (fp8) are accelerate's to handle.
-
-eval.py and bench.py take a `--device`: `device_problem` says in one line why one cannot run here.
+(Two runs into one folder, two shells or a rerun while the first still trains, are refused by the output folder's
+lock: `ddl_tools.runs.claim_output_dir`.) eval.py and bench.py take a `--device`: `device_problem` says in one line
+why one cannot run here.
 """
 
 import contextlib
@@ -24,6 +21,7 @@ import os
 import sys
 
 from .outputs import UsageError
+from .presets import check_ddl_environment
 
 
 def device_problem(value, script) -> str | None:
@@ -112,7 +110,8 @@ def fsdp_requested(training_args) -> bool:
 
 def check_launch(training_args) -> None:
     """Refuse (one line) a launch that would not shard as asked, whose processes would not form one job, or whose
-    precision flags contradict the launcher's."""
+    precision flags contradict the launcher's; and an invalid DDL environment variable."""
+    check_ddl_environment()
     launched = launched_processes()
     if fsdp_requested(training_args) and training_args.device.type == "cpu":
         raise UsageError(
