@@ -406,7 +406,7 @@ def parse_args(argv=None):
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--implementation", choices=list(FAST), default="auto",
-                        help="DDL's ddl_implementation (see ddl/kernels.py)")
+                        help="DDL's ddl_implementation (see ddl/ops.py)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model for training and prefill, and "
                         "decode with generate's compiled static-cache path (cache_implementation='static')")
     parser.add_argument("--repeats", type=int, default=3,

@@ -129,7 +129,7 @@ def check_config(cfg: EvalConfig) -> str | None:
         ("limit", 1, "leave it out to run every item of a task"),
         ("num_fewshot", 0, "leave it out for the task's default"),
         ("max_new_tokens", 0, "0 = no sample"),
-    ):  # a negative --max_eval_tokens N used to score all but N tokens, as a slice does
+    ):  # (a negative --max_eval_tokens N would score all but N tokens, as a slice does)
         value = getattr(cfg, flag)
         if value is not None and value < least:
             return f"--{flag} {value}: must be at least {least} ({hint})."

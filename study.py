@@ -196,8 +196,8 @@ def check_arguments(args, parser) -> None:
     """Refuse what no run could follow (argparse's one-line error)."""
     if args.max_tokens is not None and args.budget_hours is not None:
         parser.error("give --max_tokens or --budget_hours, not both: the budget chooses the tokens per run.")
-    # a negative --eval_tokens N or --audit_tokens N used to score all but N tokens (a slice), and a 0 batch or block
-    # to stand for the preset's; the sizes come first, as --quick's --max_tokens follows from them
+    # a negative --eval_tokens N or --audit_tokens N would score all but N tokens (a slice), and a 0 batch or block
+    # would stand for the preset's; the sizes come first, as --quick's --max_tokens follows from them
     for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "world_size", "block_size",
                  "max_tokens", "budget_hours", "calibration_steps", "curve_evals", "curve_eval_blocks", "eval_tokens",
                  "audit_tokens"):
@@ -568,7 +568,7 @@ def given_settings(argv: list[str]) -> set[str]:
 
 def recorded_settings(settings: StudySettings, args, argv: list[str]) -> None:
     """--report_only: take the settings the study's runs had from its study.json, so that the report states them
-    (it used to state the command line's, defaults included). A flag given with another value is refused (raises
+    (not the command line's, defaults included). A flag given with another value is refused (raises
     ValueError, one line). Runs without a study.json are reported with the command line's settings."""
     from ddl_tools import study
 

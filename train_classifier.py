@@ -23,36 +23,20 @@ from dataclasses import dataclass, field
 import evaluate
 import numpy as np
 from datasets import Dataset
-from huggingface_hub.errors import StrictDataclassError
-from transformers import (
-    AutoModelForSequenceClassification,
-    AutoTokenizer,
-    DataCollatorWithPadding,
-    HfArgumentParser,
-    TrainingArguments,
-    set_seed,
-)
+from transformers import (AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, HfArgumentParser,
+                          set_seed)
 from transformers.utils import logging
 
 import ddl  # noqa: F401  (registers the DDL Auto classes and the code files saved with checkpoints)
 from ddl import DDLForSequenceClassification
-from ddl_tools.launch import end_process_group
-from ddl_tools.outputs import write_json
-from ddl_tools.tasks import GENRE_LABELS, genre_splits
 from ddl_tools.data import prepare_tokenizer_for_generation, train_bpe_tokenizer
+from ddl_tools.launch import check_launch
 from ddl_tools.loading import check_weights, checkpoint_config, load_pretrained
-from ddl_tools.outputs import UsageError
-from ddl_tools.presets import (
-    PRESETS,
-    check_ddl_environment,
-    check_training_arguments,
-    config_error_message,
-    parse_config_overrides,
-    parsed_arguments,
-    preset_config,
-)
-from ddl_tools.runs import claim_results_dir, release_output_dirs, saving_into
-from ddl_tools.training import DDLTrainer
+from ddl_tools.outputs import UsageError, write_json
+from ddl_tools.presets import PRESETS, parse_config_overrides, parsed_arguments, preset_config
+from ddl_tools.runs import claim_results_dir, release_output_dirs, run_cli, saving_into
+from ddl_tools.tasks import GENRE_LABELS, genre_splits
+from ddl_tools.training import DDLTrainer, DDLTrainingArguments
 
 
 # The metric modules ship with this script (the Hub's would be downloaded): found next to it, whatever the cwd.
@@ -76,13 +60,10 @@ class ClassifierArguments:
     max_length: int = field(default=256, metadata={"help": "Tokens per passage (longer ones are truncated)."})
     max_train_samples: int | None = field(default=None, metadata={"help": "Train on this many passages at most."})
     max_eval_samples: int | None = field(default=None, metadata={"help": "Evaluate on this many passages at most."})
-    overwrite_output_dir: bool = field(
-        default=False, metadata={"help": "Allow writing into a non-empty --output_dir (otherwise: error)."}
-    )
 
 
 def parse_args(argv):
-    parser = HfArgumentParser((ClassifierArguments, TrainingArguments))
+    parser = HfArgumentParser((ClassifierArguments, DDLTrainingArguments))
     parser.set_defaults(
         output_dir=os.path.join("outputs", "ddl-genre-classifier"), num_train_epochs=1, learning_rate=5e-4,
         weight_decay=0.1, warmup_steps=0.05, lr_scheduler_type="cosine", per_device_train_batch_size=16,
@@ -162,17 +143,16 @@ def main(argv):
     args, training_args = parse_args(argv)
     if training_args.should_log:
         logging.set_verbosity_warning()
-    check_training_arguments(training_args)
     if training_args.resume_from_checkpoint is not None:  # (Trainer's flag, which only train() reads: it was ignored)
         raise UsageError("--resume_from_checkpoint: a train_classifier.py run is not resumed (it writes its classifier "
                          "once, at the end); rerun the command, with --overwrite_output_dir where its folder is not "
                          "empty.")
-    check_ddl_environment()
+    check_launch(training_args)
     check_checkpoint(args)
     if args.model_name_or_path is None:  # a fresh model's config, checked before any data work
         preset_config(args.preset, args.vocab_size, parse_config_overrides(args.config_overrides))
     # the output folder made this run's (one run at a time; never written over without --overwrite_output_dir)
-    claim_results_dir(training_args.output_dir, args.overwrite_output_dir, training_args.process_index == 0)
+    claim_results_dir(training_args.output_dir, training_args.overwrite_output_dir, training_args.process_index == 0)
     set_seed(training_args.seed)
     data = load_task(args, training_args.seed)
     tokenizer = get_tokenizer(args, data["train"])
@@ -213,26 +193,9 @@ def main(argv):
 
 
 def cli(argv) -> int:
-    """Run `main`; a user mistake becomes one `train_classifier.py: error: ...` line on stderr and exit status 2. The
-    output folder is let go of however the run ends (one this run created and left empty is removed)."""
-    failed = True
-    try:
-        main(argv)
-        failed = False
-    except UsageError as err:
-        print(f"train_classifier.py: error: {err}", file=sys.stderr)
-        return 2
-    except StrictDataclassError as err:  # an invalid DDLConfig field (from --config_overrides or a config.json)
-        print(f"train_classifier.py: error: {config_error_message(err)}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:  # (a traceback said nothing of what to do)
-        print("train_classifier.py: interrupted; rerun the command (with --overwrite_output_dir where its output "
-              "folder kept checkpoints).", file=sys.stderr)
-        return 130
-    finally:
-        release_output_dirs(failed)
-        end_process_group()
-    return 0
+    """Run `main`; a user mistake becomes one `train_classifier.py: error: ...` line on stderr and exit status 2."""
+    return run_cli(main, argv, "train_classifier.py", lambda: "rerun the command (with --overwrite_output_dir where "
+                                                               "its output folder kept checkpoints).")
 
 
 if __name__ == "__main__":

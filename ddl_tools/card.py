@@ -119,6 +119,7 @@ The remote code is PyTorch only (the model and its operations' specifications in
 training and generating start no process and write nothing but transformers' own module cache. Faster kernels (C++
 for CPU, Triton for CUDA) are the optional `ddl_kernels` package of the ddl repository; when it is installed the same
 code uses them (`DDL_IMPLEMENTATION=torch`, or `ddl_implementation="torch"` in `from_pretrained`, keeps PyTorch).
+The model's `.py` files are the ddl project's, under the Apache-2.0 license.
 
 Fine-tune it further with `python train.py --model_name_or_path <this folder> ...`, or as a classifier with
 `python train_classifier.py --model_name_or_path <this folder>` (its `auto_map` also lists
@@ -174,8 +175,9 @@ def model_card(*, repo_name: str, config: DDLConfig, num_parameters: int, data_n
 
 
 def card_metadata(*, license_id: str | None, dataset_name: str | None, base: str | None) -> dict:
-    """The card's metadata of a run: the license the user gave, the Hub dataset it trained on, and the model it
-    started from (`base`) as a Hub id; a local folder names the base its own card names, a local file nothing."""
+    """The card's metadata of a run: its license (train.py's default: apache-2.0, the code's), the Hub dataset it
+    trained on, and the model it started from (`base`) as a Hub id; a local folder names the base its own card names,
+    a local file nothing."""
     from huggingface_hub import ModelCard
 
     metadata = {"license": license_id} if license_id else {}

@@ -4,7 +4,7 @@ card, and holds no pickle.
 `Trainer`'s own pushes fall short of that: its "Training in progress" commits copy a fixed list of files from the
 checkpoint (config, generation config, weights), not the model's `.py` files that the config's `auto_map` points at,
 so such a revision does not load; and every commit uploads `training_args.bin` (a pickle). `DDLTrainer` pushes
-through `push_checkpoint` and `push_folder` below instead.
+through `stage_checkpoint` and `push_folder` below instead.
 
 What a revision holds is the output folder minus `HUB_IGNORE_PATTERNS`: the weights, config, generation config, the
 model's `.py` files, the tokenizer, the model card (README.md) and, at the end, the loss curve and the run's JSON
@@ -20,8 +20,6 @@ import shutil
 import sys
 
 from huggingface_hub.utils import filter_repo_objects
-
-from .outputs import UsageError
 
 
 # Glob patterns (fnmatch on paths relative to the folder, as `upload_folder` applies them) of what is never pushed.
@@ -60,18 +58,6 @@ def push_folder(folder: str, repo_id: str, commit_message: str, *, token=None, r
                                   ignore_patterns=list(HUB_IGNORE_PATTERNS))  # upload_folder appends to it
 
 
-def check_hub_strategy(training_args) -> None:
-    """`--hub_strategy checkpoint|all_checkpoints` also pushes Trainer's checkpoint folders: optimizer and RNG states
-    are pickles, which a revision must not hold."""
-    from transformers.trainer_utils import HubStrategy
-
-    if training_args.push_to_hub and training_args.hub_strategy in (HubStrategy.CHECKPOINT,
-                                                                    HubStrategy.ALL_CHECKPOINTS):
-        raise UsageError(f"--hub_strategy {training_args.hub_strategy.value} would push Trainer's checkpoint folders "
-                         "(optimizer and RNG states are pickles); train.py pushes loadable models only. Use "
-                         "--hub_strategy every_save or end, and resume from the local checkpoint-* folders.")
-
-
 def main(argv=None) -> int:
     """`python -m ddl_tools.hub FOLDER REPO_ID`: push a finished train.py output folder as train.py would."""
     parser = argparse.ArgumentParser(prog="python -m ddl_tools.hub", description=main.__doc__)
@@ -92,7 +78,7 @@ def main(argv=None) -> int:
     return 0
 
 
-__all__ = ["HUB_IGNORE_PATTERNS", "check_hub_strategy", "publishable", "push_folder", "stage_checkpoint"]
+__all__ = ["HUB_IGNORE_PATTERNS", "publishable", "push_folder", "stage_checkpoint"]
 
 
 if __name__ == "__main__":

@@ -1,28 +1,27 @@
-"""How `train.py` was launched: refuse launches that would not do what they say, before anything is written.
+"""How a script was launched: refuse launches that would not do what they say, before anything is written.
 
-Two launches used to exit 0 while doing something else than asked:
-- FSDP on CPU. `accelerate` (1.15) turns a process group into FSDP only when it runs on GPUs (or another
-  accelerator); on CPU it keeps `MULTI_CPU`, which is DDP: every process holds all parameters. PyTorch's FSDP2
-  (`fully_shard`) itself shards a DDL model over gloo on CPU, but `Trainer` reaches it only through `accelerate`.
+- FSDP on CPU. `accelerate` turns a process group into FSDP only on GPUs (or another accelerator); on CPU it keeps
+  `MULTI_CPU`, which is DDP: every process holds all parameters. (PyTorch's `fully_shard` itself shards a DDL model
+  over gloo on CPU, but `Trainer` reaches it only through `accelerate`.)
 - Processes that are not one job. `accelerate launch` with a GPU config on a machine without GPUs (and `torchrun`
   where no process group forms) starts N processes that each train alone, into the same output folder.
+- A precision the flags contradict. Under `accelerate launch` the run's precision has two sources: the launch's
+  mixed_precision (which accelerate autocasts to, and writes into a DeepSpeed config) and Trainer's --bf16 / --fp16.
+  train.py's default follows the launch; flags that contradict it are refused where they would not be followed
+  (DeepSpeed fails at the first step on any difference; elsewhere `--bf16 false` quietly autocasts to the launch's
+  precision while the run's record says otherwise). Other launch precisions (fp8) are accelerate's to handle.
 
-(Two separate runs into one folder, two shells or a rerun while the first still trains, are refused by the output
-folder's lock: `ddl_tools.runs.claim_output_dir`.)
-
-The run's precision has two sources under `accelerate launch`: the launch config's mixed_precision (which accelerate
-autocasts to, and writes into a DeepSpeed config) and Trainer's --bf16 / --fp16. train.py's default follows the
-launcher; flags that contradict it are refused where they would not be followed (DeepSpeed fails at the first step on
-any difference; elsewhere `--bf16 false` quietly autocasts to the launcher's precision while the run's
-record says otherwise). Other launch precisions (fp8) are accelerate's to handle.
-
-eval.py and bench.py take a `--device`: `device_problem` says in one line why one cannot run here.
+(Two runs into one folder, two shells or a rerun while the first still trains, are refused by the output folder's
+lock: `ddl_tools.runs.claim_output_dir`.) eval.py and bench.py take a `--device`: `device_problem` says in one line
+why one cannot run here.
 """
 
 import contextlib
 import os
+import sys
 
 from .outputs import UsageError
+from .presets import check_ddl_environment
 
 
 def device_problem(value, script) -> str | None:
@@ -54,6 +53,22 @@ def launched_processes() -> int:
 def launcher_precision() -> str | None:
     """The mixed precision `accelerate launch` asked for ("no", "bf16", "fp16", ...); None when not launched by it."""
     return os.environ.get("ACCELERATE_MIXED_PRECISION") or None
+
+
+def import_deepspeed_only_when_used() -> None:
+    """accelerate's `unwrap_model`, which Trainer calls on every model, imports DeepSpeed wherever it is installed only
+    to tell a DeepSpeed engine from other wrappers, and DeepSpeed's import prints an accelerator warning ("Setting
+    accelerator to CPU ...") into runs that never asked for it. No engine exists before DeepSpeed is imported (a
+    DeepSpeed launch imports it as its process group forms), so accelerate looks for one only once it is."""
+    from accelerate.utils import other
+
+    other.is_deepspeed_available = lambda: "deepspeed" in sys.modules
+
+
+def launched_on_cpu() -> bool:
+    """Whether `accelerate launch --cpu` started this process: TrainingArguments then runs on the CPU, but its bf16
+    check asks for --use_cpu."""
+    return os.environ.get("ACCELERATE_USE_CPU", "false").lower() in ("true", "1", "yes")
 
 
 @contextlib.contextmanager
@@ -95,7 +110,8 @@ def fsdp_requested(training_args) -> bool:
 
 def check_launch(training_args) -> None:
     """Refuse (one line) a launch that would not shard as asked, whose processes would not form one job, or whose
-    precision flags contradict the launcher's."""
+    precision flags contradict the launcher's; and an invalid DDL environment variable."""
+    check_ddl_environment()
     launched = launched_processes()
     if fsdp_requested(training_args) and training_args.device.type == "cpu":
         raise UsageError(
@@ -114,12 +130,15 @@ def check_launch(training_args) -> None:
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" or bool(training_args.deepspeed)
     # (Trainer follows a flag that asks for bf16/fp16, and the launch when none does; DeepSpeed wants them equal)
     if launcher in ("no", "bf16", "fp16") and launcher != flags and (deepspeed or flags == "no"):
+        on_cpu = (" (on a machine without GPUs, train.py follows a bf16 launch with --use_cpu, which accelerate launch "
+                  "--cpu gives)" if launcher == "bf16" and training_args.device.type == "cpu"
+                  and not getattr(training_args, "use_cpu", True) else "")
         raise UsageError(
             f"The launch asks for mixed precision {launcher!r} (the accelerate config's mixed_precision, or accelerate "
             f"launch --mixed_precision) but train.py's flags for {flags!r}: make them agree, e.g. accelerate launch "
-            f"--mixed_precision {flags} ..., or leave --bf16/--fp16 unset to follow the launch."
+            f"--mixed_precision {flags} ..., or leave --bf16/--fp16 unset to follow the launch{on_cpu}."
         )
 
 
-__all__ = ["check_launch", "device_problem", "end_process_group", "fsdp_requested", "launched_processes",
-           "launcher_precision", "outside_zero3"]
+__all__ = ["check_launch", "device_problem", "end_process_group", "fsdp_requested", "import_deepspeed_only_when_used",
+           "launched_on_cpu", "launched_processes", "launcher_precision", "outside_zero3"]

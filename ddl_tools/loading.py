@@ -38,14 +38,6 @@ def checkpoint_config(path: str, flag: str, model_type: str = DDLConfig.model_ty
     return config
 
 
-def load_ddl_checkpoint(path: str, **kwargs) -> DDLForCausalLM:
-    """Continue from a DDL checkpoint (a folder or a Hub id); a non-DDL checkpoint gets a pointer to the fix, and
-    weights that are damaged or do not fit the config one line (`check_weights`)."""
-    config = checkpoint_config(path, "--model_name_or_path")
-    check_weights(path, DDLForCausalLM, config, "--model_name_or_path")
-    return load_pretrained(DDLForCausalLM, path, "--model_name_or_path", **kwargs)
-
-
 def load_pretrained(model_class, path: str, flag: str, **kwargs):
     """`model_class.from_pretrained(path, **kwargs)`, a file that cannot be read (a damaged download, a file system
     error) as one line naming the checkpoint."""
@@ -206,7 +198,6 @@ __all__ = [
     "checkpoint_config",
     "ddl_branch_parameters",
     "file_damage",
-    "load_ddl_checkpoint",
     "load_from_llama",
     "load_pretrained",
     "safetensors_shapes",

@@ -1,5 +1,5 @@
 """The model shapes, the paper's optimisation recipe and each preset's run defaults; building a `DDLConfig` from
-them, from a Llama config or from `--config_overrides`; the checks of the command line every training script shares.
+them, from a Llama config or from `--config_overrides`; the command line's parsing and DDL's environment variables.
 
 User mistakes raise `UsageError` (a `ValueError`) with a message that says what was expected and how to fix it; the
 scripts turn it into a one-line error and a non-zero exit.
@@ -8,7 +8,6 @@ scripts turn it into a one-line error and a non-zero exit.
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import re
 
@@ -18,7 +17,7 @@ from transformers.utils import logging
 from ddl import DDLConfig
 from ddl.ops import choose
 
-from .outputs import UsageError, check_seeds
+from .outputs import UsageError
 
 
 logger = logging.get_logger(__name__)
@@ -106,29 +105,6 @@ def make_config(**kwargs) -> DDLConfig:
         raise UsageError(config_error_message(err)) from err
 
 
-def check_training_arguments(args) -> None:
-    """Values `TrainingArguments` accepts and Trainer then misuses, refused before anything is written: a batch of 0
-    or no accumulation (a late DataLoader error, a division by zero), a negative or non-finite learning rate, weight
-    decay, epsilon or clipping norm (AdamW's traceback after the tokenizer is written; a negative norm silently
-    turns clipping off), betas outside [0, 1), seeds numpy refuses, and no epochs to train (`--max_steps -1` with
-    `--num_train_epochs 0`)."""
-    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
-        if getattr(args, name) < 1:
-            raise UsageError(f"--{name} {getattr(args, name)}: must be at least 1.")
-    for name in ("learning_rate", "weight_decay", "adam_epsilon", "max_grad_norm"):
-        value = getattr(args, name)
-        if not (math.isfinite(value) and value >= 0):
-            what = " (0: no clipping)" if name == "max_grad_norm" else ""
-            raise UsageError(f"--{name} {value}: must be a number >= 0{what}.")
-    for name in ("adam_beta1", "adam_beta2"):
-        if not 0 <= getattr(args, name) < 1:
-            raise UsageError(f"--{name} {getattr(args, name)}: must be in [0, 1).")
-    for name in ("seed", "data_seed"):
-        check_seeds(f"--{name}", [getattr(args, name)])
-    if args.max_steps <= 0 and not args.num_train_epochs > 0:
-        raise UsageError(f"--num_train_epochs {args.num_train_epochs}: must be above 0 (or give --max_steps).")
-
-
 def parsed_arguments(parser, argv):
     """`parser.parse_args_into_dataclasses(argv)` with the `ValueError`s of the dataclasses' own checks (e.g.
     `TrainingArguments`: a negative --warmup_steps) as one-line `UsageError`s."""
@@ -206,7 +182,6 @@ __all__ = [
     "PRESET_RUN_DEFAULTS",
     "TRAINING_SWITCHES",
     "check_ddl_environment",
-    "check_training_arguments",
     "config_error_message",
     "ddl_config_from_llama",
     "make_config",

@@ -1,5 +1,11 @@
-"""Resuming a run: what its checkpoints record beyond `TrainerState` (block size, data, tokenizer, model flags,
-training arguments) and the checks that a resume continues the same run.
+"""Resuming a run: its record, and the one comparison that says whether a resume continues it.
+
+A run's record (`run_record`) is what its checkpoints keep beyond `TrainerState`, as JSON in their
+`trainer_state.json` (`DDLRunRecord`; the checkpoint's `training_args.bin` is a pickle, which only unpickling, that
+is running what it says, would read): the arguments a resume takes over (`KEPT`: each with the reason another value
+is refused; `FOLLOWED`: those Trainer builds from the command line on resume), the content of its data files, its
+tokenizer, and for --lora the model its adapter was trained on. A resume takes every argument it is not given from
+the record (`adopt_recorded_arguments`), then compares its own record with it (`check_continues`).
 """
 
 import enum
@@ -7,87 +13,74 @@ import hashlib
 import json
 import os
 
-from huggingface_hub.errors import StrictDataclassError
 from transformers import TrainerCallback, TrainerState
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_callback import ExportableState
 from transformers.utils import logging
 
-from ddl import DDLConfig
-
 from .outputs import UsageError
-from .presets import PRESETS, TRAINING_SWITCHES, config_error_message
+from .presets import TRAINING_SWITCHES
 
 
 logger = logging.get_logger(__name__)
 
+_OPTIMIZER = "Trainer restores the optimizer's settings from the checkpoint: the flag would be ignored"
+_POSITION = "Trainer counts the steps done in batches of this size, so the run would not resume at its next block"
+_ORDER = "the seed draws the order of the blocks, so the run would not resume at its next block"
+_SPLIT = "another value would move rows between training and validation"
+KEPT = {
+    "block_size": "the data would be re-packed under the resumed position",
+    "dataset_name": "it names the run's data", "dataset_config_name": "it names the run's data",
+    "text_column": "it names the run's text",
+    "validation_split_percentage": _SPLIT, "streaming_validation_examples": _SPLIT,
+    "learning_rate": "Trainer restores the schedule's peak from the checkpoint: the flag would be ignored",
+    **dict.fromkeys(("weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon"), _OPTIMIZER),
+    "optim": "the checkpoint holds that optimizer's state, which another optimizer cannot continue",
+    "per_device_train_batch_size": _POSITION, "gradient_accumulation_steps": _POSITION,
+    "seed": _ORDER, "data_seed": _ORDER,
+}
+# What Trainer builds from the command line on resume (the run's length, the schedule's shape at the checkpoint's peak,
+# the clipping): given, they are what the resumed run trains with. The data files are compared by their content.
+FOLLOWED = ("max_steps", "num_train_epochs", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps",
+            "max_grad_norm", "train_file", "validation_file")
+# Arguments that are given, or taken from the record, together: one setting each.
+_TOGETHER = (("max_steps", "num_train_epochs"),
+             ("dataset_name", "dataset_config_name", "train_file", "validation_file"))
+_SAME_OPTIMIZER = {"adamw_torch_fused": "adamw_torch"}  # the same optimizer (and state), fused or not
+# Config fields that say nothing of the model an adapter was trained on
+UNRECORDED_CONFIG = ("transformers_version", "_name_or_path", "architectures", "auto_map", "use_cache", "dtype",
+                     "torch_dtype", *TRAINING_SWITCHES)
+
 
 class DDLRunRecord(TrainerCallback, ExportableState):
-    """What a resumed run must keep and `TrainerState` does not record: the block size the data was packed into, the
-    data (`data_record`: its source and the content of its local files), the tokenizer (`tokenizer_digest`) and the
-    training arguments of the optimisation and the data order (`training_record`). Saved in every checkpoint's
-    `trainer_state.json` (transformers' stateful callbacks), as JSON: the checkpoint's `training_args.bin` is a
-    pickle, which only unpickling (running what it says) would read. A resume that would train on other data or
-    tokens, or with arguments Trainer would not honour, is refused (`check_resumed_data`,
-    `resumed_training_arguments`)."""
+    """The run's record (`run_record`), saved with every checkpoint (transformers' stateful callbacks)."""
 
-    def __init__(self, block_size: int | None = None, data: dict | None = None, tokenizer: str | None = None,
-                 training: dict | None = None, model: dict | None = None):
-        self.block_size, self.data, self.tokenizer, self.training = block_size, data, tokenizer, training
-        self.model = model
+    def __init__(self, record: dict | None = None, **earlier):
+        self.record = record if record is not None else _earlier_layout(earlier)
 
     def state(self) -> dict:
-        return {"args": {"block_size": self.block_size, "data": self.data, "tokenizer": self.tokenizer,
-                         "training": self.training, "model": self.model},
-                "attributes": {}}
+        return {"args": {"record": self.record}, "attributes": {}}
 
     def on_train_begin(self, args, state, control, **kwargs):
         # a checkpoint written before this record existed has no entry, and Trainer's save expects one
         state.stateful_callbacks.setdefault(type(self).__name__, self.state())
 
 
-def resumed_state(checkpoint: str | None) -> TrainerState | None:
-    return None if checkpoint is None else TrainerState.load_from_json(os.path.join(checkpoint, TRAINER_STATE_NAME))
+def _earlier_layout(args: dict) -> dict:
+    """A record as ddl 0.3.0 saved it (data, training and split nested), in today's layout."""
+    data = args.get("data") or {}
+    record = {**(args.get("training") or {}), **(data.get("split") or {}), "block_size": args.get("block_size"),
+              "text_column": data.get("text_column"), "tokenizer": args.get("tokenizer"), "model": args.get("model")}
+    record.update({f"{split}_file": entry for split, entry in (data.get("files") or {}).items()})
+    return {key: value for key, value in record.items() if value is not None}
 
 
-def _recorded(state: TrainerState) -> dict:
-    record = state.stateful_callbacks.get(DDLRunRecord.__name__) or {}
-    if isinstance(record, list):
-        record = record[0] if record else {}
-    return record.get("args", {})
-
-
-def recorded_block_size(state: TrainerState) -> int | None:
-    return _recorded(state).get("block_size")
-
-
-# Config fields that say nothing of the model a LoRA adapter was trained on (`model_record`)
-UNRECORDED_CONFIG = ("transformers_version", "_name_or_path", "architectures", "auto_map", "use_cache", "dtype",
-                     "torch_dtype", *TRAINING_SWITCHES)
-
-
-def model_record(config) -> dict:
-    """A --lora run's model as its checkpoints record it (an adapter's checkpoint has no config.json): the config of
-    its base with the run's --ddl_* and --config_overrides, as JSON values."""
-    return json.loads(json.dumps({k: v for k, v in config.to_dict().items() if k not in UNRECORDED_CONFIG}))
-
-
-def check_resumed_lora_model(checkpoint: str, state: TrainerState, config) -> None:
-    """A --lora run resumes its adapter on the model it was trained on: `config` (the base and the flags given now)
-    must be the recorded one, field by field (a flag left out or changed would ship the adapter merged into another
-    model, even where every tensor keeps its shape). A checkpoint saved before the record resumes with a warning."""
-    recorded = _recorded(state).get("model")
-    if recorded is None:
-        logger.warning("%s does not record its model (saved before train.py recorded it): resuming without checking "
-                       "that the base and the --ddl_* / --config_overrides flags given here are the run's.", checkpoint)
-        return
-    now = model_record(config)
-    differ = [f"{key} = {now.get(key)!r} (it has {recorded.get(key)!r})" for key in sorted(now.keys() | recorded.keys())
-              if now.get(key) != recorded.get(key)]
-    if differ:
-        raise UsageError(f"--resume_from_checkpoint {checkpoint!r} continues a LoRA adapter trained on another model: "
-                         f"here {'; '.join(differ)}. Resume with the run's own base, --ddl_* and --config_overrides "
-                         "flags, or start a new run in another --output_dir.")
+def recorded(checkpoint: str) -> tuple[TrainerState, dict]:
+    """The checkpoint's Trainer state and its run's record ({} if it has none)."""
+    state = TrainerState.load_from_json(os.path.join(checkpoint, TRAINER_STATE_NAME))
+    saved = state.stateful_callbacks.get(DDLRunRecord.__name__) or {}
+    saved = (saved[0] if saved else {}) if isinstance(saved, list) else saved
+    return state, DDLRunRecord(**saved.get("args", {})).record
 
 
 def file_digest(path: str) -> str:
@@ -97,16 +90,6 @@ def file_digest(path: str) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def data_record(name: str, files: dict[str, str], text_column: str, split: dict | None = None) -> dict:
-    """What a run trains on, as its checkpoints record it: the source's name (`load_raw_datasets`'), each local file
-    by its name and the SHA-256 of its content (`files`: split -> path; a file of the same name may hold other text by
-    the time the run resumes), the column read, and how its validation rows were held out (`split`: the one of
-    `SPLIT_FLAGS` that chose them and its value; none where the data has its own validation split)."""
-    return {"name": name, "text_column": text_column, "split": split or {},
-            "files": {split: {"file": os.path.basename(path), "sha256": file_digest(path)}
-                      for split, path in files.items()}}
 
 
 def tokenizer_digest(tokenizer) -> str:
@@ -122,189 +105,96 @@ def tokenizer_digest(tokenizer) -> str:
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode("utf-8")).hexdigest()
 
 
-def _data_differences(then: dict, now: dict) -> list[str]:
-    if then.get("files") and now.get("files"):  # local files: by content (a file moved or renamed is the same)
-        differ = []
-        for split in sorted(set(then["files"]) | set(now["files"])):
-            old, new = then["files"].get(split), now["files"].get(split)
-            if old is None or new is None:
-                differ.append(f"--{split}_file: the run read {old['file'] if old else 'none'!r}, this one "
-                              f"{new['file'] if new else 'none'!r}")
-            elif old["sha256"] != new["sha256"]:
-                differ.append(f"{new['file']!r} has changed since the run read it" if old["file"] == new["file"] else
-                              f"--{split}_file {new['file']!r} is not the file the run read ({old['file']!r})")
-    elif then.get("name") != now.get("name"):
-        differ = [f"the data is {now.get('name')!r}, the run's was {then.get('name')!r}"]
-    else:
-        differ = []
-    if then.get("text_column") != now.get("text_column"):
-        differ.append(f"--text_column {now.get('text_column')!r} (the run read {then.get('text_column')!r})")
-    return differ
-
-
-def check_resumed_data(checkpoint: str, state: TrainerState, data: dict, tokenizer: str,
-                       tokenizer_source: str) -> None:
-    """A resumed run continues on its checkpoint's data and tokens: other data (another --train_file or dataset, a
-    file whose content changed, another --text_column) or another tokenizer (another vocabulary or merges, even of
-    the same size) is refused; training would continue silently on text the first part never saw, and the folder
-    would ship a tokenizer the first part never used. A checkpoint saved before the record existed resumes with a
-    warning (nothing to compare with)."""
-    recorded = _recorded(state)
-    if recorded.get("data") is None or recorded.get("tokenizer") is None:
-        logger.warning("%s does not record its data and tokenizer (saved before train.py recorded them): resuming "
-                       "without checking that they are this run's.", checkpoint)
-        return
-    differ = _data_differences(recorded["data"], data)
-    if recorded["tokenizer"] != tokenizer:
-        differ.append(f"the tokenizer ({tokenizer_source}) is not the one it was trained with (another vocabulary or "
-                      "merges)")
-    if differ:
-        raise UsageError(f"--resume_from_checkpoint {checkpoint!r} continues a run on its own data and tokenizer, but "
-                         f"{'; '.join(differ)}. Resume with that run's data and tokenizer (drop --tokenizer_name to "
-                         "use the checkpoint's), or start a new run in another --output_dir.")
-
-
-def check_resumed_model(checkpoint: str, preset: str | None, overrides: dict, flags: dict) -> None:
-    """Resuming continues the checkpoint's model: a --preset, --config_overrides field or --ddl_* flag that asks for
-    another architecture is refused (one that repeats the checkpoint's value is fine)."""
-    try:
-        config = DDLConfig.from_pretrained(checkpoint)
-    except StrictDataclassError as err:
-        raise UsageError(f"{checkpoint!r}: {config_error_message(err)}") from err
-    asked = {}  # field -> (where it was asked for, value); later sources win, as when building a fresh model
-    for key, value in (PRESETS[preset] if preset else {}).items():
-        asked[key] = (f"--preset {preset} ({key})", value)
-    for key, value in overrides.items():
-        asked[key] = (f"--config_overrides {key}", value)
-    for key, value in flags.items():
-        asked[key] = (f"--{key}", value)
-    differ = [f"{where} = {value!r} (it has {getattr(config, key, None)!r})" for key, (where, value) in asked.items()
-              if getattr(config, key, None) != value]
-    if differ:
-        raise UsageError(f"--resume_from_checkpoint {checkpoint!r} continues that checkpoint's model, but "
-                         f"{'; '.join(differ)} asks for another. Drop these flags to resume, or start a new run in "
-                         "another --output_dir.")
-
-
-def resumed_block_size(checkpoint: str, state: TrainerState, block_size: int | None, given: bool) -> int | None:
-    """The block size of a resumed run: the checkpoint's (a different --block_size would re-pack the data under
-    the resumed data position, so it is refused). A checkpoint without the record keeps `block_size`."""
-    recorded = recorded_block_size(state)
-    if recorded is None:
-        logger.warning("%s does not record its block size (saved before train.py recorded it): using %s.", checkpoint,
-                       block_size)
-        return block_size
-    if given and block_size != recorded:
-        raise UsageError(f"--block_size {block_size}: {checkpoint!r} was trained on blocks of {recorded} tokens, and "
-                         "resuming with another size would re-pack the data under its position. Drop --block_size to "
-                         "resume, or start a new run in another --output_dir.")
-    if block_size != recorded:
-        logger.warning("Resuming %s with its blocks of %d tokens.", checkpoint, recorded)
-    return recorded
-
-
-# The flags that choose which rows are held out for validation when the data has no validation split of its own
-SPLIT_FLAGS = ("validation_split_percentage", "streaming_validation_examples")
-
-
-def resumed_split(checkpoint: str, state: TrainerState, data_args, given: set[str]) -> None:
-    """A resumed run holds out its checkpoint's validation rows (`SPLIT_FLAGS` set in `data_args` to the recorded
-    values): another split would move rows between training and validation under the resumed data position, so a
-    different value given is refused. A checkpoint saved before the record existed keeps what is given."""
-    data = _recorded(state).get("data") or {}
-    split = data.get("split") or {}
-    if len(split) > 1:  # (recorded before only the flag that chose the rows was: the one that can have)
-        chose = (None if "validation" in (data.get("files") or {}) else
-                 "streaming_validation_examples" if data_args.streaming else "validation_split_percentage")
-        split = {name: value for name, value in split.items() if name == chose}
-    for name, value in split.items():
-        if name in given and getattr(data_args, name) != value:
-            raise UsageError(f"--{name} {getattr(data_args, name):g}: {checkpoint!r} held out its validation rows "
-                             f"with {value:g}, and another value would move rows between training and validation. "
-                             f"Drop --{name} to resume, or start a new run in another --output_dir.")
-        setattr(data_args, name, value)
-
-
-# The training arguments a run's checkpoints record (`training_record`) and its resume keeps
-# (`resumed_training_arguments`), each with the reason another value given is refused. Trainer restores the optimizer
-# from the checkpoint whatever the command line says, with its settings and the schedule's peak (the scheduler's base
-# rates): another learning rate, weight decay or Adam setting would be silently ignored, and another --optim would meet
-# a state not its own (a KeyError, or moments misread). And Trainer finds the run's data position by skipping the
-# steps done, in batches of the size given now and in the order the seed given now draws: another batch, accumulation
-# or seed would resume at other blocks than the run's next ones.
-KEPT_ON_RESUME = {
-    "learning_rate": "Trainer restores the schedule's peak from the checkpoint: the flag would be ignored",
-    **dict.fromkeys(("weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon"),
-                    "Trainer restores the optimizer's settings from the checkpoint: the flag would be ignored"),
-    "optim": "the checkpoint holds that optimizer's state, which another optimizer cannot continue",
-    **dict.fromkeys(("per_device_train_batch_size", "gradient_accumulation_steps"),
-                    "Trainer counts the steps done in batches of this size, so the run would not resume at its next "
-                    "block"),
-    **dict.fromkeys(("seed", "data_seed"), "the seed draws the order of the blocks, so the run would not resume at "
-                                            "its next block"),
-}
-# What Trainer builds from the command line on resume: the run's length; the learning-rate schedule's shape, from the
-# second resumed step on (the first takes the rate the checkpoint's scheduler computed), at the checkpoint's peak, as
-# for a raised --max_steps; and the clipping of every step. Given, they are what the resumed run trains with.
-FOLLOWED_ON_RESUME = ("max_steps", "num_train_epochs", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps",
-                      "max_grad_norm")
-_OPTIMIZER_STATE = {"adamw_torch_fused": "adamw_torch"}  # the same optimizer (and state), fused or not
+def model_record(config) -> dict:
+    """A model as a record holds it: its config's fields, as JSON values."""
+    return json.loads(json.dumps({k: v for k, v in config.to_dict().items() if k not in UNRECORDED_CONFIG}))
 
 
 def _json_value(value):
     return value.value if isinstance(value, enum.Enum) else value
 
 
-def training_record(args) -> dict:
-    """A run's values of the training arguments its resume keeps or follows (`KEPT_ON_RESUME`,
-    `FOLLOWED_ON_RESUME`), as JSON values, for `DDLRunRecord`."""
-    return {name: _json_value(getattr(args, name)) for name in (*KEPT_ON_RESUME, *FOLLOWED_ON_RESUME)}
+def run_record(data_args, training_args, held_out_by: str | None, tokenizer, lora_config=None) -> dict:
+    """What a run's checkpoints record: its arguments of `KEPT` and `FOLLOWED` (of the two validation-split flags,
+    the one that chose its rows, `held_out_by`), its data files (name, path and content), its tokenizer and, with
+    --lora, its model's config (an adapter's checkpoint has no config.json)."""
+    names = [n for n in (*KEPT, *FOLLOWED) if not n.endswith(("_file", "_percentage", "_examples"))]
+    record = {name: _json_value(getattr(args, name)) for args in (data_args, training_args) for name in names
+              if hasattr(args, name)}
+    if held_out_by:
+        record[held_out_by] = getattr(data_args, held_out_by)
+    for key in ("train_file", "validation_file"):
+        path = getattr(data_args, key)
+        record[key] = path and {"file": os.path.basename(path), "path": os.path.abspath(path),
+                                "sha256": file_digest(path)}
+    record["tokenizer"] = tokenizer_digest(tokenizer)
+    if lora_config is not None:
+        record["model"] = model_record(lora_config)
+    return record
 
 
-def _same_argument(name: str, value, recorded) -> bool:
-    if name == "optim":
-        return _OPTIMIZER_STATE.get(value, value) == _OPTIMIZER_STATE.get(recorded, recorded)
-    return value == recorded
+def adopt_recorded_arguments(checkpoint: str, record: dict, given: set[str], *arguments) -> None:
+    """A resumed run trains with its run's arguments: each one the command line does not give is set to the record's
+    (the schedule then continues as it was, and the run's card and training_args.json say what Trainer does)."""
+    for together in _TOGETHER:
+        if given & set(together):
+            given = given | set(together)
+    adopted = []
+    for args in arguments:
+        for name, value in record.items():
+            if name in given or not hasattr(args, name) or name not in (*KEPT, *FOLLOWED):
+                continue
+            value = value.get("path") if name.endswith("_file") and value else value
+            current = getattr(args, name)
+            if _json_value(current) != value:
+                setattr(args, name, type(current)(value) if isinstance(current, enum.Enum) else value)
+                adopted.append(f"--{name} {_shown(value)}")
+    unchecked = [what for what, key in (("block size", "block_size"), ("data", "text_column"),
+                                        ("tokenizer", "tokenizer"), ("training arguments", "learning_rate"),
+                                        ("model", "model")) if key not in record]
+    if unchecked:
+        logger.warning("%s does not record its %s (saved by an earlier train.py): resuming without checking that "
+                       "they are this run's.", checkpoint, ", ".join(unchecked))
+    if adopted:
+        logger.warning("Resuming %s with its run's %s (not given here).", checkpoint, ", ".join(adopted))
 
 
 def _shown(value) -> str:
     return "none" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def resumed_training_arguments(checkpoint: str, state: TrainerState, args, given: set[str]) -> None:
-    """A resumed run trains on with its checkpoint's training arguments (`DDLRunRecord`'s record of them). Each one the
-    command line does not give is set in `args` to the checkpoint's value: the schedule then continues as it was, and
-    the run's record, card and training_args.json say what Trainer does (a default would have been reported, or
-    followed, instead). A given one of `KEPT_ON_RESUME` whose value is not the checkpoint's is refused in one line that
-    says why; a given one of `FOLLOWED_ON_RESUME` (--max_steps among them) is what the run trains with.
-    A checkpoint saved before the record existed resumes with a warning (nothing to compare with)."""
-    recorded = _recorded(state).get("training")
-    if recorded is None:
-        logger.warning("%s does not record its training arguments (saved before train.py recorded them): resuming "
-                       "without checking that the learning rate, optimizer, batch and seed given here are its own "
-                       "(Trainer continues with the checkpoint's optimizer and learning rate).", checkpoint)
-        return
-    differ, adopted = [], []
-    if given & {"max_steps", "num_train_epochs"}:  # (one setting: a recorded --max_steps would win over given epochs)
-        given = given | {"max_steps", "num_train_epochs"}
-    for name, value in recorded.items():
-        if name not in KEPT_ON_RESUME and name not in FOLLOWED_ON_RESUME:
-            continue  # (recorded by a later version)
-        current = getattr(args, name)
-        if name in given:
-            if name in KEPT_ON_RESUME and not _same_argument(name, _json_value(current), value):
-                differ.append(f"--{name} {_shown(_json_value(current))} is not the checkpoint's {_shown(value)} "
-                              f"({KEPT_ON_RESUME[name]})")
-        elif _json_value(current) != value:
-            setattr(args, name, type(current)(value) if isinstance(current, enum.Enum) else value)
-            adopted.append(f"--{name} {_shown(value)}")
+def _difference(key: str, then, now, tokenizer_source: str) -> str | None:
+    """How this run's `now` differs from its checkpoint's `then` for the record's `key`, in words (None: it does
+    not)."""
+    if key.endswith("_file"):  # by content: a file moved or renamed is the same
+        if (then and then["sha256"]) == (now and now["sha256"]):
+            return None
+        if not (then and now):
+            return (f"--{key}: the run read {then['file'] if then else 'none'!r}, this one "
+                    f"{now['file'] if now else 'none'!r}")
+        return (f"{now['file']!r} has changed since the run read it" if then["file"] == now["file"] else
+                f"--{key} {now['file']!r} is not the file the run read ({then['file']!r})")
+    if key == "optim" and _SAME_OPTIMIZER.get(now, now) == _SAME_OPTIMIZER.get(then, then) or then == now:
+        return None
+    if key == "tokenizer":
+        return f"the tokenizer ({tokenizer_source}) is not the one it was trained with (another vocabulary or merges)"
+    if key == "model":
+        return "its model has " + "; ".join(f"{k} = {now.get(k)!r} (it has {then.get(k)!r})"
+                                            for k in sorted(now.keys() | then.keys()) if now.get(k) != then.get(k))
+    return f"--{key} {_shown(now)} is not the checkpoint's {_shown(then)} ({KEPT[key]})"
+
+
+def check_continues(checkpoint: str, then: dict, now: dict, tokenizer_source: str) -> None:
+    """A resume continues its checkpoint's run: every value of its record that is not this run's is refused (those
+    of `FOLLOWED` aside), in one line. Training on would silently use other data, tokens, blocks or settings than the
+    checkpoint's, or arguments Trainer would not honour."""
+    differ = [_difference(key, then[key], now[key], tokenizer_source) for key in then.keys() & now.keys()
+              if key not in FOLLOWED or key.endswith("_file")]
+    differ = [line for line in differ if line]
     if differ:
-        them = "this flag" if len(differ) == 1 else "these flags"
         raise UsageError(f"--resume_from_checkpoint {checkpoint!r} continues its run as it was trained, but "
-                         f"{'; '.join(differ)}. Drop {them} to resume, or start a new run in another --output_dir to "
-                         f"train with {'it' if len(differ) == 1 else 'them'}.")
-    if adopted:
-        logger.warning("Resuming %s with its run's %s (not given here).", checkpoint, ", ".join(adopted))
+                         f"{'; '.join(sorted(differ))}. Give the run's own values (or leave them out) to resume, or "
+                         "start a new run in another --output_dir to train with these.")
 
 
 def steps_left(state: TrainerState, max_steps: int) -> int:
@@ -319,23 +209,5 @@ def tokens_seen(state, args, block_size: int) -> int:
                                            * args.gradient_accumulation_steps * args.world_size)
 
 
-__all__ = [
-    "DDLRunRecord",
-    "FOLLOWED_ON_RESUME",
-    "KEPT_ON_RESUME",
-    "check_resumed_data",
-    "check_resumed_lora_model",
-    "check_resumed_model",
-    "data_record",
-    "model_record",
-    "file_digest",
-    "recorded_block_size",
-    "resumed_block_size",
-    "resumed_split",
-    "resumed_state",
-    "resumed_training_arguments",
-    "steps_left",
-    "tokenizer_digest",
-    "tokens_seen",
-    "training_record",
-]
+__all__ = ["DDLRunRecord", "FOLLOWED", "KEPT", "adopt_recorded_arguments", "check_continues", "file_digest",
+           "model_record", "recorded", "run_record", "steps_left", "tokenizer_digest", "tokens_seen"]

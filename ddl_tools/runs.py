@@ -52,11 +52,6 @@ def checkpoint_damage(path: str) -> str | None:
     return None
 
 
-def is_complete_checkpoint(path: str) -> bool:
-    """Whether a checkpoint folder can be resumed from (`checkpoint_damage`)."""
-    return checkpoint_damage(path) is None
-
-
 def checkpoints(folder: str) -> list[str]:
     """The `checkpoint-<step>` folders in `folder`, oldest step first."""
     found = [os.path.join(folder, name) for name in folder_contents(folder)
@@ -65,7 +60,7 @@ def checkpoints(folder: str) -> list[str]:
 
 
 def last_complete_checkpoint(folder: str) -> str | None:
-    complete = [path for path in checkpoints(folder) if is_complete_checkpoint(path)]
+    complete = [path for path in checkpoints(folder) if checkpoint_damage(path) is None]
     return complete[-1] if complete else None
 
 
@@ -146,14 +141,8 @@ def take_output_dir(out: str, overwrite: bool, resume: str | None) -> None:
     if overwrite and not (resume is not None and _is_inside(resume, out)):
         for path in checkpoints(out):
             shutil.rmtree(path)
-    mark_unfinished(out)
-
-
-def mark_unfinished(out: str) -> None:
-    """Mark `out` as holding an unfinished run; a mark already there is kept."""
-    path = os.path.join(out, UNFINISHED_RUN)
-    if not os.path.exists(path):
-        write_json(path, {"command": sys.argv, "started": time.ctime()})
+    if not os.path.exists(os.path.join(out, UNFINISHED_RUN)):  # (a mark already there is kept)
+        write_json(os.path.join(out, UNFINISHED_RUN), {"command": sys.argv, "started": time.ctime()})
 
 
 def finish_output_dir(out: str) -> None:
@@ -204,6 +193,34 @@ def saving_into(folder: str, what: str, then: str | None = None):
                          f"writable); {then or interruption_note(folder)}") from err
 
 
+def run_cli(main, argv: list[str], prog: str, interrupted) -> int:
+    """A script's `main(argv)` as its command line runs it: a user mistake is one `prog: error: ...` line on stderr
+    and exit status 2, Ctrl-C one line that says what to do (`interrupted()`) and status 130. However it ends, its
+    output folders are let go of (one it created and left empty is removed) and its process group is ended."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    from .launch import end_process_group
+    from .presets import config_error_message
+
+    failed = True
+    try:
+        main(argv)
+        failed = False
+    except UsageError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
+    except StrictDataclassError as err:  # a DDLConfig built from a config.json or the flags is invalid
+        print(f"{prog}: error: {config_error_message(err)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted; {interrupted()}", file=sys.stderr)
+        return 130
+    finally:
+        release_output_dirs(failed)
+        end_process_group()
+    return 0
+
+
 def release_output_dirs(failed: bool = False) -> None:
     """Let go of this process's output folders (the operating system does it at exit anyway). `failed`: a folder
     this run created and left holding nothing but its mark is removed (a mistyped flag leaves no trace)."""
@@ -225,10 +242,9 @@ __all__ = [
     "claim_results_dir",
     "finish_output_dir",
     "interruption_note",
-    "is_complete_checkpoint",
     "last_complete_checkpoint",
-    "mark_unfinished",
     "take_output_dir",
     "release_output_dirs",
+    "run_cli",
     "saving_into",
 ]

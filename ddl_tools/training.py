@@ -1,25 +1,65 @@
-"""`DDLTrainer`: transformers' `Trainer` with DDL's model card, Hub pushes of revisions that load, a stop at the
-first non-finite loss or gradient norm, exact evaluation losses and a fast resume of streamed data.
+"""`DDLTrainingArguments` and `DDLTrainer`: transformers' own, with their flags checked as they are parsed, DDL's
+model card, Hub pushes of revisions that load, a stop at the first non-finite loss or gradient norm, exact evaluation
+losses and a fast resume of streamed data.
 """
 
 import json
 import math
 import os
+from dataclasses import dataclass, field
 
 import torch
-from transformers import Trainer
+from transformers import Trainer, TrainingArguments
 from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy, SaveStrategy
 from transformers.utils import PushInProgress, logging
 
 from .card import model_card, shareable_arguments
-from .outputs import UsageError, write_text
+from .launch import import_deepspeed_only_when_used
+from .outputs import UsageError, check_seeds, write_text
 from .resume import tokens_seen
 from .runs import last_complete_checkpoint, saving_into
 from .streaming import StreamPosition, save_position, saved_position
 
 
 logger = logging.get_logger(__name__)
+
+
+@dataclass
+class DDLTrainingArguments(TrainingArguments):
+    """`TrainingArguments`, with the values it accepts and Trainer then misuses refused in one line before anything
+    is written: a batch of 0 or no accumulation (a late DataLoader error, a division by zero), a negative or
+    non-finite learning rate, weight decay, epsilon or clipping norm (AdamW's traceback; a negative norm silently
+    turns clipping off), betas outside [0, 1), seeds numpy refuses, a length Trainer reads as epochs, and Hub
+    strategies that push pickles. Plus the output folder's one rule (`ddl_tools.outputs`)."""
+
+    overwrite_output_dir: bool = field(
+        default=False, metadata={"help": "Allow writing into a non-empty --output_dir (otherwise: error, or resume)."}
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"--{name} {getattr(self, name)}: must be at least 1.")
+        for name in ("learning_rate", "weight_decay", "adam_epsilon", "max_grad_norm"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                what = " (0: no clipping)" if name == "max_grad_norm" else ""
+                raise UsageError(f"--{name} {getattr(self, name)}: must be a number >= 0{what}.")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise UsageError(f"--{name} {getattr(self, name)}: must be in [0, 1).")
+        for name in ("seed", "data_seed"):
+            check_seeds(f"--{name}", [getattr(self, name)])
+        if self.max_steps == 0 or self.max_steps < -1:  # (Trainer reads -3 as "train --num_train_epochs epochs")
+            raise UsageError(f"--max_steps {self.max_steps}: give a positive number of optimizer steps, or -1 to "
+                             "train for --num_train_epochs epochs.")
+        if self.max_steps <= 0 and not self.num_train_epochs > 0:
+            raise UsageError(f"--num_train_epochs {self.num_train_epochs}: must be above 0 (or give --max_steps).")
+        if self.push_to_hub and self.hub_strategy in (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS):
+            raise UsageError(f"--hub_strategy {self.hub_strategy.value} would push Trainer's checkpoint folders "
+                             "(optimizer and RNG states are pickles); train.py pushes loadable models only. Use "
+                             "--hub_strategy every_save or end, and resume from the local checkpoint-* folders.")
 
 
 class TrainingDiverged(UsageError):
@@ -46,6 +86,12 @@ class DDLTrainer(Trainer):
 
     Streamed data: each checkpoint records where the stream stood (`ddl_tools.streaming`), and a resume from such a
     checkpoint starts the stream there instead of drawing and discarding everything consumed before it.
+
+    Three private methods are overridden, where no public hook reaches what is needed: `_maybe_log_save_evaluate`
+    receives the step's gradient norm (Trainer's, over every process and shard; a callback would compute it again,
+    with collectives of its own), `_save_checkpoint` is the one call around a checkpoint's whole save (`on_save` comes
+    after it), and `_push_from_checkpoint` is Trainer's push at each save, which copies a fixed list of files (not the
+    model's .py files) and uploads a pickle.
     """
 
     ddl_model_card: str | None = None
@@ -55,6 +101,10 @@ class DDLTrainer(Trainer):
     _stream: StreamPosition | None = None  # the streamed training set as this train() call draws it
     _stream_resume: dict | None = None  # where the checkpoint this train() call resumes left its stream
     _eval_sums: list | None = None  # during an evaluation: (summed token loss, tokens) of every row evaluated
+
+    def __init__(self, *args, **kwargs):
+        import_deepspeed_only_when_used()
+        super().__init__(*args, **kwargs)
 
     def _streams(self) -> bool:
         """Whether the training set is streamed through this process (not worker processes): its position can be
@@ -242,7 +292,4 @@ class DDLTrainer(Trainer):
                           metrics=metrics, loss_curve=None, status=status)
 
 
-__all__ = [
-    "DDLTrainer",
-    "TrainingDiverged",
-]
+__all__ = ["DDLTrainer", "DDLTrainingArguments", "TrainingDiverged"]

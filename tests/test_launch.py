@@ -5,7 +5,9 @@ independent trainings into one folder (without), both with exit status 0; and no
 one output folder at the same time.
 """
 
+import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -15,8 +17,6 @@ from test_train import ROOT, TINY_RUN, TRAIN, env, text_file, tiny  # noqa: F401
 
 def accelerate_launch(config, *args, timeout=240):
     """`accelerate launch` through this interpreter (its console script may belong to another environment)."""
-    import subprocess
-
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(ROOT, "configs", config),
            "--num_processes", "2", "--main_process_port", "29541", TRAIN, *args]
     return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
@@ -40,6 +40,20 @@ def test_launch_that_would_not_do_what_it_says_is_refused(case, tmp_path, text_f
     assert lines and all(message in line for line in lines), proc.stderr[-3000:]
     assert f'{TRAIN}", line' not in proc.stderr  # no traceback through train.py (the launcher reports the exit)
     assert not out.exists()  # nothing written
+
+
+def test_an_accelerate_cpu_launch_in_bf16_trains_in_bf16(tmp_path, text_file):  # noqa: F811
+    """`accelerate launch --mixed_precision bf16 --cpu train.py ...` was refused with a line asking to leave
+    --bf16/--fp16 unset, which they were: --bf16 needs --use_cpu on a machine without GPUs, and accelerate's --cpu is
+    now read as it."""
+    out = tmp_path / "out"
+    args = [a for a in tiny(out, text_file, "--max_steps", "1", "--eval_steps", "1", "--save_steps", "1")
+            if a != "--use_cpu"]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--mixed_precision", "bf16", "--cpu", TRAIN, *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    arguments = json.loads((out / "training_args.json").read_text())
+    assert arguments["bf16"] is True and arguments["use_cpu"] is True
 
 
 def test_refused_run_leaves_no_folder_behind(tmp_path, capsys):

@@ -60,6 +60,18 @@ def test_the_scripts_helpers_import_one_way_without_a_cycle():
     _assert_no_cycle(graph)
 
 
+def test_the_code_is_licensed_apache_2():
+    """The license transformers itself has, in the LICENSE file and the package's metadata (an SPDX expression)."""
+    import tomllib
+
+    with open(os.path.join(ROOT, "LICENSE"), encoding="utf-8") as f:
+        text = f.read()
+    assert text.startswith("Copyright 2026 the ddl authors\n") and "Version 2.0, January 2004" in text
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    assert project["license"] == "Apache-2.0" and project["license-files"] == ["LICENSE"]
+
+
 def test_the_package_is_what_a_checkpoint_ships(tmp_path):
     """Every module of `ddl/` (but `__init__`) travels with a saved model, and nothing else does: the applications
     live in `ddl_tools/`."""

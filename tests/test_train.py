@@ -117,11 +117,22 @@ def test_checkpoint_is_complete(trained):
                                   "AutoModelForQuestionAnswering": "modeling_ddl.DDLForQuestionAnswering"}
     assert config["use_cache"] is True and config["ddl_value_channels"] == 4 and config["ddl_residual"] == "delta"
     card = (out / "README.md").read_text()
-    for needle in ("DDL-CC (d_v=4)", "trust_remote_code=True", "loss_curve.png", "validation", "Tokens seen: 384"):
+    for needle in ("DDL-CC (d_v=4)", "trust_remote_code=True", "loss_curve.png", "validation", "Tokens seen: 384",
+                   "under the Apache-2.0 license"):
         assert needle in card, needle
+    assert ModelCard.load(out / "README.md").data.license == "apache-2.0"  # the code's, unless --license says otherwise
     results = json.loads((out / "all_results.json").read_text())
     assert math.isfinite(results["eval_loss"]) and results["tokens_seen"] == 3 * 4 * 32
     assert "sample from" in proc.stdout
+
+
+def test_a_plain_cpu_run_prints_nothing_of_deepspeed(trained):
+    """DeepSpeed is installed (for configs/deepspeed_*.yaml) but a plain run does not use it: accelerate's
+    unwrap_model, which Trainer calls, imported it all the same, and its import printed "Setting accelerator to CPU.
+    If you have GPU or other accelerator, we were unable to detect it." into every `python train.py`."""
+    _, proc = trained
+    output = proc.stdout + proc.stderr
+    assert "Setting accelerator" not in output and "real_accelerator" not in output, output[-3000:]
 
 
 def test_reload_in_fresh_process_without_ddl(trained, tmp_path):
@@ -574,9 +585,9 @@ def test_resuming_a_finished_run_trains_no_step_past_max_steps(trained, tmp_path
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--ddl_residual", "additive"], "--ddl_residual = 'additive' (it has 'delta')"),
-    (["--config_overrides", "hidden_size=64"], "--config_overrides hidden_size = 64 (it has 32)"),
-    (["--block_size", "64"], "trained on blocks of 32 tokens"),
+    (["--ddl_residual", "additive"], "its model has ddl_residual = 'additive' (it has 'delta')"),
+    (["--config_overrides", "hidden_size=64"], "its model has hidden_size = 64 (it has 32)"),
+    (["--block_size", "64"], "--block_size 64 is not the checkpoint's 32 (the data would be re-packed"),
 ], ids=["ddl-flag", "override", "block-size"])
 def test_resuming_refuses_a_changed_model_or_block_size(flags, message, trained, tmp_path, text_file, capsys):
     """The checkpoint's config used to win silently over changed --ddl_* flags, and a new --block_size re-packed the
@@ -590,13 +601,27 @@ def test_resuming_refuses_a_changed_model_or_block_size(flags, message, trained,
     assert sorted(os.listdir(folder)) == before  # (nothing written: not even the mark)
 
 
-def test_resume_accepts_the_same_flags_and_keeps_the_block_size(trained):
+def resume_in_process(checkpoint, argv):
+    """train.py's resume of `checkpoint` with `argv`, in process, up to its comparison of the two runs' records:
+    the data and training arguments it would train with."""
     import train
+    from transformers import AutoTokenizer
 
+    from ddl_tools import resume
+
+    model_args, data_args, training_args = train.parse_args(argv)
+    _, recorded = train.resume_from(checkpoint, model_args, data_args, training_args, argv)
+    now = resume.run_record(data_args, training_args, "validation_split_percentage",
+                            AutoTokenizer.from_pretrained(checkpoint))
+    now["model"] = {**recorded["model"], **model_args.shaping()}
+    resume.check_continues(checkpoint, recorded, now, "the checkpoint's")
+    return data_args, training_args
+
+
+def test_resume_accepts_the_same_flags_and_keeps_the_block_size(trained):
     checkpoint = str(trained[0] / "checkpoint-3")
     argv = ["--ddl_value_channels", "4", "--ddl_residual", "delta", "--config_overrides", TINY_MODEL]
-    model_args, data_args, _, training_args = train.parse_args(argv)
-    train.check_resume(checkpoint, model_args, data_args, training_args, argv)
+    data_args, _ = resume_in_process(checkpoint, argv)
     assert data_args.block_size == 32  # the checkpoint's, not the preset's default 256
 
 
@@ -629,54 +654,31 @@ def test_a_resume_without_max_steps_keeps_the_runs_length(trained):
     past it was declared finished), not the checkpoint's (found by a user-style test pass). Now it is the run's."""
     import train
 
-    argv = ["--config_overrides", TINY_MODEL]
-    model_args, data_args, _, training_args = train.parse_args(argv)
-    assert training_args.max_steps == 500
-    train.check_resume(str(trained[0] / "checkpoint-3"), model_args, data_args, training_args, argv)
+    checkpoint = str(trained[0] / "checkpoint-3")
+    assert train.parse_args(["--config_overrides", TINY_MODEL])[2].max_steps == 500
+    _, training_args = resume_in_process(checkpoint, ["--config_overrides", TINY_MODEL])
     assert (training_args.max_steps, training_args.num_train_epochs) == (3, 3.0)
     argv = ["--config_overrides", TINY_MODEL, "--max_steps", "-1", "--num_train_epochs", "2"]  # (given: followed)
-    model_args, data_args, _, training_args = train.parse_args(argv)
-    train.check_resume(str(trained[0] / "checkpoint-3"), model_args, data_args, training_args, argv[:2] + argv[4:])
+    _, training_args = resume_in_process(checkpoint, argv)
     assert (training_args.max_steps, training_args.num_train_epochs) == (-1, 2.0)
 
 
 def test_a_resume_holds_out_its_runs_validation_rows(trained):
     """Another --validation_split_percentage on resume moved rows between training and validation under the
-    checkpoint's data position, silently (found by a user-style test pass): refused; not given, the run's is used."""
-    import train
+    checkpoint's data position, silently (found by a user-style test pass): refused. The flag that did not choose the
+    rows is not compared (it was refused), and a record in ddl 0.3.0's layout is read as today's."""
     from ddl_tools.outputs import UsageError
+    from ddl_tools.resume import DDLRunRecord
 
     checkpoint = str(trained[0] / "checkpoint-3")
-    argv = ["--config_overrides", TINY_MODEL, "--validation_split_percentage", "30"]
-    model_args, data_args, _, training_args = train.parse_args(argv)
-    with pytest.raises(UsageError, match="--validation_split_percentage 30: .* held out its validation rows with 5"):
-        train.check_resume(checkpoint, model_args, data_args, training_args, argv)
-    argv = ["--config_overrides", TINY_MODEL]
-    model_args, data_args, _, training_args = train.parse_args(argv)
-    data_args.validation_split_percentage = 30.0  # (as if the default had changed since)
-    train.check_resume(checkpoint, model_args, data_args, training_args, argv)
-    assert data_args.validation_split_percentage == 5
-    argv = ["--config_overrides", TINY_MODEL, "--streaming_validation_examples", "7"]  # (it chose none of its rows:
-    model_args, data_args, _, training_args = train.parse_args(argv)  # not refused, as it was)
-    train.check_resume(checkpoint, model_args, data_args, training_args, argv)
-    # a checkpoint saved while both flags were recorded: only the one that chose the rows is kept
-    from transformers import TrainerState
-
-    from ddl_tools.resume import resumed_split
-
-    both = {"validation_split_percentage": 5.0, "streaming_validation_examples": 1000}
-    for files, streaming, kept in (({"train": {}}, False, "validation_split_percentage"),
-                                   ({"train": {}}, True, "streaming_validation_examples"),
-                                   ({"train": {}, "validation": {}}, False, None)):
-        state = TrainerState(stateful_callbacks={"DDLRunRecord": {"args": {"data": {"split": both, "files": files}}}})
-        _, data_args, _, _ = train.parse_args(["--validation_split_percentage", "30", "--streaming_validation_examples",
-                                               "7", *(["--streaming"] if streaming else [])])
-        given = {"validation_split_percentage", "streaming_validation_examples"}
-        if kept is None:
-            resumed_split(checkpoint, state, data_args, given)
-            continue
-        with pytest.raises(UsageError, match=f"--{kept} "):
-            resumed_split(checkpoint, state, data_args, given)
+    with pytest.raises(UsageError, match="--validation_split_percentage 30 is not the checkpoint's 5 .*move rows"):
+        resume_in_process(checkpoint, ["--config_overrides", TINY_MODEL, "--validation_split_percentage", "30"])
+    resume_in_process(checkpoint, ["--config_overrides", TINY_MODEL, "--streaming_validation_examples", "7"])
+    earlier = DDLRunRecord(block_size=32, tokenizer="t", training={"seed": 42}, data={
+        "name": "corpus.txt", "text_column": "text", "split": {"validation_split_percentage": 5.0},
+        "files": {"train": {"file": "corpus.txt", "sha256": "s"}}})
+    assert earlier.record == {"seed": 42, "validation_split_percentage": 5.0, "block_size": 32, "text_column": "text",
+                              "tokenizer": "t", "train_file": {"file": "corpus.txt", "sha256": "s"}}
 
 
 def test_a_resume_keeps_the_checkpoints_training_arguments_and_follows_the_schedule_given(trained):
@@ -690,16 +692,26 @@ def test_a_resume_keeps_the_checkpoints_training_arguments_and_follows_the_sched
     checkpoint = str(trained[0] / "checkpoint-3")
     argv = ["--config_overrides", TINY_MODEL, "--learning-rate", "1e-3", "--max_grad_norm=0.5", "--warmup_steps", "2",
             "--lr_scheduler_type", "linear", "--optim", "adamw_torch", "--max_steps", "9"]
-    model_args, data_args, _, training_args = train.parse_args(argv)
-    assert training_args.per_device_train_batch_size == 16
-    train.check_resume(checkpoint, model_args, data_args, training_args, argv)
+    assert train.parse_args(argv)[2].per_device_train_batch_size == 16
+    _, training_args = resume_in_process(checkpoint, argv)
     assert training_args.per_device_train_batch_size == 4 and training_args.learning_rate == 1e-3
     assert (training_args.max_grad_norm, training_args.warmup_steps, training_args.max_steps) == (0.5, 2, 9)
     assert training_args.lr_scheduler_type == "linear" and training_args.optim == "adamw_torch"
-    argv = ["--config_overrides", TINY_MODEL, "--learning-r=1e-2"]
-    model_args, data_args, _, training_args = train.parse_args(argv)
     with pytest.raises(UsageError, match="--learning_rate 0.01 is not the checkpoint's 0.001"):
-        train.check_resume(checkpoint, model_args, data_args, training_args, argv)
+        resume_in_process(checkpoint, ["--config_overrides", TINY_MODEL, "--learning-r=1e-2"])
+
+
+def test_the_documented_resume_command_continues_a_run_on_its_own_file(trained, tmp_path, capsys):
+    """The README's resume command, `--output_dir DIR --resume_from_checkpoint true` and nothing more, was refused
+    for every run on its own --train_file ("the data is 'shakespeare ...', the run's was 'corpus.txt'"): the data file
+    was the one setting not taken from the checkpoint. The run's record names it, and its content is checked."""
+    folder = copy_run(trained, tmp_path / "run")
+    for name in ("model.safetensors", "README.md", "all_results.json"):  # as if stopped in its final save
+        (folder / name).unlink()
+    status, err = run_cli(["--output_dir", folder, "--resume_from_checkpoint", "true"], capsys)
+    assert status == 0, err[-3000:]
+    assert "- Data: corpus.txt;" in (folder / "README.md").read_text()
+    assert json.loads((folder / "all_results.json").read_text())["resumed_at_step"] == 3
 
 
 def test_a_failed_run_does_not_block_its_corrected_rerun(tmp_path, text_file, capsys):
@@ -739,9 +751,10 @@ def resolve_in(out, resume=None):
     from ddl_tools import runs
 
     argv = ["--output_dir", str(out), "--use_cpu", "--report_to", "none"]
-    _, _, run_args, training_args = train.parse_args(argv + (["--resume_from_checkpoint", resume] if resume else []))
+    args = train.parse_args(argv + (["--resume_from_checkpoint", resume] if resume else []))[2]
     try:
-        return train.resolve_resume(training_args, run_args)
+        return runs.claim_output_dir(args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir,
+                                     args.do_train)
     finally:
         runs.release_output_dirs()
 
@@ -946,8 +959,7 @@ def test_a_checkpoint_without_the_data_record_resumes_with_a_warning(trained, tm
         status, err = run_cli(["--train_file", text_file, "--output_dir", folder, *TINY_RUN, "--max_steps", "4",
                                "--resume_from_checkpoint", "true"], capsys)
     assert status == 0, err[-3000:]
-    assert "does not record its data and tokenizer" in caplog.text and "does not record its training arguments" \
-        in caplog.text
+    assert "does not record its data, tokenizer, training arguments" in caplog.text
     assert json.loads((folder / "trainer_state.json").read_text())["global_step"] == 4
 
 
