@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <mutex>
 #include <type_traits>
 #include <vector>
@@ -44,6 +45,16 @@ inline void by_dtype(int f64, const F& f) {
 // An input's pointer, as the C functions take it (void: one signature for both dtypes).
 template <typename T>
 inline const T* in(const void* p) { return static_cast<const T*>(p); }
+
+// A C function's arguments, which ddl_kernels/native.py packs into one buffer (struct.Struct, fields of 8 bytes in the
+// struct's order: no padding) and passes as one pointer: ctypes converts that one argument instead of twenty, a few
+// microseconds a call, and a decoding step makes two calls a sublayer. Copied out: the buffer need not be aligned.
+template <typename Args>
+inline Args unpack(const void* packed) {
+  Args args;
+  std::memcpy(&args, packed, sizeof(Args));
+  return args;
+}
 
 // Sums over tokens of per-token vectors (the weight gradients). Each chunk of tokens accumulates in T (vectorised,
 // in a buffer of its own: no false sharing) and flushes into double every 64 tokens; the chunks' sums are then added

@@ -81,30 +81,47 @@ void conv_step_impl(T* past, const T* x, const T* w, int64_t batch, int64_t k, i
 
 }  // namespace ddl
 
-// x (batch, len, d) and taps (K, nv, d) into y (batch, len, nv, d).
-extern "C" void ddl_conv_forward(int f64, int threads, const void* x, const void* taps, int64_t batch, int64_t len,
-                                 int64_t k, int64_t nv, int64_t d, void* y) {
-  ddl::by_dtype(f64, [&](auto zero) {
+// x (batch, len, d) and taps (K, nv, d) into y (batch, len, nv, d); for its backward, the gradients of x and the taps
+// for y's, g.
+struct Conv {
+  int64_t f64, threads;
+  const void *g, *x, *taps;
+  int64_t batch, len, k, nv, d;
+  void *y, *gx, *gtaps;
+};
+
+extern "C" void ddl_conv_forward(const void* packed) {
+  const auto a = ddl::unpack<Conv>(packed);
+  ddl::by_dtype(a.f64, [&](auto zero) {
     using T = decltype(zero);
-    ddl::conv_forward_impl<T>(ddl::in<T>(x), ddl::in<T>(taps), batch, len, k, nv, d, static_cast<T*>(y), threads);
+    ddl::conv_forward_impl<T>(ddl::in<T>(a.x), ddl::in<T>(a.taps), a.batch, a.len, a.k, a.nv, a.d,
+                              static_cast<T*>(a.y), int(a.threads));
   });
 }
 
-extern "C" void ddl_conv_backward(int f64, int threads, const void* g, const void* x, const void* taps, int64_t batch,
-                                  int64_t len, int64_t k, int64_t nv, int64_t d, void* gx, void* gtaps) {
-  ddl::by_dtype(f64, [&](auto zero) {
+extern "C" void ddl_conv_backward(const void* packed) {
+  const auto a = ddl::unpack<Conv>(packed);
+  ddl::by_dtype(a.f64, [&](auto zero) {
     using T = decltype(zero);
-    ddl::conv_backward_impl<T>(ddl::in<T>(g), ddl::in<T>(x), ddl::in<T>(taps), batch, len, k, nv, d,
-                               static_cast<T*>(gx), static_cast<T*>(gtaps), threads);
+    ddl::conv_backward_impl<T>(ddl::in<T>(a.g), ddl::in<T>(a.x), ddl::in<T>(a.taps), a.batch, a.len, a.k, a.nv, a.d,
+                               static_cast<T*>(a.gx), static_cast<T*>(a.gtaps), int(a.threads));
   });
 }
 
 // past (batch, d, K-1), advanced in place; x (batch, d); the weight (K, d, nv), contiguous; y (batch, nv, d).
-extern "C" void ddl_conv_step(int f64, int threads, void* past, const void* x, const void* weight, int64_t batch,
-                              int64_t k, int64_t nv, int64_t d, void* y) {
-  ddl::by_dtype(f64, [&](auto zero) {
+struct ConvStep {
+  int64_t f64, threads;
+  void* past;
+  const void *x, *weight;
+  int64_t batch, k, nv, d;
+  void* y;
+};
+
+extern "C" void ddl_conv_step(const void* packed) {
+  const auto a = ddl::unpack<ConvStep>(packed);
+  ddl::by_dtype(a.f64, [&](auto zero) {
     using T = decltype(zero);
-    ddl::conv_step_impl<T>(static_cast<T*>(past), ddl::in<T>(x), ddl::in<T>(weight), batch, k, nv, d,
-                           static_cast<T*>(y), threads);
+    ddl::conv_step_impl<T>(static_cast<T*>(a.past), ddl::in<T>(a.x), ddl::in<T>(a.weight), a.batch, a.k, a.nv, a.d,
+                           static_cast<T*>(a.y), int(a.threads));
   });
 }

@@ -78,35 +78,51 @@ void window_step_impl(T* past, const T* x, const T* taps, int64_t batch, int64_t
 
 }  // namespace ddl
 
-// The state x (batch, len, nv, d) and taps (K, nv, d) into y (batch, len, d).
-extern "C" void ddl_readout_forward(int f64, int threads, const void* x, const void* taps, int64_t batch, int64_t len,
-                                    int64_t k, int64_t nv, int64_t d, void* y) {
-  ddl::by_dtype(f64, [&](auto zero) {
+// The state x (batch, len, nv, d) and taps (K, nv, d) into y (batch, len, d); for its backward, the gradients of x
+// and the taps for y's, g.
+struct Readout {
+  int64_t f64, threads;
+  const void *g, *x, *taps;
+  int64_t batch, len, k, nv, d;
+  void *y, *gx, *gtaps;
+};
+
+extern "C" void ddl_readout_forward(const void* packed) {
+  const auto a = ddl::unpack<Readout>(packed);
+  ddl::by_dtype(a.f64, [&](auto zero) {
     using T = decltype(zero);
-    ddl::readout_forward_impl<T>(ddl::in<T>(x), ddl::in<T>(taps), batch, len, k, nv, d, static_cast<T*>(y), threads);
+    ddl::readout_forward_impl<T>(ddl::in<T>(a.x), ddl::in<T>(a.taps), a.batch, a.len, a.k, a.nv, a.d,
+                                 static_cast<T*>(a.y), int(a.threads));
   });
 }
 
-extern "C" void ddl_readout_backward(int f64, int threads, const void* g, const void* x, const void* taps,
-                                     int64_t batch, int64_t len, int64_t k, int64_t nv, int64_t d, void* gx,
-                                     void* gtaps) {
-  ddl::by_dtype(f64, [&](auto zero) {
+extern "C" void ddl_readout_backward(const void* packed) {
+  const auto a = ddl::unpack<Readout>(packed);
+  ddl::by_dtype(a.f64, [&](auto zero) {
     using T = decltype(zero);
-    ddl::readout_backward_impl<T>(ddl::in<T>(g), ddl::in<T>(x), ddl::in<T>(taps), batch, len, k, nv, d,
-                                  static_cast<T*>(gx), static_cast<T*>(gtaps), threads);
+    ddl::readout_backward_impl<T>(ddl::in<T>(a.g), ddl::in<T>(a.x), ddl::in<T>(a.taps), a.batch, a.len, a.k, a.nv,
+                                  a.d, static_cast<T*>(a.gx), static_cast<T*>(a.gtaps), int(a.threads));
   });
 }
 
 // past (batch, nv*d, K-1), advanced in place; x (batch, nv, d); taps (nv, d, K), contiguous; y (batch, d).
-extern "C" void ddl_window_step(int f64, int threads, void* past, const void* x, const void* taps, int64_t batch,
-                                int64_t nv, int64_t d, int64_t k, void* y) {
-  ddl::by_dtype(f64, [&](auto zero) {
+struct WindowStep {
+  int64_t f64, threads;
+  void* past;
+  const void *x, *taps;
+  int64_t batch, nv, d, k;
+  void* y;
+};
+
+extern "C" void ddl_window_step(const void* packed) {
+  const auto a = ddl::unpack<WindowStep>(packed);
+  ddl::by_dtype(a.f64, [&](auto zero) {
     using T = decltype(zero);
     auto run = [&](auto kp) {
-      ddl::window_step_impl<T, decltype(kp)::value>(static_cast<T*>(past), ddl::in<T>(x), ddl::in<T>(taps), batch,
-                                                    nv, d, k, static_cast<T*>(y), threads);
+      ddl::window_step_impl<T, decltype(kp)::value>(static_cast<T*>(a.past), ddl::in<T>(a.x), ddl::in<T>(a.taps),
+                                                    a.batch, a.nv, a.d, a.k, static_cast<T*>(a.y), int(a.threads));
     };
-    switch (k - 1) {
+    switch (a.k - 1) {
       case 1: run(std::integral_constant<int, 1>()); break;
       case 2: run(std::integral_constant<int, 2>()); break;
       case 3: run(std::integral_constant<int, 3>()); break;

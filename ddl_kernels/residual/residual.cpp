@@ -179,34 +179,55 @@ void seam_backward(const T* g, const T* x, const T* h, const T* c, const T* u, c
 
 // n tokens of d numbers, d_v = nv rows each. stats (or null: nothing saved) gets beta (n), s (n), v (n nv) and h.X
 // (n nv), write (null with it) the coefficients; wr (K, nv, d) or null: no readout into y; len: the tokens of each
-// sequence (the readout's).
-extern "C" void ddl_residual_forward(int f64, int threads, const void* x, const void* h, const void* c, const void* u,
-                                     const void* wb, const void* bb, const void* wv, const void* bv, double scale,
-                                     double eps, int erase, int64_t n, int64_t nv, int64_t d, void* out, void* stats,
-                                     void* write, const void* wr, void* y, int64_t k, int64_t len) {
-  ddl::by_dtype(f64, [&](auto zero) {
+// sequence (the readout's). T: double when f64, else float; threads: the caller's thread count.
+struct ResidualForward {
+  int64_t f64, threads;
+  const void *x, *h, *c, *u, *wb, *bb, *wv, *bv;
+  double scale, eps;
+  int64_t erase, n, nv, d;
+  void *out, *stats, *write;
+  const void* wr;
+  void* y;
+  int64_t k, len;
+};
+
+extern "C" void ddl_residual_forward(const void* packed) {
+  const auto a = ddl::unpack<ResidualForward>(packed);
+  const int64_t n = a.n, nv = a.nv;
+  ddl::by_dtype(a.f64, [&](auto zero) {
     using T = decltype(zero);
-    T* st = static_cast<T*>(stats);
-    DDL_BY_ROWS(nv, ddl::seam_forward, ddl::in<T>(x), ddl::in<T>(h), ddl::in<T>(c), ddl::in<T>(u), ddl::in<T>(wb),
-                *ddl::in<T>(bb), ddl::in<T>(wv), ddl::in<T>(bv), scale, eps, erase, n, nv, d, static_cast<T*>(out), st,
-                st ? st + 2 * n : nullptr, st ? st + n : nullptr, st ? st + 2 * n + n * nv : nullptr,
-                static_cast<T*>(write), ddl::in<T>(wr), static_cast<T*>(y), k, len, threads);
+    T* st = static_cast<T*>(a.stats);
+    DDL_BY_ROWS(nv, ddl::seam_forward, ddl::in<T>(a.x), ddl::in<T>(a.h), ddl::in<T>(a.c), ddl::in<T>(a.u),
+                ddl::in<T>(a.wb), *ddl::in<T>(a.bb), ddl::in<T>(a.wv), ddl::in<T>(a.bv), a.scale, a.eps, a.erase != 0,
+                n, nv, a.d, static_cast<T*>(a.out), st, st ? st + 2 * n : nullptr, st ? st + n : nullptr,
+                st ? st + 2 * n + n * nv : nullptr, static_cast<T*>(a.write), ddl::in<T>(a.wr), static_cast<T*>(a.y),
+                a.k, a.len, int(a.threads));
   });
 }
 
 // u_kind as seam_backward's; gu null unless u_kind is 0; gy (n, d) with wr (K, nv, d) and gwr, or all three null.
-extern "C" void ddl_residual_backward(int f64, int threads, const void* g, const void* x, const void* h, const void* c,
-                                      const void* u, const void* wb, const void* wv, const void* stats, double scale,
-                                      int erase, int64_t u_kind, int64_t n, int64_t nv, int64_t d, void* gx, void* gh,
-                                      void* gc, void* gu, void* gwb, void* gbb, void* gwv, void* gbv, const void* gy,
-                                      const void* wr, void* gwr, int64_t k, int64_t len) {
-  ddl::by_dtype(f64, [&](auto zero) {
+struct ResidualBackward {
+  int64_t f64, threads;
+  const void *g, *x, *h, *c, *u, *wb, *wv, *stats;
+  double scale;
+  int64_t erase, u_kind, n, nv, d;
+  void *gx, *gh, *gc, *gu, *gwb, *gbb, *gwv, *gbv;
+  const void *gy, *wr;
+  void* gwr;
+  int64_t k, len;
+};
+
+extern "C" void ddl_residual_backward(const void* packed) {
+  const auto a = ddl::unpack<ResidualBackward>(packed);
+  const int64_t n = a.n, nv = a.nv;
+  ddl::by_dtype(a.f64, [&](auto zero) {
     using T = decltype(zero);
-    const T* st = ddl::in<T>(stats);
-    DDL_BY_ROWS(nv, ddl::seam_backward, ddl::in<T>(g), ddl::in<T>(x), ddl::in<T>(h), ddl::in<T>(c), ddl::in<T>(u),
-                ddl::in<T>(wb), ddl::in<T>(wv), st, st + 2 * n, st + n, st + 2 * n + n * nv, scale, erase, u_kind, n,
-                nv, d, static_cast<T*>(gx), static_cast<T*>(gh), static_cast<T*>(gc), static_cast<T*>(gu),
-                static_cast<T*>(gwb), static_cast<T*>(gbb), static_cast<T*>(gwv), static_cast<T*>(gbv), ddl::in<T>(gy),
-                ddl::in<T>(wr), static_cast<T*>(gwr), k, len, threads);
+    const T* st = ddl::in<T>(a.stats);
+    DDL_BY_ROWS(nv, ddl::seam_backward, ddl::in<T>(a.g), ddl::in<T>(a.x), ddl::in<T>(a.h), ddl::in<T>(a.c),
+                ddl::in<T>(a.u), ddl::in<T>(a.wb), ddl::in<T>(a.wv), st, st + 2 * n, st + n, st + 2 * n + n * nv,
+                a.scale, a.erase != 0, a.u_kind, n, nv, a.d, static_cast<T*>(a.gx), static_cast<T*>(a.gh),
+                static_cast<T*>(a.gc), static_cast<T*>(a.gu), static_cast<T*>(a.gwb), static_cast<T*>(a.gbb),
+                static_cast<T*>(a.gwv), static_cast<T*>(a.gbv), ddl::in<T>(a.gy), ddl::in<T>(a.wr),
+                static_cast<T*>(a.gwr), a.k, a.len, int(a.threads));
   });
 }
