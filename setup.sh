@@ -9,8 +9,8 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
 .venv/bin/python -m pip install -q -r requirements.txt
 # ddl itself (the model), ddl_kernels (its C++ and Triton kernels) and ddl_tools, editable: `import ddl` works from any
-# folder with this environment's python. The install builds the C++ CPU kernels (setup.py; ~30 s on 2 cores); without
-# a compiler it still installs, and DDL runs its PyTorch paths.
+# folder with this environment's python. The install builds the C++ CPU kernels (setup.py; about a minute on 2
+# cores); without a compiler it still installs, and DDL runs its PyTorch paths.
 .venv/bin/python -m pip install -q --no-deps -e .
 .venv/bin/python -c "from ddl_kernels.build import kernels; assert kernels()" 2>/dev/null \
     || echo "setup.sh: the C++ kernels were not built; DDL will run its PyTorch paths."

@@ -44,7 +44,9 @@ def extensions(root=HERE, optional=True):
 
     if not sys.platform.startswith("linux"):
         return []
-    return [Extension(f"ddl_kernels.{name}", sources=sources(root), include_dirs=[root],
+    # depends: what else makes a build stale (setuptools otherwise reuses an older one left in build/)
+    depends = [*sorted(glob.glob(os.path.join(root, "*.h"))), os.path.join(root, "extension.py")]
+    return [Extension(f"ddl_kernels.{name}", sources=sources(root), include_dirs=[root], depends=depends,
                       extra_compile_args=flags, extra_link_args=["-fopenmp"], language="c++", optional=optional,
                       define_macros=[("DDL_SOURCES_DIGEST", f'"{digest(flags, root)}"')])
             for name, flags in VARIANTS]

@@ -140,8 +140,8 @@ def main(argv=None):
     args = parse_args(argv)
     new = kernel_build.kernels()
     if new is None:
-        sys.exit("ab_cpu_kernels: this checkout's C++ kernels are not loaded (DDL_CPU_KERNEL=0, or not built: python -m "
-                 "ddl_kernels.build).")
+        sys.exit("ab_cpu_kernels: this checkout's C++ kernels are not loaded (DDL_CPU_KERNEL=0, or not built: "
+                 "python -m ddl_kernels.build).")
     old = old_kernels(args.old, new)
     differ = mismatched(old, new)
     if differ:

@@ -526,14 +526,8 @@ def test_a_first_forward_starts_no_compiler(tmp_path):
     assert stderr.count("C++ CPU kernels are not built") == 1 and "`pip install -e .`" in stderr
 
 
-def test_setup_builds_the_kernels_without_torch(tmp_path):
-    """setup.py builds the libraries with the C++ compiler alone (pip's isolated build has no torch: here `import
-    torch` fails), beside the sources; a fresh process then loads them at its first forward and runs them, starting
-    nothing. (tests/../scripts/fresh_install.sh does the same through `pip install .` into a new environment.)"""
-    import sysconfig
-
-    if shutil.which((sysconfig.get_config_var("CXX") or "c++").split()[0]) is None:
-        pytest.skip("no C++ compiler here")
+def _project(tmp_path):
+    """A copy of what setup.py builds from (the C++ sources, no libraries) and of the model package."""
     project = tmp_path / "project"
     project.mkdir()
     for name in ("setup.py", "pyproject.toml", "README.md"):
@@ -541,13 +535,37 @@ def test_setup_builds_the_kernels_without_torch(tmp_path):
     for package in ("ddl", "ddl_kernels"):
         shutil.copytree(os.path.join(ROOT, package), project / package,
                         ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    return project
+
+
+def _setup_build(project, **env):
+    """`setup.py build_ext --inplace` where `import torch` fails, as in pip's isolated build."""
     without_torch = ("import runpy, sys; sys.modules['torch'] = None; sys.argv = ['setup.py', 'build_ext', "
                      "'--inplace']; runpy.run_path('setup.py', run_name='__main__')")
     done = subprocess.run([sys.executable, "-c", without_torch], cwd=project, capture_output=True, text=True,
-                          timeout=600)
+                          timeout=600, env={**os.environ, **env})
     assert done.returncode == 0, done.stderr[-3000:]
-    built = sorted(f.name for f in (project / "ddl_kernels").glob("*.so"))
+    return sorted(f.name for f in (project / "ddl_kernels").glob("*.so")), done.stderr
+
+
+def test_setup_builds_the_kernels_without_torch(tmp_path):
+    """setup.py builds the libraries with the C++ compiler alone (pip's isolated build has no torch), beside the
+    sources; a fresh process then loads them at its first forward and runs them, starting nothing.
+    (scripts/fresh_install.sh does the same through `pip install .` into a new environment.)"""
+    import sysconfig
+
+    if shutil.which((sysconfig.get_config_var("CXX") or "c++").split()[0]) is None:
+        pytest.skip("no C++ compiler here")
+    project = _project(tmp_path)
+    built, _ = _setup_build(project)
     assert built == sorted(f"{name}.so" for name, _ in extension.VARIANTS), built
     result, _ = _first_forward(tmp_path, PYTHONPATH=str(project))
     assert result["started"] == [] and result["kernels"].startswith(str(project / "ddl_kernels")), result
     assert result["calls"].get("C++ residual seam", 0) > 0, result["calls"]
+
+
+def test_setup_without_a_compiler_still_installs(tmp_path):
+    """The libraries are optional: without a compiler the build warns and goes on (the package installs; DDL runs
+    its PyTorch paths, saying so once)."""
+    built, stderr = _setup_build(_project(tmp_path), CC="/no/such/cc", CXX="/no/such/c++")
+    assert built == [] and "ddl_kernels._cpu" in stderr and "failed" in stderr, stderr[-2000:]

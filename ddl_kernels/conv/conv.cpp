@@ -29,7 +29,8 @@ void conv_forward_impl(const T* x, const T* taps, int64_t batch, int64_t len, in
 template <typename T>
 void conv_backward_impl(const T* g, const T* x, const T* taps, int64_t batch, int64_t len, int64_t k, int64_t nv,
                         int64_t d, T* gx, T* gtaps, int threads) {
-  const auto total = sum_over_tokens<T>(batch * len, k * nv * d, threads, [&](int64_t bt, T* partial) {  // the tap gradients
+  // the tap gradients
+  const auto total = sum_over_tokens<T>(batch * len, k * nv * d, threads, [&](int64_t bt, T* partial) {
     const int64_t t = bt % len;
     T* gxt = gx + bt * d;
     for (int64_t i = 0; i < d; ++i) gxt[i] = 0;
