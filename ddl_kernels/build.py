@@ -105,14 +105,14 @@ def _load():
 
 
 def build_in_place():
-    """Compiles the libraries beside the sources now, as `pip install` does (setuptools' build_ext, all variants, in
-    parallel); a failure raises."""
+    """Compiles the libraries beside the sources now (into `HERE`, a folder named ddl_kernels), as `pip install` does:
+    setuptools' build_ext, all variants, in parallel; a failure raises."""
     import tempfile
 
     from setuptools import Distribution
 
     command_class = extension.build_ext_command()
-    command = command_class(Distribution({"name": "ddl", "ext_modules": extension.extensions(optional=False)}))
+    command = command_class(Distribution({"name": "ddl", "ext_modules": extension.extensions(HERE, optional=False)}))
     with tempfile.TemporaryDirectory() as temp:
         command.build_lib, command.build_temp = os.path.dirname(HERE), temp
         command.force, command.parallel = True, os.cpu_count()
@@ -122,7 +122,10 @@ def build_in_place():
 
 if __name__ == "__main__":  # python -m ddl_kernels.build: build now, in place (after editing the C++)
     logging.set_verbosity_info()
-    build_in_place()
+    try:
+        build_in_place()
+    except ImportError as error:  # (Python 3.12's environments come without setuptools)
+        sys.exit(f"ddl_kernels: building needs setuptools ({error}): pip install setuptools")
     built = kernels()
     print(f"ddl_kernels: C++ CPU kernels {'built: ' + built.__file__ if built else 'not loaded (PyTorch paths)'}")
     sys.exit(0 if built or not switched_on() else 1)

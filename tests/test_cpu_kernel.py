@@ -406,6 +406,25 @@ def test_a_library_that_does_not_load_falls_back(tmp_path, load_from, caplog):
     _falls_back(caplog, "do not load")
 
 
+def test_python_m_build_builds_in_place(tmp_path, monkeypatch):
+    """`python -m ddl_kernels.build` after editing the C++: the libraries of the edited sources, built beside them,
+    load. (One variant, unoptimised: the plumbing, quickly; setup.py's test builds the install's.)"""
+    folder = _kernels_folder(tmp_path, libraries=False)
+    with open(folder / "residual" / "residual.cpp", "a") as f:
+        f.write("// an edit\n")
+    monkeypatch.setattr(extension, "VARIANTS", [("_cpu", ["-std=c++17", "-O0", "-fopenmp"])])
+    monkeypatch.setattr(build, "HERE", str(folder))
+    monkeypatch.setattr(build, "_ops", None)
+    monkeypatch.delenv("DDL_CPU_KERNEL", raising=False)
+    build.build_in_place()
+    assert sorted(f.name for f in folder.glob("*.so")) == ["_cpu.so"]
+    loaded = cpu_kernel()
+    assert loaded is not None and loaded.__file__ == str(folder / "_cpu.so")
+    x = torch.randn(2, 5, 3, 8, dtype=torch.float64)
+    taps = torch.randn(2, 3, 8, dtype=torch.float64)
+    torch.testing.assert_close(loaded.readout_forward(x, taps), causal_token_readout(x, taps.permute(0, 2, 1)))
+
+
 def test_the_switch_turns_them_off_without_loading(load_from, monkeypatch, caplog):
     from ddl_kernels import native
 
