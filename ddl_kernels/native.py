@@ -6,7 +6,7 @@ allocated with torch, and the C functions get the tensors' pointers, sizes and d
 count (`torch.get_num_threads()`, per call). A decoding step makes about two calls per sublayer, so each wrapper does
 only what it must: the shape and dtype checks that keep the C code inside its tensors, the allocations, and one
 ctypes call with one argument, the others packed into a buffer in the order of the C function's struct (each field 8
-bytes: int64, double or a pointer, 0 for none). ctypes converting 20-odd arguments one by one cost 5-7 us a call
+bytes: int64, double or a pointer, 0 for none). ctypes converting 10-25 arguments one by one cost 3-7 us a call
 here, more than the kernel at batch 1."""
 
 import ctypes
