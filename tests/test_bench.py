@@ -341,20 +341,27 @@ def test_ab_cpu_kernels_sends_the_calls_to_each_build_in_turn(monkeypatch):
 
 
 def test_ab_cpu_kernels_refuses_builds_called_differently():
-    """Two builds are swapped under one checkout's Python only where every kernel takes the same arguments."""
+    """Two builds are swapped under one checkout's Python only where every kernel takes as many arguments: by its
+    signature (the ctypes functions), or by its docstring's first line (a torch extension's pybind11 functions)."""
     from types import SimpleNamespace
 
     script = _ab_cpu_kernels()
 
-    def kernel(doc):
-        def run():
-            pass
-        run.__doc__ = doc
-        return run
+    class Pybind:  # a torch extension's function: no signature, its arguments on its docstring's first line
+        __signature__ = property(lambda self: (_ for _ in ()).throw(ValueError("no signature found for builtin")))
 
-    new = SimpleNamespace(step=kernel("step(arg0: Tensor) -> Tensor\n\nthe step"), forward=kernel("forward(a) -> b"))
-    assert script.mismatched(SimpleNamespace(step=kernel("step(arg0: Tensor) -> Tensor\n\nolder words"),
-                                             forward=kernel("forward(a) -> b")), new) == []
-    assert script.mismatched(SimpleNamespace(step=kernel("step(arg0: Tensor, arg1: float) -> Tensor"),
-                                             forward=kernel("forward(a) -> b")), new) == ["step"]
-    assert script.mismatched(SimpleNamespace(forward=kernel("forward(a) -> b")), new) == ["step"]
+        def __init__(self, doc):
+            self.__doc__ = doc
+
+        def __call__(self, *args):
+            pass
+
+    new = SimpleNamespace(step=lambda past, x: x, forward=lambda x, taps, extra: x)
+    assert script.mismatched(SimpleNamespace(step=lambda a, b: a, forward=lambda a, b, c: a), new) == []
+    assert script.mismatched(SimpleNamespace(step=Pybind("step(arg0: Tensor, arg1: Tensor) -> Tensor\n\nwords"),
+                                             forward=Pybind("forward(arg0: Tensor, arg1: Tensor, arg2: float)")),
+                             new) == []
+    assert script.mismatched(SimpleNamespace(step=lambda a: a, forward=lambda a, b, c: a), new) == ["step"]
+    assert script.mismatched(SimpleNamespace(step=Pybind("step(arg0: Tensor) -> Tensor"),
+                                             forward=lambda a, b, c: a), new) == ["step"]
+    assert script.mismatched(SimpleNamespace(step=lambda a, b: a), new) == ["forward"]

@@ -1,11 +1,12 @@
 """The C++ CPU kernels of ddl_kernels: the residual seam equals `reference.delta_residual`, the readout
 `reference.causal_token_readout` and EC `reference.causal_token_conv`, outputs and every gradient; the models take them
-wherever they serve (and only there); and their build (ddl_kernels/build.py) never blocks or fails a run."""
+wherever they serve (and only there); they are built at install (setup.py), never in a forward, and a missing or
+stale build falls back to PyTorch at once."""
 
+import json
 import os
 from functools import partial
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -13,12 +14,11 @@ import time
 import pytest
 import torch
 
-from conftest import assert_same_loss_and_gradients, tiny_config
-from conftest import count_calls
+from conftest import ROOT, assert_same_loss_and_gradients, count_calls, tiny_config
 from ddl import DDLForCausalLM
 from ddl.modeling_ddl import DDLDeltaResidual
 from ddl.reference import causal_token_conv, causal_token_readout, delta_update
-from ddl_kernels import build
+from ddl_kernels import build, extension
 from ddl_kernels.conv import cpu as conv_cpu
 from ddl_kernels.readout import cpu as readout_cpu
 from ddl_kernels.residual import cpu as residual_cpu
@@ -355,36 +355,112 @@ def test_models_take_the_kernel_in_training_and_decoding(overrides, monkeypatch)
     assert torch.equal(generated["fused"], generated["reference"])
 
 
-def test_build_failure_and_switch_fall_back_to_pytorch(monkeypatch, caplog):
-    """No compiler (a failed build) or DDL_CPU_KERNEL=0: no kernel, a warning that says so, the PyTorch path."""
-    import torch.utils.cpp_extension as cpp_extension
+def _kernels_folder(tmp_path, name="ddl_kernels", libraries=True):
+    """A copy of ddl_kernels' C++ sources, and of its built libraries unless told not to, for `build.HERE`."""
+    folder = tmp_path / name
+    shutil.copytree(build.HERE, folder, ignore=shutil.ignore_patterns("*.py", "__pycache__",
+                                                                      *(() if libraries else ("*.so",))))
+    return folder
 
-    monkeypatch.setattr(build, "_ops", None)
-    monkeypatch.setattr(cpp_extension, "load", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no c++")))
+
+@pytest.fixture
+def load_from(monkeypatch):
+    """`load_from(folder)`: the next `kernels()` loads afresh from that folder's libraries. No process may start
+    meanwhile: nothing is built at run time."""
+    def point(folder):
+        monkeypatch.setattr(build, "HERE", str(folder))
+        monkeypatch.setattr(build, "_ops", None)
+
+    monkeypatch.delenv("DDL_CPU_KERNEL", raising=False)
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail(f"a process was started: {a[:1]}"))
+    return point
+
+
+def _falls_back(caplog, says):
+    """`kernels()` is None at once (well within a second: nothing is built), after one warning line that holds `says`
+    and how to build; remembered (no second try in this process); a model then runs its PyTorch paths."""
+    start = time.monotonic()
     with caplog.at_level("WARNING"):
         assert cpu_kernel() is None
-    assert "could not be built" in caplog.text and "no c++" in caplog.text
+    assert time.monotonic() - start < 1.0
+    lines = [r.getMessage() for r in caplog.records if "C++ CPU kernels" in r.getMessage()]
+    assert len(lines) == 1 and "\n" not in lines[0] and says in lines[0], lines
+    assert "`pip install -e .`" in lines[0] and "`python -m ddl_kernels.build`" in lines[0]
+    assert build._ops is False
     x = torch.zeros(1, 1, 8)
     assert not cpu_residual_applies(x, x, x, x, torch.zeros(8), torch.zeros(1), torch.zeros(1, 8), torch.zeros(1))
     model = DDLForCausalLM(tiny_config(ddl_value_channels=1))
     ids = torch.randint(3, 99, (1, 5), generator=torch.Generator().manual_seed(1))
     assert torch.isfinite(model(ids, labels=ids).loss)  # the PyTorch path
-    assert build._ops is False  # remembered: no second build attempt (1-2 min) in this process
+
+
+def test_a_missing_library_falls_back_at_once_saying_how_to_build(tmp_path, load_from, caplog):
+    """Installed without the libraries (no compiler at install): the PyTorch paths at once and one line. (Failed: the
+    first forward started a build, 99 s on 2 cores.)"""
+    load_from(_kernels_folder(tmp_path, libraries=False))
+    _falls_back(caplog, "is missing")
+
+
+def test_a_library_of_other_sources_is_not_run(tmp_path, load_from, caplog):
+    """The libraries hold the digest of the sources (and flags) they were built from: a copy of the checkout's loads
+    wherever it lies; once a source beside it is edited it is refused, never run stale."""
+    load_from(_kernels_folder(tmp_path, "copy"))
+    loaded = cpu_kernel()
+    assert loaded is not None and loaded.__file__.startswith(str(tmp_path / "copy"))
+    edited = _kernels_folder(tmp_path, "edited")
+    with open(edited / "residual" / "residual.cpp", "a") as f:
+        f.write("// an edit\n")
+    load_from(edited)
+    _falls_back(caplog, "built from other sources")
+
+
+def test_a_library_that_does_not_load_falls_back(tmp_path, load_from, caplog):
+    folder = _kernels_folder(tmp_path)
+    for library in folder.glob("*.so"):
+        library.write_bytes(b"not a library")
+    load_from(folder)
+    _falls_back(caplog, "do not load")
+
+
+def test_python_m_build_builds_in_place(tmp_path, monkeypatch):
+    """`python -m ddl_kernels.build` after editing the C++: the libraries of the edited sources, built beside them,
+    load. (One variant, unoptimised: the plumbing, quickly; setup.py's test builds the install's.)"""
+    folder = _kernels_folder(tmp_path, libraries=False)
+    with open(folder / "residual" / "residual.cpp", "a") as f:
+        f.write("// an edit\n")
+    monkeypatch.setattr(extension, "VARIANTS", [("_cpu", ["-std=c++17", "-O0", "-fopenmp"])])
+    monkeypatch.setattr(build, "HERE", str(folder))
     monkeypatch.setattr(build, "_ops", None)
+    monkeypatch.delenv("DDL_CPU_KERNEL", raising=False)
+    build.build_in_place()
+    assert sorted(f.name for f in folder.glob("*.so")) == ["_cpu.so"]
+    loaded = cpu_kernel()
+    assert loaded is not None and loaded.__file__ == str(folder / "_cpu.so")
+    x = torch.randn(2, 5, 3, 8, dtype=torch.float64)
+    taps = torch.randn(2, 3, 8, dtype=torch.float64)
+    torch.testing.assert_close(loaded.readout_forward(x, taps), causal_token_readout(x, taps.permute(0, 2, 1)))
+
+
+def test_the_switch_turns_them_off_without_loading(load_from, monkeypatch, caplog):
+    from ddl_kernels import native
+
+    load_from(build.HERE)
     monkeypatch.setenv("DDL_CPU_KERNEL", "0")
-    monkeypatch.setattr(cpp_extension, "load", lambda *a, **k: pytest.fail("DDL_CPU_KERNEL=0 must not build"))
-    assert cpu_kernel() is None
+    monkeypatch.setattr(native, "Kernels", lambda *a: pytest.fail("DDL_CPU_KERNEL=0 must not load the kernels"))
+    with caplog.at_level("WARNING"):
+        assert cpu_kernel() is None
+    assert caplog.text == ""
 
 
 @pytest.mark.parametrize("value", ["disable", "disabled", "none", "2"])
-def test_a_mistyped_switch_is_an_error_not_on(value, monkeypatch):
+def test_a_mistyped_switch_is_an_error_not_on(value, load_from, monkeypatch):
     """`DDL_CPU_KERNEL=disable` once meant "on" (only 0/false/no/off switched it off): a value that is neither is
-    one clear error, raised before any build. (Failed: it built.)"""
-    import torch.utils.cpp_extension as cpp_extension
+    one clear error, raised before anything is loaded."""
+    from ddl_kernels import native
 
-    monkeypatch.setattr(build, "_ops", None)
+    load_from(build.HERE)
     monkeypatch.setenv("DDL_CPU_KERNEL", value)
-    monkeypatch.setattr(cpp_extension, "load", lambda *a, **k: pytest.fail(f"DDL_CPU_KERNEL={value} built"))
+    monkeypatch.setattr(native, "Kernels", lambda *a: pytest.fail(f"DDL_CPU_KERNEL={value} loaded the kernels"))
     with pytest.raises(ValueError, match="DDL_CPU_KERNEL"):
         cpu_kernel()
 
@@ -457,144 +533,76 @@ def test_weight_gradients_are_repeatable_on_several_threads():
         assert all(torch.equal(a, b) for a, b in zip(runs[0], later))
 
 
-# ------------------------------------------------------------------------- a killed build must not hang the next
+# ------------------------------------------------------------- built at install, never in a forward
 
 
-_BUILDER = r"""
-import os, sys, time
-import torch.utils.cpp_extension as cpp
-folder = sys.argv[1]
-cpp._get_build_directory = lambda name, verbose: folder
-
-def stuck_build(name, *args, build_directory=None, **kwargs):  # takes torch's lock as a real build does, then hangs
-    baton = cpp.FileBaton(os.path.join(build_directory or folder, "lock"))
-    assert baton.try_acquire()
-    print("building", flush=True)
-    time.sleep(600)
-
-cpp.load = stuck_build
-from ddl_kernels import build
-build.kernels()
-"""
+FIRST_FORWARD = os.path.join(ROOT, "scripts", "first_forward.py")
 
 
-def _start_stuck_build(folder):
-    """A process in the middle of a kernel build (torch's lock file taken), as far as anyone else can tell."""
-    env = {k: v for k, v in os.environ.items() if k != "DDL_CPU_KERNEL"}
-    proc = subprocess.Popen([sys.executable, "-c", _BUILDER, str(folder)], stdout=subprocess.PIPE, text=True, env=env)
-    assert proc.stdout.readline().strip() == "building", "the stand-in build did not start"
-    return proc
+def _first_forward(tmp_path, *args, **env):
+    """scripts/first_forward.py in a fresh process (from a folder outside the checkout): its JSON result. torch's
+    extension cache is an empty folder: a build at run time would show (as a process started), not be found cached."""
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("DDL_")}, "OMP_NUM_THREADS": "1",
+           "TORCH_EXTENSIONS_DIR": str(tmp_path / "torch_extensions"), **env}
+    done = subprocess.run([sys.executable, FIRST_FORWARD, *args], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):]), done.stderr
 
 
-@pytest.fixture
-def fake_torch_build(tmp_path, monkeypatch):
-    """torch's extension build pointed at a fresh folder, standing in for `load` with its locking: a `lock` file left
-    in the folder makes torch wait forever (FileBaton.wait), here an error instead."""
-    import torch.utils.cpp_extension as cpp
-
-    built = object()
-
-    def load(name, *args, build_directory=None, **kwargs):
-        baton = cpp.FileBaton(os.path.join(build_directory or str(tmp_path), "lock"))
-        if not baton.try_acquire():
-            raise TimeoutError("torch would wait for its lock file forever")
-        baton.release()
-        return built
-
-    monkeypatch.setattr(cpp, "_get_build_directory", lambda name, verbose: str(tmp_path))
-    monkeypatch.setattr(cpp, "load", load)
-    monkeypatch.setattr(build, "_ops", None)
-    monkeypatch.delenv("DDL_CPU_KERNEL", raising=False)
-    return tmp_path, built
+def test_a_first_forward_starts_no_compiler(tmp_path):
+    """A fresh process's first forward, backward and decoding steps start no process: with the libraries they run the
+    C++ kernels; without them (an installation without a compiler) the PyTorch paths, after one line. (Failed: each
+    started a build, ninja then the compiler: 99 s on 2 cores.)"""
+    result, _ = _first_forward(tmp_path)
+    assert result["started"] == [] and result["kernels"].startswith(build.HERE), result
+    assert {"C++ residual seam", "C++ readout", "C++ EC", "C++ EC step"} <= set(result["calls"]), result["calls"]
+    result, stderr = _first_forward(tmp_path, "--kernels_from", str(_kernels_folder(tmp_path, libraries=False)))
+    assert result["started"] == [] and result["kernels"] is None and result["calls"] == {}, result
+    assert stderr.count("C++ CPU kernels are not built") == 1 and "`pip install -e .`" in stderr
 
 
-def test_a_build_killed_midway_does_not_hang_the_next_one(fake_torch_build, caplog):
-    """kill -9 during a build leaves torch's lock file; every later process used to wait for it forever."""
-    folder, built = fake_torch_build
-    stuck = _start_stuck_build(folder)
-    stuck.send_signal(signal.SIGKILL)
-    stuck.wait()
-    assert (folder / "lock").exists()  # what the killed build left
-    with caplog.at_level("WARNING"):
-        assert cpu_kernel() is built
-    assert "killed midway" in caplog.text and not (folder / "lock").exists()
+def _project(tmp_path):
+    """A copy of what setup.py builds from (the C++ sources, no libraries) and of the model package."""
+    project = tmp_path / "project"
+    project.mkdir()
+    for name in ("setup.py", "pyproject.toml", "README.md"):
+        shutil.copy(os.path.join(ROOT, name), project)
+    for package in ("ddl", "ddl_kernels"):
+        shutil.copytree(os.path.join(ROOT, package), project / package,
+                        ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    return project
 
 
-def test_a_build_that_hangs_makes_others_fall_back_not_wait(fake_torch_build, caplog, monkeypatch):
-    """A live build that takes far too long: the others use the PyTorch path after a bounded wait (they waited
-    forever)."""
-    folder, _ = fake_torch_build
-    monkeypatch.setattr(build, "STALE_AFTER_S", 1.0)
-    stuck = _start_stuck_build(folder)
-    try:
-        with caplog.at_level("WARNING"):
-            assert cpu_kernel() is None
-    finally:
-        stuck.kill()
-        stuck.wait()
-    assert "another process has held the build lock" in caplog.text
+def _setup_build(project, **env):
+    """`setup.py build_ext --inplace` where `import torch` fails, as in pip's isolated build."""
+    without_torch = ("import runpy, sys; sys.modules['torch'] = None; sys.argv = ['setup.py', 'build_ext', "
+                     "'--inplace']; runpy.run_path('setup.py', run_name='__main__')")
+    done = subprocess.run([sys.executable, "-c", without_torch], cwd=project, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, **env})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return sorted(f.name for f in (project / "ddl_kernels").glob("*.so")), done.stderr
 
 
-def test_a_lock_file_a_live_build_holds_is_waited_for_not_removed(fake_torch_build, caplog, monkeypatch):
-    """A build that does not take DDL's lock (another DDL version sharing the cache) and holds torch's lock file open:
-    its file is left alone, and after a bounded wait this process takes the PyTorch path (it used to wait forever)."""
-    folder, _ = fake_torch_build
-    monkeypatch.setattr(build, "STALE_AFTER_S", 1.0)
-    holder = (f"import os, time, torch.utils.cpp_extension as cpp; b = cpp.FileBaton({str(folder / 'lock')!r}); "
-              "assert b.try_acquire(); print('building', flush=True); time.sleep(600)")
-    other = subprocess.Popen([sys.executable, "-c", holder], stdout=subprocess.PIPE, text=True)
-    try:
-        assert other.stdout.readline().strip() == "building"
-        with caplog.at_level("WARNING"):
-            assert cpu_kernel() is None
-        assert (folder / "lock").exists() and f"held by process {other.pid}" in caplog.text
-    finally:
-        other.kill()
-        other.wait()
+def test_setup_builds_the_kernels_without_torch(tmp_path):
+    """setup.py builds the libraries with the C++ compiler alone (pip's isolated build has no torch), beside the
+    sources; a fresh process then loads them at its first forward and runs them, starting nothing.
+    (scripts/fresh_install.sh does the same through `pip install .` into a new environment.)"""
+    import sysconfig
+
+    if shutil.which((sysconfig.get_config_var("CXX") or "c++").split()[0]) is None:
+        pytest.skip("no C++ compiler here")
+    project = _project(tmp_path)
+    built, _ = _setup_build(project)
+    assert built == sorted(f"{name}.so" for name, _ in extension.VARIANTS), built
+    result, _ = _first_forward(tmp_path, PYTHONPATH=str(project))
+    assert result["started"] == [] and result["kernels"].startswith(str(project / "ddl_kernels")), result
+    assert result["calls"].get("C++ residual seam", 0) > 0, result["calls"]
 
 
-@pytest.mark.parametrize("age", [0.0, 3600.0], ids=["young", "old"])
-def test_a_lock_file_whose_holder_cannot_be_told(age, fake_torch_build, caplog, monkeypatch):
-    """Where the processes holding torch's lock file cannot be looked up (another user's), its age decides: one
-    untouched for `STALE_AFTER_S` is stale (removed, and the build goes on); a younger one is waited for until then."""
-    folder, built = fake_torch_build
-    monkeypatch.setattr(build, "_baton_holders", lambda baton: None)
-    monkeypatch.setattr(build, "STALE_AFTER_S", 1.0)
-    (folder / "lock").write_text("")
-    os.utime(folder / "lock", (time.time() - age, time.time() - age))
-    start = time.monotonic()
-    with caplog.at_level("WARNING"):
-        assert cpu_kernel() is built
-    assert not (folder / "lock").exists() and "untouched for" in caplog.text
-    assert (time.monotonic() - start >= 0.9) == (age == 0.0)
-
-
-def test_each_pytorch_installation_keeps_its_own_kernel_build(monkeypatch):
-    """Two environments sharing ~/.cache/torch_extensions compile with different header folders; under one name each
-    would rebuild the other's kernel (and wait for its lock) on every start."""
-    here = build.library_name()
-    assert build.library_name() == here  # stable within one installation
-    monkeypatch.setattr(torch, "__file__", "/elsewhere/venv/lib/site-packages/torch/__init__.py")
-    assert build.library_name() != here
-
-
-def test_each_checkout_keeps_its_own_kernel_build(tmp_path, monkeypatch):
-    """Two clones (or worktrees) of one version: the same sources, but torch's build arguments name each one's
-    folder (its include path), so under one name each start of the other rebuilt it (1.5-2 minutes here)."""
-    here = build.library_name()
-    other = tmp_path / "clone" / "ddl_kernels"
-    shutil.copytree(build.HERE, other, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
-    monkeypatch.setattr(build, "HERE", str(other))
-    assert len(build.sources()) > 1 and all(path.startswith(str(other)) for path in build.sources())  # (copies)
-    assert build.library_name() != here
-
-
-def test_one_checkout_reached_through_a_link_keeps_one_build(tmp_path):
-    """The same folder imported through a symlink (a linked home or project folder) is the same build, not a second
-    one that rebuilds the first's in turn."""
-    link = tmp_path / "linked-checkout"
-    link.symlink_to(os.path.dirname(os.path.dirname(build.__file__)))
-    probe = "import ddl_kernels.build as b; print(b.__file__); print(b.library_name())"
-    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=True,
-                         env={**os.environ, "PYTHONPATH": str(link)}).stdout.split()
-    assert out[0].startswith(str(link)) and out[1] == build.library_name()
+def test_setup_without_a_compiler_still_installs(tmp_path):
+    """The libraries are optional: without a compiler the build warns and goes on (the package installs; DDL runs
+    its PyTorch paths, saying so once)."""
+    built, stderr = _setup_build(_project(tmp_path), CC="/no/such/cc", CXX="/no/such/c++")
+    assert built == [] and "ddl_kernels._cpu" in stderr and "failed" in stderr, stderr[-2000:]

@@ -7,8 +7,8 @@ namespace ddl {
 // The TC readout (CC: one tap): y[t, i] = sum_s sum_j taps[s, j, i] X[t - (K-1) + s, j, i], zero before token 0.
 template <typename T>
 void readout_forward_impl(const T* x, const T* taps, int64_t batch, int64_t len, int64_t k, int64_t nv, int64_t d,
-                          T* y) {
-  at::parallel_for(0, batch * len, 16, [&](int64_t begin, int64_t end) {
+                          T* y, int threads) {
+  parallel_for(batch * len, 16, threads, [&](int64_t begin, int64_t end) {
     for (int64_t bt = begin; bt < end; ++bt) {
       const int64_t t = bt % len;
       T* yt = y + bt * d;
@@ -28,8 +28,9 @@ void readout_forward_impl(const T* x, const T* taps, int64_t batch, int64_t len,
 // dX[t, j, i] = sum_s taps[s, j, i] G[t + (K-1) - s, i];  dtaps[s, j, i] = sum_t X[t - (K-1) + s, j, i] G[t, i].
 template <typename T>
 void readout_backward_impl(const T* g, const T* x, const T* taps, int64_t batch, int64_t len, int64_t k, int64_t nv,
-                           int64_t d, T* gx, T* gtaps) {
-  const auto total = sum_over_tokens<T>(batch * len, k * nv * d, [&](int64_t bt, T* partial) {  // the tap gradients
+                           int64_t d, T* gx, T* gtaps, int threads) {
+  // the tap gradients
+  const auto total = sum_over_tokens<T>(batch * len, k * nv * d, threads, [&](int64_t bt, T* partial) {
     const int64_t t = bt % len;
     T* gxt = gx + bt * nv * d; const T* xt = x + bt * nv * d;
     for (int64_t i = 0; i < nv * d; ++i) gxt[i] = 0;
@@ -46,29 +47,6 @@ void readout_backward_impl(const T* g, const T* x, const T* taps, int64_t batch,
   for (size_t q = 0; q < total.size(); ++q) gtaps[q] = T(total[q]);
 }
 
-at::Tensor readout_forward(const at::Tensor& x, const at::Tensor& taps) {
-  const int64_t batch = x.size(0), len = x.size(1), nv = x.size(2), d = x.size(3), k = taps.size(0);
-  TORCH_CHECK(taps.size(1) == nv && taps.size(2) == d, "ddl readout_forward: taps must be (K, d_v, d)");
-  auto y = at::empty({batch, len, d}, x.options());
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "ddl_readout_forward", [&] {
-    readout_forward_impl<scalar_t>(x.data_ptr<scalar_t>(), taps.data_ptr<scalar_t>(), batch, len, k, nv, d,
-                                   y.data_ptr<scalar_t>());
-  });
-  return y;
-}
-
-std::vector<at::Tensor> readout_backward(const at::Tensor& g, const at::Tensor& x, const at::Tensor& taps) {
-  const int64_t batch = x.size(0), len = x.size(1), nv = x.size(2), d = x.size(3), k = taps.size(0);
-  TORCH_CHECK(taps.size(1) == nv && taps.size(2) == d && g.numel() == batch * len * d,
-              "ddl readout_backward: taps must be (K, d_v, d) and the gradient (B, T, d)");
-  auto gx = at::empty_like(x), gtaps = at::empty_like(taps);
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "ddl_readout_backward", [&] {
-    readout_backward_impl<scalar_t>(g.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), taps.data_ptr<scalar_t>(), batch,
-                                    len, k, nv, d, gx.data_ptr<scalar_t>(), gtaps.data_ptr<scalar_t>());
-  });
-  return {gx, gtaps};
-}
-
 // One decoding step of the TC readout from the cache's window, advanced in place: past (B, d_v*d, K-1) holds the K-1
 // inputs before the new one x (its state (B, 1, d_v, d), read as (B, d_v*d)), channel j*d + i, time last; taps
 // (d_v, d, K) in the same layout.
@@ -76,9 +54,10 @@ std::vector<at::Tensor> readout_backward(const at::Tensor& g, const at::Tensor& 
 // its oldest input and takes x (the window a full readout would read, summed in its order).
 // KP = K-1 when it is 1-7 (compiled for each: the window's loops unrolled, its rows vectorised), or 0: K-1 at run time.
 template <typename T, int KP>
-void window_step_impl(T* past, const T* x, const T* taps, int64_t batch, int64_t nv, int64_t d, int64_t k, T* y) {
+void window_step_impl(T* past, const T* x, const T* taps, int64_t batch, int64_t nv, int64_t d, int64_t k, T* y,
+                      int threads) {
   const int64_t kp = KP > 0 ? KP : k - 1;
-  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(batch, 1, threads, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       T* pb = past + b * nv * d * kp; const T* xb = x + b * nv * d; T* yb = y + b * d;
       for (int64_t i = 0; i < d; ++i) yb[i] = 0;
@@ -98,25 +77,53 @@ void window_step_impl(T* past, const T* x, const T* taps, int64_t batch, int64_t
   });
 }
 
-at::Tensor window_step(at::Tensor& past, const at::Tensor& state, const at::Tensor& weight) {
-  TORCH_CHECK(past.dim() == 3 && state.dim() == 4 && state.size(1) == 1 && weight.dim() == 3 && past.is_contiguous(),
-              "ddl window_step: the past must be (B, d_v*d, K-1) and contiguous, the state (B, 1, d_v, d), the weight "
-              "(K, d, d_v)");
-  // the weight as the model keeps it for a decoding run is a view of taps (d_v, d, K): no copy then
-  const auto taps = weight.permute({2, 1, 0}).contiguous();
-  const auto x = state.contiguous();
-  const int64_t batch = past.size(0), nv = taps.size(0), d = taps.size(1), k = taps.size(2);
-  TORCH_CHECK(k > 1 && past.size(1) == nv * d && past.size(2) == k - 1 && x.size(0) == batch && x.size(2) == nv &&
-                  x.size(3) == d,
-              "ddl window_step: for a weight (K, d, d_v) with K > 1, the past must be (B, d_v*d, K-1) and the state "
-              "(B, 1, d_v, d)");
-  auto y = at::empty({batch, 1, d}, x.options());
-  AT_DISPATCH_FLOATING_TYPES(past.scalar_type(), "ddl_window_step", [&] {
+}  // namespace ddl
+
+// The state x (batch, len, nv, d) and taps (K, nv, d) into y (batch, len, d); for its backward, the gradients of x
+// and the taps for y's, g.
+struct Readout {
+  int64_t f64, threads;
+  const void *g, *x, *taps;
+  int64_t batch, len, k, nv, d;
+  void *y, *gx, *gtaps;
+};
+
+extern "C" void ddl_readout_forward(const void* packed) {
+  const auto a = ddl::unpack<Readout>(packed);
+  ddl::by_dtype(a.f64, [&](auto zero) {
+    using T = decltype(zero);
+    ddl::readout_forward_impl<T>(ddl::in<T>(a.x), ddl::in<T>(a.taps), a.batch, a.len, a.k, a.nv, a.d,
+                                 static_cast<T*>(a.y), int(a.threads));
+  });
+}
+
+extern "C" void ddl_readout_backward(const void* packed) {
+  const auto a = ddl::unpack<Readout>(packed);
+  ddl::by_dtype(a.f64, [&](auto zero) {
+    using T = decltype(zero);
+    ddl::readout_backward_impl<T>(ddl::in<T>(a.g), ddl::in<T>(a.x), ddl::in<T>(a.taps), a.batch, a.len, a.k, a.nv,
+                                  a.d, static_cast<T*>(a.gx), static_cast<T*>(a.gtaps), int(a.threads));
+  });
+}
+
+// past (batch, nv*d, K-1), advanced in place; x (batch, nv, d); taps (nv, d, K), contiguous; y (batch, d).
+struct WindowStep {
+  int64_t f64, threads;
+  void* past;
+  const void *x, *taps;
+  int64_t batch, nv, d, k;
+  void* y;
+};
+
+extern "C" void ddl_window_step(const void* packed) {
+  const auto a = ddl::unpack<WindowStep>(packed);
+  ddl::by_dtype(a.f64, [&](auto zero) {
+    using T = decltype(zero);
     auto run = [&](auto kp) {
-      window_step_impl<scalar_t, decltype(kp)::value>(past.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(),
-                                                      taps.data_ptr<scalar_t>(), batch, nv, d, k, y.data_ptr<scalar_t>());
+      ddl::window_step_impl<T, decltype(kp)::value>(static_cast<T*>(a.past), ddl::in<T>(a.x), ddl::in<T>(a.taps),
+                                                    a.batch, a.nv, a.d, a.k, static_cast<T*>(a.y), int(a.threads));
     };
-    switch (k - 1) {
+    switch (a.k - 1) {
       case 1: run(std::integral_constant<int, 1>()); break;
       case 2: run(std::integral_constant<int, 2>()); break;
       case 3: run(std::integral_constant<int, 3>()); break;
@@ -127,7 +134,4 @@ at::Tensor window_step(at::Tensor& past, const at::Tensor& state, const at::Tens
       default: run(std::integral_constant<int, 0>());
     }
   });
-  return y;
 }
-
-}  // namespace ddl

@@ -35,11 +35,11 @@ inline void readout_of(const T* out, const T* wr, int64_t t, int64_t p, int64_t 
 template <typename T, int NV>
 void seam_forward(const T* x, const T* h, const T* c, const T* u, const T* wb, T bb, const T* wv, const T* bv,
                   double scale, double eps, bool erase, int64_t n, int64_t nv, int64_t d, T* out, T* beta_out,
-                  T* v_out, T* s_out, T* hx_out, T* w_out, const T* wr, T* y, int64_t k, int64_t len) {
+                  T* v_out, T* s_out, T* hx_out, T* w_out, const T* wr, T* y, int64_t k, int64_t len, int threads) {
   const int64_t rows = NV > 0 ? NV : nv;
   std::mutex lock;
   std::vector<std::pair<int64_t, int64_t>> chunks;  // (with a readout) the chunks of tokens, for their first K-1
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(n, 16, threads, [&](int64_t begin, int64_t end) {
     if (wr) { std::lock_guard<std::mutex> guard(lock); chunks.emplace_back(begin, end); }
     std::vector<T> coef(rows), ys(rows), hxs(rows, T(0));
     for (int64_t t = begin; t < end; ++t) {
@@ -79,11 +79,11 @@ template <typename T, int NV>
 void seam_backward(const T* g, const T* x, const T* h, const T* c, const T* u, const T* wb, const T* wv,
                    const T* beta_s, const T* v_s, const T* s_s, const T* hx_s, double scale, bool erase, int64_t u_kind,
                    int64_t n, int64_t nv, int64_t d, T* gx, T* gh, T* gc, T* gu, T* gwb, T* gbb, T* gwv, T* gbv,
-                   const T* gy, const T* wr, T* gwr, int64_t k, int64_t len) {
+                   const T* gy, const T* wr, T* gwr, int64_t k, int64_t len, int threads) {
   const int64_t rows = NV > 0 ? NV : nv;
   const int64_t fields = d + 1 + rows * d + rows;  // the weight gradients: dw, db, dW_v, db_v (then dW_r)
   const int64_t width = fields + (gy ? k * rows * d : 0);
-  const auto total = sum_over_tokens<T>(n, width, [&](int64_t t, T* partial) {
+  const auto total = sum_over_tokens<T>(n, width, threads, [&](int64_t t, T* partial) {
     T* awb = partial; T* awv = awb + d + 1;
     thread_local std::vector<T> scratch;  // per-token numbers of each row (one buffer per thread, kept)
     scratch.resize(4 * rows + (gy ? rows * d : 0));
@@ -166,69 +166,68 @@ void seam_backward(const T* g, const T* x, const T* h, const T* c, const T* u, c
 }
 
 // Runs kernel<NV> for d_v = nv: compiled for 1, 2, 4 and 8, any other at run time.
-#define DDL_BY_ROWS(nv, kernel, ...)            \
-  switch (nv) {                                 \
-    case 1: kernel<scalar_t, 1>(__VA_ARGS__); break; \
-    case 2: kernel<scalar_t, 2>(__VA_ARGS__); break; \
-    case 4: kernel<scalar_t, 4>(__VA_ARGS__); break; \
-    case 8: kernel<scalar_t, 8>(__VA_ARGS__); break; \
-    default: kernel<scalar_t, 0>(__VA_ARGS__);  \
+#define DDL_BY_ROWS(nv, kernel, ...)           \
+  switch (nv) {                                \
+    case 1: kernel<T, 1>(__VA_ARGS__); break;  \
+    case 2: kernel<T, 2>(__VA_ARGS__); break;  \
+    case 4: kernel<T, 4>(__VA_ARGS__); break;  \
+    case 8: kernel<T, 8>(__VA_ARGS__); break;  \
+    default: kernel<T, 0>(__VA_ARGS__);        \
   }
 
-std::vector<at::Tensor> residual_forward(const at::Tensor& x, const at::Tensor& h, const at::Tensor& c,
-                                         const at::Tensor& u, const at::Tensor& wb, const at::Tensor& bb,
-                                         const at::Tensor& wv, const at::Tensor& bv, double scale, double eps,
-                                         bool erase, bool save, const at::Tensor& wr) {
-  const int64_t d = h.size(-1), n = h.numel() / d, nv = wv.size(0);
-  const bool read = wr.numel() > 0;  // wr: the next compressor's taps (K, d_v, d), or empty: no readout
-  const int64_t k = read ? wr.size(0) : 1, len = read && x.dim() == 4 ? x.size(1) : 1;  // (the state's sequences)
-  TORCH_CHECK(x.numel() == n * nv * d && c.numel() == n * d && u.numel() == n * d && wb.numel() == d &&
-              bb.numel() == 1 && wv.size(1) == d && bv.numel() == nv &&
-              (!read || (x.dim() == 4 && wr.dim() == 3 && wr.size(1) == nv && wr.size(2) == d)),
-              "ddl residual_forward: mismatched shapes");
-  auto out = at::empty_like(x);
-  auto y = read ? at::empty_like(h) : at::empty({0}, h.options());
-  at::Tensor stats, write;  // None when nothing is saved (inference)
-  if (save) stats = at::empty({n * (2 + 2 * nv)}, h.options()), write = at::empty({n, nv}, h.options());
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "ddl_residual_forward", [&] {
-    scalar_t* st = save ? stats.data_ptr<scalar_t>() : nullptr;
-    DDL_BY_ROWS(nv, seam_forward, x.data_ptr<scalar_t>(), h.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(),
-                u.data_ptr<scalar_t>(), wb.data_ptr<scalar_t>(), *bb.data_ptr<scalar_t>(), wv.data_ptr<scalar_t>(),
-                bv.data_ptr<scalar_t>(), scale, eps, erase, n, nv, d, out.data_ptr<scalar_t>(),
-                save ? st : nullptr, save ? st + 2 * n : nullptr, save ? st + n : nullptr,
-                save ? st + 2 * n + n * nv : nullptr, save ? write.data_ptr<scalar_t>() : nullptr,
-                read ? wr.data_ptr<scalar_t>() : nullptr,
-                read ? y.data_ptr<scalar_t>() : nullptr, k, len);
-  });
-  return {out, stats, y, write};
-}
-
-std::vector<at::Tensor> residual_backward(const at::Tensor& g, const at::Tensor& x, const at::Tensor& h,
-                                          const at::Tensor& c, const at::Tensor& u, const at::Tensor& wb,
-                                          const at::Tensor& wv, const at::Tensor& stats, double scale, bool erase,
-                                          int64_t u_kind, const at::Tensor& gy, const at::Tensor& wr) {
-  const int64_t d = h.size(-1), n = h.numel() / d, nv = wv.size(0);
-  const bool read = gy.numel() > 0;  // gy: the readout's gradient (B, T, d) with its taps wr, or empty
-  const int64_t k = read ? wr.size(0) : 1, len = read && x.dim() == 4 ? x.size(1) : 1;
-  TORCH_CHECK(g.numel() == x.numel() && x.numel() == n * nv * d && stats.numel() == n * (2 + 2 * nv) &&
-              (!read || (gy.numel() == n * d && x.dim() == 4 && wr.dim() == 3 && wr.size(1) == nv &&
-                         wr.size(2) == d)), "ddl residual_backward: mismatched shapes");
-  auto gx = at::empty_like(x), gh = at::empty_like(h), gc = at::empty_like(c);
-  auto gu = u_kind == 0 ? at::empty_like(u) : at::empty({0}, u.options());
-  auto gwb = at::empty_like(wb), gbb = at::empty({1}, wb.options()), gwv = at::empty_like(wv);
-  auto gbv = at::empty({nv}, wv.options());
-  auto gwr = read ? at::empty_like(wr) : at::empty({0}, wv.options());
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "ddl_residual_backward", [&] {
-    const scalar_t* st = stats.data_ptr<scalar_t>();
-    DDL_BY_ROWS(nv, seam_backward, g.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), h.data_ptr<scalar_t>(),
-                c.data_ptr<scalar_t>(), u.data_ptr<scalar_t>(), wb.data_ptr<scalar_t>(), wv.data_ptr<scalar_t>(), st,
-                st + 2 * n, st + n, st + 2 * n + n * nv, scale, erase, u_kind, n, nv, d, gx.data_ptr<scalar_t>(),
-                gh.data_ptr<scalar_t>(), gc.data_ptr<scalar_t>(), u_kind == 0 ? gu.data_ptr<scalar_t>() : nullptr,
-                gwb.data_ptr<scalar_t>(), gbb.data_ptr<scalar_t>(), gwv.data_ptr<scalar_t>(),
-                gbv.data_ptr<scalar_t>(), read ? gy.data_ptr<scalar_t>() : nullptr,
-                read ? wr.data_ptr<scalar_t>() : nullptr, read ? gwr.data_ptr<scalar_t>() : nullptr, k, len);
-  });
-  return {gx, gh, gc, gu, gwb, gbb, gwv, gbv, gwr};
-}
-
 }  // namespace ddl
+
+// n tokens of d numbers, d_v = nv rows each. stats (or null: nothing saved) gets beta (n), s (n), v (n nv) and h.X
+// (n nv), write (null with it) the coefficients; wr (K, nv, d) or null: no readout into y; len: the tokens of each
+// sequence (the readout's). T: double when f64, else float; threads: the caller's thread count.
+struct ResidualForward {
+  int64_t f64, threads;
+  const void *x, *h, *c, *u, *wb, *bb, *wv, *bv;
+  double scale, eps;
+  int64_t erase, n, nv, d;
+  void *out, *stats, *write;
+  const void* wr;
+  void* y;
+  int64_t k, len;
+};
+
+extern "C" void ddl_residual_forward(const void* packed) {
+  const auto a = ddl::unpack<ResidualForward>(packed);
+  const int64_t n = a.n, nv = a.nv;
+  ddl::by_dtype(a.f64, [&](auto zero) {
+    using T = decltype(zero);
+    T* st = static_cast<T*>(a.stats);
+    DDL_BY_ROWS(nv, ddl::seam_forward, ddl::in<T>(a.x), ddl::in<T>(a.h), ddl::in<T>(a.c), ddl::in<T>(a.u),
+                ddl::in<T>(a.wb), *ddl::in<T>(a.bb), ddl::in<T>(a.wv), ddl::in<T>(a.bv), a.scale, a.eps, a.erase != 0,
+                n, nv, a.d, static_cast<T*>(a.out), st, st ? st + 2 * n : nullptr, st ? st + n : nullptr,
+                st ? st + 2 * n + n * nv : nullptr, static_cast<T*>(a.write), ddl::in<T>(a.wr), static_cast<T*>(a.y),
+                a.k, a.len, int(a.threads));
+  });
+}
+
+// u_kind as seam_backward's; gu null unless u_kind is 0; gy (n, d) with wr (K, nv, d) and gwr, or all three null.
+struct ResidualBackward {
+  int64_t f64, threads;
+  const void *g, *x, *h, *c, *u, *wb, *wv, *stats;
+  double scale;
+  int64_t erase, u_kind, n, nv, d;
+  void *gx, *gh, *gc, *gu, *gwb, *gbb, *gwv, *gbv;
+  const void *gy, *wr;
+  void* gwr;
+  int64_t k, len;
+};
+
+extern "C" void ddl_residual_backward(const void* packed) {
+  const auto a = ddl::unpack<ResidualBackward>(packed);
+  const int64_t n = a.n, nv = a.nv;
+  ddl::by_dtype(a.f64, [&](auto zero) {
+    using T = decltype(zero);
+    const T* st = ddl::in<T>(a.stats);
+    DDL_BY_ROWS(nv, ddl::seam_backward, ddl::in<T>(a.g), ddl::in<T>(a.x), ddl::in<T>(a.h), ddl::in<T>(a.c),
+                ddl::in<T>(a.u), ddl::in<T>(a.wb), ddl::in<T>(a.wv), st, st + 2 * n, st + n, st + 2 * n + n * nv,
+                a.scale, a.erase != 0, a.u_kind, n, nv, a.d, static_cast<T*>(a.gx), static_cast<T*>(a.gh),
+                static_cast<T*>(a.gc), static_cast<T*>(a.gu), static_cast<T*>(a.gwb), static_cast<T*>(a.gbb),
+                static_cast<T*>(a.gwv), static_cast<T*>(a.gbv), ddl::in<T>(a.gy), ddl::in<T>(a.wr),
+                static_cast<T*>(a.gwr), a.k, a.len, int(a.threads));
+  });
+}
