@@ -41,24 +41,26 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import replace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from ddl_tools.outputs import die_with_parent, write_json, write_text  # noqa: E402  (imports torch only)
+from ddl_tools.outputs import die_with_parent, first_line, write_json, write_text  # noqa: E402  (torch only)
 
 VARIANTS = ["llama", "ddl-dv1", "ddl-cc", "ddl-tc"]
 LABELS = {"llama": "Llama", "ddl-dv1": "d_v=1", "ddl-cc": "CC+EC", "ddl-tc": "TC+EC"}
 
-# name: (title, limit on CUDA, limit in the CPU dry run), in seconds. The first call's limits add up to 540 s.
+# name: (title, limit on CUDA, limit in the CPU dry run), in seconds. The first call's limits add up to the issue's 8
+# minutes; a part may also use what the earlier ones left unused of theirs (`Check.run_part`), none the BUDGET's end.
 PARTS = {
-    "versions": ("Card and versions", 40, 120),
-    "kernels": ("(a) The Triton kernel tests on the device", 90, 300),
-    "train": ("(b) Eager training, fused AdamW, and (e) peak memory", 140, 600),
-    "compile": ("(c) Compiled training (the decoder layers compiled)", 140, 600),
-    "decode": ("(d) Decoding: eager and compiled static-cache `generate`", 130, 600),
-    "autocast": ("Eager training under bf16 autocast (train.py's regime)", 120, 600),
-    "compile_full": ("Compiled training (the whole model compiled)", 240, 600),
+    "versions": ("Card and versions", 30, 120),
+    "kernels": ("(a) The Triton kernel tests on the device", 80, 300),
+    "train": ("(b) Eager training, fused AdamW, and (e) peak memory", 130, 600),
+    "compile": ("(c) Compiled training (the decoder layers compiled)", 120, 600),
+    "decode": ("(d) Decoding: eager and compiled static-cache `generate`", 120, 600),
+    "autocast": ("Eager training under bf16 autocast (train.py's regime)", 100, 600),
+    "compile_full": ("Compiled training (the whole model compiled)", 200, 600),
 }
 FIRST = ["versions", "kernels", "train", "compile", "decode"]
 SECOND = ["versions", "kernels", "autocast", "compile_full"]
@@ -245,11 +247,18 @@ def speed_runner_class():
     return SpeedRunner
 
 
-def dynamo_counts():
-    """(graphs compiled, graph breaks) so far in this process."""
+def compile_counts():
+    """Graphs compiled, graph breaks and CUDA graphs skipped (Inductor's reason is in the log) so far in this
+    process, from torch._dynamo's counters."""
     from torch._dynamo.utils import counters
 
-    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    return {"graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values()),
+            "cudagraph_skips": counters["inductor"]["cudagraph_skips"]}
+
+
+def counted_since(before):
+    now = compile_counts()
+    return {key: now[key] - before[key] for key in now}
 
 
 def profile_call(fn, device):
@@ -278,8 +287,11 @@ class Worker:
         self.implementation = config["implementation"]
         if self.device.type == "cpu":
             torch.set_num_threads(1)  # (the dry run's tiny models: threads only wait on each other)
-        torch._dynamo.config.recompile_limit = 64  # one model class compiled for every variant and batch
-        torch._dynamo.config.accumulated_recompile_limit = 1024
+        else:
+            torch._logging.set_logs(perf_hints=True)  # (Inductor's reason for each CUDA graph it skips, in the log)
+        for name, value in (("recompile_limit", 64), ("accumulated_recompile_limit", 1024)):
+            if hasattr(torch._dynamo.config, name):  # one model class compiled for every variant and batch
+                setattr(torch._dynamo.config, name, value)
         self.SpeedRunner = speed_runner_class()
         backend = config["compile_backend"]
         if backend != "inductor":  # (a quick dry run: generate's compiled decoding step on that backend too, in
@@ -301,28 +313,48 @@ class Worker:
         if self.device.type == "cuda":
             self.torch.cuda.empty_cache()
 
+    def attempt(self, regime, runner, what, fn):
+        """fn(); where it raises (out of GPU memory, a compile error), the model is left out of `regime` and said so,
+        its traceback goes to the log, and the other models go on. Returns whether fn ran."""
+        try:
+            fn()
+            return True
+        except Exception as err:
+            traceback.print_exc()
+            self.res.note(f"{regime}: {runner.name} left out: {what} raised {type(err).__name__}: {first_line(err)}")
+            runner.optimizer.zero_grad(set_to_none=True)
+            if self.device.type == "cuda":
+                self.torch.cuda.empty_cache()
+            return False
+
     def repeats(self, regime, runners, measure):
         """`measure(runner)` for each model in bench's balanced order, repeat after repeat, while another repeat fits
         the part's limit (at least one: a first repeat that does not fit is cut by the limit, keeping what ran)."""
-        took = 0.0
+        took, failed = 0.0, set()
         for repeat in range(self.config["repeats"]):
             if repeat and not self.clock.fits(took):
                 self.res.note(f"{regime}: {repeat} of {self.config['repeats']} repeats, to fit the part's limit")
                 break
             start = time.monotonic()
             for runner in self.bench.balanced_order(runners, repeat):
-                self.res.sample(regime, runner.name, repeat, **measure(runner))
+                sample = {}
+                if runner.name in failed:
+                    continue
+                if self.attempt(regime, runner, "a timed repeat", lambda r=runner: sample.update(measure(r))):
+                    self.res.sample(regime, runner.name, repeat, **sample)
+                else:
+                    failed.add(runner.name)
             took = time.monotonic() - start
             self.res.kernels_fell_back()
 
     def training(self, regimes, dtype="bfloat16", autocast=False):
         """Eager training: per regime (a batch size), each model warmed up, one profiled micro-step and optimizer
         step, its peak memory, then the timed repeats; the models built once for all regimes."""
-        variants = self.config["variants"]
-        runners = [self.runner(v, dtype, autocast=autocast) for v in variants]
+        runners = [self.runner(v, dtype, autocast=autocast) for v in self.config["variants"]]
         for regime in regimes:
-            batch_size = self.config["batches"][regime]
-            for runner in runners:
+            batch_size, ready = self.config["batches"][regime], []
+
+            def prepare(runner):
                 runner.use_batch(batch_size)
                 runner.train_step()  # AdamW's state, the kernels' first launches (Triton compiles them here)
                 micro = profile_call(runner.micro_step, self.device)
@@ -331,9 +363,13 @@ class Worker:
                               **{f"optimizer_{k}": v for k, v in optimizer.items()})
                 if regime == regimes[0] or self.config["memory_large"]:
                     self.res.fact(regime, runner.name, peak_mb=runner.peak_memory_mb())
+
+            for runner in runners:
+                if self.attempt(regime, runner, "its warm-up, profile or memory step", lambda r=runner: prepare(r)):
+                    ready.append(runner)
             self.res.kernels_fell_back()
             steps = self.config["micro_steps"]
-            self.repeats(regime, runners, lambda r: r.time_micro_steps(steps))
+            self.repeats(regime, ready, lambda r: r.time_micro_steps(steps))
         self.free(runners)
 
     def compiled_training(self, regime, scope):
@@ -341,17 +377,11 @@ class Worker:
         recompile once), those whose compilation would not fit the part's limit left out; then the timed repeats."""
         batch_size, backend = self.config["batches"][regime], self.config["compile_backend"]
         runners, longest = [], 0.0
-        for variant in self.config["variants"]:
-            # a DDL model's compilation takes longer than Llama's: twice Llama's, then the longest so far
-            expected = longest * (2 if len(runners) == 1 else 1) + 10
-            if runners and not self.clock.fits(expected):
-                self.res.note(f"{regime}: {variant} left out: its compilation (~{expected:.0f} s) would not fit the "
-                              f"part's limit ({self.clock.left():.0f} s left)")
-                continue
-            runner = self.runner(variant, compile_scope=scope, backend=backend)
+
+        def compile_and_warm_up(runner):
             runner.use_batch(batch_size)
             runner.model.train()
-            graphs, breaks = dynamo_counts()
+            before = compile_counts()
             start = time.perf_counter()
             runner.micro_step()
             self.bench.sync(self.device)
@@ -360,22 +390,39 @@ class Worker:
                 runner.micro_step()
             runner.optimizer_step()
             self.bench.sync(self.device)
-            warm = time.perf_counter() - start
-            longest = max(longest, warm)
-            graphs_now, breaks_now = dynamo_counts()
+            runner.step_s = (time.perf_counter() - start - first) / 3  # (a warm micro-step, about)
             self.res.fact(regime, runner.name, batch=batch_size, seq_len=self.size.seq_len, scope=scope,
-                          backend=backend, compile_s=first, warmup_s=warm, graphs=graphs_now - graphs,
-                          graph_breaks=breaks_now - breaks)
-            runners.append(runner)
-        for runner in runners:
-            if self.clock.fits(10):
-                self.res.fact(regime, runner.name, **profile_call(runner.micro_step, self.device))
-                runner.optimizer_step()
-        graphs = dynamo_counts()[0]
+                          backend=backend, compile_s=first, warmup_s=time.perf_counter() - start,
+                          **counted_since(before))
+
+        for variant in self.config["variants"]:
+            # a DDL model's compilation takes longer than Llama's: twice Llama's, then the longest so far; and one
+            # repeat of every model (its profiled step too) must fit after it
+            repeat = sum((self.config["micro_steps"] + 3) * r.step_s + 3 for r in runners)
+            expected = longest * (2 if len(runners) == 1 else 1) + 10 + repeat * (len(runners) + 1) / max(
+                len(runners), 1)
+            if runners and not self.clock.fits(expected):
+                self.res.note(f"{regime}: {variant} left out: its compilation (~{expected:.0f} s) would not fit the "
+                              f"part's limit ({self.clock.left():.0f} s left)")
+                continue
+            start = time.monotonic()
+            runner = self.runner(variant, compile_scope=scope, backend=backend)
+            if self.attempt(regime, runner, "its compilation", lambda r=runner: compile_and_warm_up(r)):
+                runners.append(runner)
+            longest = max(longest, time.monotonic() - start)
+        def profile(runner):
+            self.res.fact(regime, runner.name, **profile_call(runner.micro_step, self.device))
+            runner.optimizer_step()
+
+        for runner in list(runners):
+            if self.clock.fits(10) and not self.attempt(regime, runner, "its profiled step",
+                                                        lambda r=runner: profile(r)):
+                runners.remove(runner)
+        before = compile_counts()
         steps = self.config["micro_steps"]
         self.repeats(regime, runners, lambda r: r.time_micro_steps(steps))
         if runners:
-            self.res.fact(regime, "all", graphs_during_timed_steps=dynamo_counts()[0] - graphs)
+            self.res.fact(regime, "all", graphs_during_timed_steps=counted_since(before)["graphs"])
         self.free(runners)
 
     def decoding(self):
@@ -383,42 +430,51 @@ class Worker:
         compiled static-cache `generate` (the decoding step compiled, CUDA graphs on CUDA) per batch: each model's
         first call compiles, its second warms up, then the repeats."""
         batches, tokens = self.config["decode_batches"], self.config["new_tokens"]
-        runners = [self.runner(v) for v in self.config["variants"]]
+        runners, ready = [self.runner(v) for v in self.config["variants"]], []
         for runner in runners:
-            runner.compiled = False
-            for b in batches:
-                runner.time_decode(b, 2)  # (a process's first generate of a model sets up what the next reuse)
+            runner.compiled = False  # (a process's first generate of a model sets up what the next ones reuse)
+            if self.attempt("decode_eager", runner, "its first generate", lambda r=runner: [
+                    r.time_decode(b, 2) for b in batches]):
+                ready.append(runner)
         for b in batches:
-            self.repeats(f"decode_eager_b{b}", runners, lambda r, b=b: {"tok_s": r.time_decode(b, tokens["eager"])})
-        for runner in runners:
+            self.repeats(f"decode_eager_b{b}", ready, lambda r, b=b: {"tok_s": r.time_decode(b, tokens["eager"])})
+
+        def per_token(runner):
+            few, more = (profile_call(lambda n=n: runner.time_decode(1, n), self.device) for n in (2, 6))
+            self.res.fact("decode_eager_b1", runner.name, **{f"{k}_per_token": (more[k] - few[k]) / 4 for k in few})
+
+        for runner in ready:
             if self.clock.fits(10):
-                few, more = (profile_call(lambda n=n: runner.time_decode(1, n), self.device) for n in (2, 6))
-                per_token = {k: (more[k] - few[k]) / 4 for k in few}
-                self.res.fact("decode_eager_b1", runner.name, **{f"{k}_per_token": v for k, v in per_token.items()})
+                self.attempt("decode_eager_b1", runner, "its profiled generate", lambda r=runner: per_token(r))
         self.res.kernels_fell_back()
         for b in batches:
-            regime, ready, longest = f"decode_compiled_b{b}", [], 0.0
-            for runner in runners:
-                expected = longest * (1.5 if len(ready) == 1 else 1) + 5
-                if ready and not self.clock.fits(expected):
-                    self.res.note(f"{regime}: {runner.name} left out: its compilation (~{expected:.0f} s) would not "
-                                  f"fit the part's limit ({self.clock.left():.0f} s left)")
-                    continue
+            regime, compiled, longest = f"decode_compiled_b{b}", [], 0.0
+
+            def compile_and_warm_up(runner):
                 runner.compiled = True
-                graphs, breaks = dynamo_counts()
+                before = compile_counts()
                 start = time.perf_counter()
                 runner.time_decode(b, tokens["compiled"])
                 first = time.perf_counter() - start
                 runner.time_decode(b, tokens["compiled"])
-                longest = max(longest, time.perf_counter() - start)
-                graphs_now, breaks_now = dynamo_counts()
-                self.res.fact(regime, runner.name, compile_s=first, graphs=graphs_now - graphs,
-                              graph_breaks=breaks_now - breaks)
-                ready.append(runner)
-            graphs = dynamo_counts()[0]
-            self.repeats(regime, ready, lambda r, b=b: {"tok_s": r.time_decode(b, tokens["compiled"])})
-            if ready:
-                self.res.fact(regime, "all", graphs_during_timed_steps=dynamo_counts()[0] - graphs)
+                runner.generate_s = time.perf_counter() - start - first
+                self.res.fact(regime, runner.name, compile_s=first, **counted_since(before))
+
+            for runner in runners:  # (as in compiled_training: its compilation, then one repeat of all)
+                repeat = sum(r.generate_s for r in compiled) * (len(compiled) + 1) / max(len(compiled), 1)
+                expected = longest * (1.5 if len(compiled) == 1 else 1) + 5 + repeat
+                if compiled and not self.clock.fits(expected):
+                    self.res.note(f"{regime}: {runner.name} left out: its compilation (~{expected:.0f} s) would not "
+                                  f"fit the part's limit ({self.clock.left():.0f} s left)")
+                    continue
+                start = time.monotonic()
+                if self.attempt(regime, runner, "its compilation", lambda r=runner: compile_and_warm_up(r)):
+                    compiled.append(runner)
+                longest = max(longest, time.monotonic() - start)
+            before = compile_counts()
+            self.repeats(regime, compiled, lambda r, b=b: {"tok_s": r.time_decode(b, tokens["compiled"])})
+            if compiled:
+                self.res.fact(regime, "all", graphs_during_timed_steps=counted_since(before)["graphs"])
         self.free(runners)
 
 
@@ -577,6 +633,7 @@ class Check:
                      "settings": self.config, "date": self.date,
                      "implementation": None, "implementation_why": "", "wheels": "none carried (.whl/ is empty)"}
         self.runner = PartRunner()
+        self.planned = args.budget  # (the parts' limits added up, once `main` knows the parts)
         self.work = tempfile.mkdtemp(prefix="gpu_speed-")
 
     def left(self):
@@ -616,26 +673,32 @@ class Check:
         return os.path.join(self.work, f"{part}.log")
 
     def limit(self, part):
+        """The part's own limit (--limit, else PARTS'); 0 for part (a) where --implementation makes it moot."""
+        if part == "kernels" and self.args.implementation:
+            return 0
         for given in self.args.limit or []:
             name, _, seconds = given.partition("=")
             if name == part:
                 return float(seconds)
         return PARTS[part][1 if self.device == "cuda" else 2]
 
-    def run_part(self, part):
-        limit = min(self.limit(part), self.left() - 10)
+    def run_part(self, part, later):
+        """The part under its limit: its own, plus what the earlier parts left unused of theirs (the parts `later`
+        keep their own), and never past the budget."""
+        planned_left = self.planned - (time.monotonic() - self.started)
+        limit = min(max(self.limit(part), planned_left - sum(map(self.limit, later))), self.left() - 10)
         outcome = {"title": PARTS[part][0]}
+        if part == "kernels" and self.args.implementation:
+            self.meta.update(implementation=self.args.implementation,
+                             implementation_why=f"named by --implementation {self.args.implementation}")
+            self.parts[part] = dict(outcome, status="not run: --implementation given", seconds=0, limit=0)
+            return
         if limit < 20:
             outcome.update(status=f"not run: the check had used its {self.args.budget:.0f} s budget", seconds=0,
                            limit=0)
             self.parts[part] = outcome
             return
         if part == "kernels":
-            if self.args.implementation:
-                self.meta.update(implementation=self.args.implementation,
-                                 implementation_why=f"named by --implementation {self.args.implementation}")
-                self.parts[part] = dict(outcome, status="not run: --implementation given", seconds=0, limit=0)
-                return
             expression = self.args.kernel_tests or ("triton" if self.device == "cuda" else
                                                     "triton_window_step and k2-dv4 and fp32 and kept-layout")
             cmd = [sys.executable, "-m", "pytest", "-q", "-o", "addopts=", "-p", "no:cacheprovider", "-rfE",
@@ -676,7 +739,8 @@ class Check:
             self.meta.update(implementation="triton", implementation_why=(
                 f"its kernel tests {status} with none failed ({how}); the rest did not run"))
         else:
-            why = how if counts.get("failed") or counts.get("error") else "no test ran" if not counts else status
+            why = (how if counts.get("failed") or counts.get("error") else status if status != "ok" else
+                   "no test ran")
             self.meta.update(implementation="auto", implementation_why=(
                 f"the Triton kernel tests did not pass ({why}), so DDL runs its PyTorch paths, \"auto\""))
 
@@ -689,8 +753,9 @@ class Check:
         parts = self.args.parts or (SECOND if self.args.second else FIRST)
         parts = parts if "versions" in parts else ["versions", *parts]  # (the card and versions name every figure)
         self.install_wheels()
+        self.planned = time.monotonic() - self.started + sum(map(self.limit, parts))
         self.write()
-        for part in parts:
+        for i, part in enumerate(parts):
             print(f"== {part}: {PARTS[part][0]} ({time.strftime('%H:%M:%S')}, {self.left():.0f} s of the budget "
                   "left)", flush=True)
             if part != "versions" and "versions" in self.parts and not self.versions_ok():
@@ -698,7 +763,7 @@ class Check:
                                     "status": "not run: DDL does not import here (see versions); carry the wheels "
                                               "(docs/gpu.md)"}
             else:
-                self.run_part(part)
+                self.run_part(part, parts[i + 1:])
                 if part == "versions":
                     self.versions_ok()
             print(f"   {self.parts[part]['status']}, {self.parts[part].get('seconds', 0):.0f} s", flush=True)
@@ -802,6 +867,14 @@ def number(value, digits=0):
     return f"{value:,.{digits}f}"
 
 
+def compiled_text(facts):
+    """Graphs compiled and graph breaks (and CUDA graphs skipped, if any) of one model's compilation."""
+    if "graphs" not in facts:
+        return "–"
+    skips = facts.get("cudagraph_skips")
+    return f"{facts['graphs']}, {facts['graph_breaks']}" + (f", {skips} CUDA graphs skipped" if skips else "")
+
+
 def markdown(report, config):
     meta, parts = report["meta"], report["parts"]
     gpu = config["device"] == "cuda"
@@ -885,7 +958,7 @@ def details(report, config):
             kernels = facts.get("kernels")
             host_per_kernel = (m["host_ms"]["value"] * 1e3 / kernels) if m["host_ms"] and kernels else None
             peak = f"{value('peak_mb')} ({ratio_text(m['peak_mb'])})" if m["peak_mb"] else "–"
-            graphs = (f"{facts['graphs']}, {facts['graph_breaks']}" if "graphs" in facts else "–")
+            graphs = compiled_text(facts)
             out.append(f"| {LABELS[variant]} | {value('tok_s')} | {ratio_text(m['tok_s'])} | {value('step_ms', 1)} | "
                        f"{value('host_ms', 1)} | {number(facts.get('busy_ms'), 1)} | {number(kernels)} | "
                        f"{number(host_per_kernel, 1)} | {value('optimizer_ms', 1)} | "
@@ -918,7 +991,7 @@ def details(report, config):
             else:
                 facts = [found[r]["facts"].get(variant, {}) for r in regimes]
                 cells += [" / ".join(number(x.get("compile_s"), 1) for x in facts),
-                          " / ".join(f"{x['graphs']}, {x['graph_breaks']}" if "graphs" in x else "–" for x in facts)]
+                          " / ".join(compiled_text(x) for x in facts)]
             out.append(f"| {LABELS[variant]} | " + " | ".join(cells) + " |")
         for r in regimes:
             during = found[r]["facts"].get("all", {}).get("graphs_during_timed_steps")
