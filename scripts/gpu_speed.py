@@ -63,6 +63,7 @@ PARTS = {
     "compile_full": ("Compiled training (the whole model compiled)", 200, 600),
 }
 FIRST = ["versions", "kernels", "train", "compile", "decode"]
+SCOPES = {"regional": "decoder layers compiled", "full": "whole model compiled"}
 SECOND = ["versions", "kernels", "autocast", "compile_full"]
 WORKER_MARGIN_S = 12  # a worker plans to end this long before its part's limit (its last repeat, the JSON)
 
@@ -70,7 +71,7 @@ WORKER_MARGIN_S = 12  # a worker plans to end this long before its part's limit 
 TARGETS = [
     ("eager training, {eager_small} (host-bound)", ["eager_small"], "tok_s", ">=", (0.90, 0.85, 0.85)),
     ("eager training, {eager_large} (GPU-bound)", ["eager_large"], "tok_s", ">=", (0.95, 0.90, 0.87)),
-    ("compiled training, {compiled}, against compiled Llama (decoder layers compiled)", ["compiled"], "tok_s", ">=",
+    ("compiled training, {compiled}, against compiled Llama ({scope})", ["compiled"], "tok_s", ">=",
      (0.95, 0.85, 0.82)),
     ("compiled static-cache `generate` ({graphs}), batch 1 and 8", ["decode_compiled_b1", "decode_compiled_b8"],
      "tok_s", ">=", (0.97, 0.95, 0.93)),
@@ -78,7 +79,8 @@ TARGETS = [
     ("peak training memory, {eager_small}", ["eager_small"], "peak_mb", "<=", (1.05, 1.10, 1.12)),
     # the second call's: autocast from the review of 2026-12-05 (section 5.1), whole-model compile from the issue
     ("eager training, {autocast} under bf16 autocast (fp32 weights)", ["autocast"], "tok_s", ">=", (0.93, 0.85, 0.82)),
-    ("compiled training, {compiled_full}, whole model, against compiled Llama", ["compiled_full"], "tok_s", ">=",
+    ("compiled training, {compiled_full}, against compiled Llama (whole model compiled)", ["compiled_full"],
+     "tok_s", ">=",
      (0.95, 0.85, 0.82)),
 ]
 
@@ -98,6 +100,7 @@ def settings(device, args):
         "new_tokens": {"eager": 32, "compiled": 64} if gpu else {"eager": 3, "compiled": 3},
         "variants": args.variants,
         "compile_backend": args.compile_backend,
+        "compile_scope": args.compile_scope,
         "memory_large": gpu,  # the CPU's memory timeline is slow: the dry run measures the small batch only
     }
 
@@ -499,7 +502,9 @@ def versions(config):
                         f"{p.multi_processor_count} SMs")
     for name in ("triton", "transformers", "accelerate"):
         try:
-            found[name] = __import__(name).__version__
+            module = __import__(name)
+            found[name] = module.__version__
+            found[f"{name}_from"] = os.path.dirname(os.path.dirname(module.__file__))  # (the carried wheels'?)
         except Exception as err:  # a package that does not import is a result, not a failure of this part
             found[name] = f"not importable ({type(err).__name__}: {str(err)[:200]})"
     try:
@@ -524,7 +529,7 @@ def worker_main(args):
     elif args._part == "autocast":
         worker.training(["autocast"], dtype="float32", autocast=True)
     elif args._part == "compile":
-        worker.compiled_training("compiled", "regional")
+        worker.compiled_training("compiled", config["compile_scope"])
     elif args._part == "compile_full":
         worker.compiled_training("compiled_full", "full")
     elif args._part == "decode":
@@ -830,6 +835,7 @@ def paired(regime_figures, model, key):
 def shape_names(config):
     names = {regime: f"{b} x {config['seq_len']}" for regime, b in config["batches"].items()}
     names["graphs"] = "CUDA graphs" if config["device"] == "cuda" else "on CPU: compiled, no CUDA graphs"
+    names["scope"] = SCOPES[config.get("compile_scope", "regional")]
     return names
 
 
@@ -885,7 +891,8 @@ def markdown(report, config):
     lines += [f"- card: {card}; nvidia-smi (name, driver, memory, max/current SM clock, max memory clock, power "
               f"limit, pstate): {v.get('nvidia-smi', '–')}",
               "- software: " + ", ".join(f"{k} {v[k]}" for k in ("python", "torch", "cuda", "cudnn", "triton",
-                                                                  "transformers", "accelerate") if k in v),
+                                                                  "transformers", "accelerate") if k in v)
+              + f" (transformers from {v.get('transformers_from', '–')})",
               f"- carried wheels: {meta['wheels']}",
               f"- DDL's implementation in the timed parts: **{meta['implementation'] or 'auto'}**"
               f"{': ' + meta['implementation_why'] if meta['implementation_why'] else ''}"]
@@ -939,8 +946,8 @@ def details(report, config):
     names = shape_names(config)
     out = []
     training = [("eager_small", "eager training"), ("eager_large", "eager training"), ("autocast", "eager training "
-                "under bf16 autocast"), ("compiled", "compiled training, decoder layers compiled"),
-                ("compiled_full", "compiled training, whole model compiled")]
+                "under bf16 autocast"), ("compiled", f"compiled training, {names['scope']}"),
+                ("compiled_full", f"compiled training, {SCOPES['full']}")]
     for regime, title in training:
         if regime not in found:
             continue
@@ -1023,6 +1030,9 @@ def parse_args(argv=None):
     parser.add_argument("--compile_backend", default="inductor",
                         help="torch.compile's backend for training and decoding (the dry run's test: eager, which "
                              "captures the graphs in seconds; CUDA graphs need inductor)")
+    parser.add_argument("--compile_scope", choices=list(SCOPES), default="regional",
+                        help="part (c): each decoder layer compiled (identical layers compile once: what fits the "
+                             "part's limit), or the whole model (as Trainer's torch_compile; the second call's)")
     parser.add_argument("--out", help="the results' folder (default: $OUT, else gpu_check_out/)")
     for flag in ("--_part", "--_config", "--_result", "--_deadline"):
         parser.add_argument(flag, help=argparse.SUPPRESS)
