@@ -19,5 +19,6 @@ def _extension_module():
 
 
 extension = _extension_module()
-setup(ext_modules=extension.extensions("ddl_kernels"), cmdclass={"build_ext": extension.build_ext_command()},
-      options={"build_ext": {"parallel": os.cpu_count()}})  # (the variants side by side)
+# The variants one after the other (setuptools' default): they compile the same sources into the same object files,
+# so side by side one library could link the other's objects.
+setup(ext_modules=extension.extensions("ddl_kernels"), cmdclass={"build_ext": extension.build_ext_command()})

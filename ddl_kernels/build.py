@@ -106,7 +106,7 @@ def _load():
 
 def build_in_place():
     """Compiles the libraries beside the sources now (into `HERE`, a folder named ddl_kernels), as `pip install` does:
-    setuptools' build_ext, all variants, in parallel; a failure raises."""
+    setuptools' build_ext, all variants, one after the other (setup.py says why); a failure raises."""
     import tempfile
 
     from setuptools import Distribution
@@ -115,7 +115,7 @@ def build_in_place():
     command = command_class(Distribution({"name": "ddl", "ext_modules": extension.extensions(HERE, optional=False)}))
     with tempfile.TemporaryDirectory() as temp:
         command.build_lib, command.build_temp = os.path.dirname(HERE), temp
-        command.force, command.parallel = True, os.cpu_count()
+        command.force = True
         command.ensure_finalized()
         command.run()
 

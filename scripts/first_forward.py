@@ -1,7 +1,7 @@
 """A fresh process's first use of DDL, timed: a 1-layer toy model's forward, backward and 4 decoding steps, with
 Python's audit hooks watching for any process started (a compiler, a build tool). Prints one JSON line: the seconds
-taken (imports, then the first forward), whether the C++ CPU kernels were loaded and from where, how often each C++
-implementation ran, and the processes started (none: nothing is built at run time).
+taken (imports, then the first forward), whether the C++ CPU kernels were loaded and from where, how often each
+operation's C++ implementation served, and the processes started (none: nothing is built at run time).
 
     python scripts/first_forward.py                        # the ddl and ddl_kernels this python imports
     python scripts/first_forward.py --kernels_from DIR     # as if ddl_kernels' libraries were those in DIR
@@ -33,18 +33,24 @@ def main(argv=None):
     begin = time.perf_counter()
     import torch
 
-    from ddl import DDLConfig, DDLForCausalLM
-    from ddl import kernels as dispatch
+    from ddl import DDLConfig, DDLForCausalLM, ops
     from ddl_kernels import build
 
     if args.kernels_from:
         build.HERE = args.kernels_from
     calls = {}
-    for op, impls in dispatch.registries().items():
-        def counted(run, name):
-            return lambda *a: calls.__setitem__(name, calls.get(name, 0) + 1) or run(*a)
+    ops.kernel("delta_residual", "auto", torch.device("cpu"))  # (fills the table)
+    for op, devices in ops._installed.items():
+        def counted(run, op):
+            def served(*a):
+                out = run(*a)  # (None: the kernel does not serve these inputs)
+                if out is not None:
+                    calls[op] = calls.get(op, 0) + 1
+                return out
+            return served
 
-        dispatch.registries()[op] = [i._replace(run=counted(i.run, i.name)) if "C++" in i.name else i for i in impls]
+        if devices.get("cpu") is not None:
+            devices["cpu"] = counted(devices["cpu"], op)
     imported = time.perf_counter()
     torch.manual_seed(0)
     model = DDLForCausalLM(DDLConfig(vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=1,

@@ -557,7 +557,8 @@ def test_a_first_forward_starts_no_compiler(tmp_path):
     started a build, ninja then the compiler: 99 s on 2 cores.)"""
     result, _ = _first_forward(tmp_path)
     assert result["started"] == [] and result["kernels"].startswith(build.HERE), result
-    assert {"C++ residual seam", "C++ readout", "C++ EC", "C++ EC step"} <= set(result["calls"]), result["calls"]
+    served = {"delta_residual_readout", "token_readout", "token_conv", "conv_step"}
+    assert served <= set(result["calls"]), result["calls"]
     result, stderr = _first_forward(tmp_path, "--kernels_from", str(_kernels_folder(tmp_path, libraries=False)))
     assert result["started"] == [] and result["kernels"] is None and result["calls"] == {}, result
     assert stderr.count("C++ CPU kernels are not built") == 1 and "`pip install -e .`" in stderr
@@ -596,9 +597,14 @@ def test_setup_builds_the_kernels_without_torch(tmp_path):
     project = _project(tmp_path)
     built, _ = _setup_build(project)
     assert built == sorted(f"{name}.so" for name, _ in extension.VARIANTS), built
+    from ddl_kernels.native import open_library
+
+    for name, flags in extension.VARIANTS:  # each library of its own flags' objects (the variants share sources)
+        library = open_library(str(project / "ddl_kernels" / f"{name}.so"))
+        assert library.ddl_sources_digest().decode() == extension.digest(flags, str(project / "ddl_kernels")), name
     result, _ = _first_forward(tmp_path, PYTHONPATH=str(project))
     assert result["started"] == [] and result["kernels"].startswith(str(project / "ddl_kernels")), result
-    assert result["calls"].get("C++ residual seam", 0) > 0, result["calls"]
+    assert result["calls"].get("delta_residual_readout", 0) > 0, result["calls"]
 
 
 def test_setup_without_a_compiler_still_installs(tmp_path):
