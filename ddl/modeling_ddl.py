@@ -217,13 +217,11 @@ _LIBRARIES = ("torch.", "transformers.", "accelerate.", "deepspeed.")
 
 def user_hooks(module):
     """Whether user code hooks `module`'s forward (its own hooks, or every module's)."""
+    every = torch.nn.modules.module
+    if every._global_forward_hooks or every._global_forward_pre_hooks:
+        return True
     hooks = (*module._forward_hooks.values(), *module._forward_pre_hooks.values())
-    return bool(_global_hooks()) or any(not getattr(hook, "__module__", "").startswith(_LIBRARIES) for hook in hooks)
-
-
-def _global_hooks():
-    modules = torch.nn.modules.module
-    return {**getattr(modules, "_global_forward_hooks", {}), **getattr(modules, "_global_forward_pre_hooks", {})}
+    return any(not getattr(hook, "__module__", "").startswith(_LIBRARIES) for hook in hooks)
 
 
 class DDLDeltaResidual(nn.Module):

@@ -162,3 +162,29 @@ def test_in_fp64_every_path_agrees_with_the_specification_to_rounding(variant, i
     grads = {name: _parameter_grads(m, losses[name].loss) for name, m in (("test", model), ("spec", spec))}
     for name, expected in grads["spec"].items():
         torch.testing.assert_close(grads["test"][name], expected, rtol=1e-9, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("variant", ["cc-ec", "tc-ec"])
+def test_gradients_kept_by_a_hook_on_every_module_are_the_specifications(variant):
+    """`retain_grad()` on each seam's new state from a forward hook on every module (`register_module_forward_hook`,
+    as tracing tools install them), on the C++ path: the gradient there includes what the next sublayer's readout
+    sends back (a readout made inside the update before it would send it around the state)."""
+    from ddl.modeling_ddl import DDLDeltaResidual
+
+    kept = []
+
+    def retain(module, args, output):
+        if isinstance(module, DDLDeltaResidual):
+            output[0].retain_grad()
+            kept[-1].append(output[0])
+
+    handle = torch.nn.modules.module.register_module_forward_hook(retain)
+    try:
+        for model in _models(variant, "auto"):
+            kept.append([])
+            _weighted_logits(model)[0].backward()
+    finally:
+        handle.remove()
+    assert len(kept[0]) == len(kept[1]) == 6
+    for i, (actual, expected) in enumerate(zip(*kept)):
+        _close(actual.grad, expected.grad, f"the gradient kept at seam {i}'s state")
