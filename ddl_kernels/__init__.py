@@ -9,7 +9,7 @@ serves them. One folder per operation:
                 new state): C++ for CPU, Triton for CUDA
     readout/    the TC readout of the expanded state (CC: one tap) and a decoding step's window step: C++; Triton
     conv/       EC, the embedding convolution, and a decoding step's EC from the cached window: C++; Triton
-    build.py    building the C++ kernels once per machine (`python -m ddl_kernels.build`; else on first use)
+    build.py    loading the C++ kernels the install built (`python -m ddl_kernels.build` builds them again)
 
 Every implementation is tested against the specification on outputs and every gradient (tests/test_cpu_kernel.py,
 tests/test_kernels.py). This package imports nothing from `ddl`: its kernels are checked against `ddl.reference` by
@@ -109,7 +109,7 @@ def refuse_second_derivative(operation):
 def eager():
     """Neither torch.compile nor torch.jit.trace is tracing: every kernel here serves only then (a launch inside a
     trace would be recorded wrongly or not at all: Inductor fuses the specification itself; a jit trace would keep
-    the allocation, not the kernel's writes; a C++ build must not start there)."""
+    the allocation, not the kernel's writes)."""
     return not (_is_compiling() or _is_tracing())
 
 

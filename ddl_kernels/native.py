@@ -27,7 +27,7 @@ _ARGUMENTS = {
     "conv_step": struct.Struct("2q3P4qP"),
 }
 _F64 = {torch.float32: 0, torch.float64: 1}
-_EMPTY = {dtype: torch.empty(0, dtype=dtype) for dtype in _F64}  # the results that are not made (never handed on)
+_EMPTY = {dtype: torch.empty(0, dtype=dtype) for dtype in _F64}  # the results not made (cpu.py drops them)
 
 
 def open_library(path):
@@ -57,8 +57,9 @@ def _mismatch(name):
 
 
 def _dense(*tensors):
-    """Each tensor contiguous: the C functions read and write them as flat arrays from their pointers."""
-    return all(t.is_contiguous() for t in tensors)
+    """Each tensor in CPU memory and contiguous: the C functions read and write them as flat arrays from their
+    pointers."""
+    return all(t.is_cpu and t.is_contiguous() for t in tensors)
 
 
 def _f64(x, name):
@@ -81,7 +82,8 @@ def _residual_forward(run, pack):
         n, nv, read = h.numel() // d, wv.shape[0], wr.numel() > 0
         if not (x.numel() == n * nv * d and c.numel() == n * d and u.numel() == n * d and wb.numel() == d
                 and bb.numel() == 1 and wv.numel() == nv * d and bv.numel() == nv
-                and (not read or (x.dim() == 4 and wr.shape[1:] == (nv, d) and wr.dtype is dtype))
+                and (not read or (x.dim() == 4 and x.shape[2:] == (nv, d) and wr.shape[1:] == (nv, d)
+                                  and wr.dtype is dtype))
                 and h.dtype is dtype and c.dtype is dtype and u.dtype is dtype and wb.dtype is dtype
                 and bb.dtype is dtype and wv.dtype is dtype and bv.dtype is dtype
                 and _dense(x, h, c, u, wb, bb, wv, bv, wr)):
@@ -110,7 +112,9 @@ def _residual_backward(run, pack):
         n, nv, read = h.numel() // d, wv.shape[0], gy.numel() > 0
         if not (g.numel() == x.numel() == n * nv * d and stats.numel() == n * (2 + 2 * nv) and c.numel() == n * d
                 and u.numel() == n * d and wb.numel() == d and wv.numel() == nv * d
-                and (not read or (gy.numel() == n * d and x.dim() == 4 and wr.shape[1:] == (nv, d)
+                and u_kind in (0, 1, 2)
+                and (not read or (gy.numel() == n * d and x.dim() == 4 and x.shape[2:] == (nv, d)
+                                  and wr.shape[1:] == (nv, d)
                                   and gy.dtype is dtype and wr.dtype is dtype))
                 and g.dtype is dtype and h.dtype is dtype and c.dtype is dtype and u.dtype is dtype
                 and wb.dtype is dtype and wv.dtype is dtype and stats.dtype is dtype
@@ -136,7 +140,7 @@ def _readout_forward(run, pack):
         f64 = _f64(x, "readout_forward")
         batch, length, nv, d = x.shape
         k, taps_nv, taps_d = taps.shape
-        if not (taps_nv == nv and taps_d == d and taps.dtype is x.dtype):
+        if not (taps_nv == nv and taps_d == d and taps.dtype is x.dtype and _dense(x, taps)):
             raise _mismatch("readout_forward")
         y = x.new_empty(batch, length, d)
         run(pack(f64, _threads(), 0, x.data_ptr(), taps.data_ptr(), batch, length, k, nv, d, y.data_ptr(), 0, 0))
@@ -152,7 +156,7 @@ def _readout_backward(run, pack):
         batch, length, nv, d = x.shape
         k, taps_nv, taps_d = taps.shape
         if not (taps_nv == nv and taps_d == d and g.numel() == batch * length * d and taps.dtype is x.dtype
-                and g.dtype is x.dtype):
+                and g.dtype is x.dtype and _dense(g, x, taps)):
             raise _mismatch("readout_backward")
         gx, gtaps = torch.empty_like(x), torch.empty_like(taps)
         run(pack(f64, _threads(), g.data_ptr(), x.data_ptr(), taps.data_ptr(), batch, length, k, nv, d, 0,
@@ -171,7 +175,7 @@ def _window_step(run, pack):
         x = state.contiguous()
         nv, d, k = taps.shape
         batch, channels, kept = past.shape
-        if not (channels == nv * d and kept == k - 1 and k > 1 and past.is_contiguous()
+        if not (channels == nv * d and kept == k - 1 and k > 1 and _dense(past, x, taps)
                 and x.shape == (batch, 1, nv, d) and x.dtype is past.dtype and taps.dtype is past.dtype):
             raise _mismatch("window_step")
         y = x.new_empty(batch, 1, d)
@@ -187,7 +191,7 @@ def _conv_forward(run, pack):
         f64 = _f64(x, "conv_forward")
         batch, length, d = x.shape
         k, nv, taps_d = taps.shape
-        if not (taps_d == d and x.is_contiguous() and taps.is_contiguous() and taps.dtype is x.dtype):
+        if not (taps_d == d and _dense(x, taps) and taps.dtype is x.dtype):
             raise _mismatch("conv_forward")
         y = x.new_empty(batch, length, nv, d)
         run(pack(f64, _threads(), 0, x.data_ptr(), taps.data_ptr(), batch, length, k, nv, d, y.data_ptr(), 0, 0))
@@ -202,7 +206,7 @@ def _conv_backward(run, pack):
         f64 = _f64(x, "conv_backward")
         batch, length, d = x.shape
         k, nv, taps_d = taps.shape
-        if not (taps_d == d and x.is_contiguous() and taps.is_contiguous() and g.is_contiguous()
+        if not (taps_d == d and _dense(g, x, taps)
                 and g.numel() == batch * length * nv * d and taps.dtype is x.dtype and g.dtype is x.dtype):
             raise _mismatch("conv_backward")
         gx, gtaps = torch.empty_like(x), torch.empty_like(taps)
@@ -221,7 +225,7 @@ def _conv_step(run, pack):
         x = embeds.contiguous()
         k, d, nv = weight.shape
         batch, channels, kept = past.shape
-        if not (channels == d and kept == k - 1 and k > 1 and past.is_contiguous() and weight.is_contiguous()
+        if not (channels == d and kept == k - 1 and k > 1 and _dense(past, x, weight)
                 and x.shape == (batch, 1, d) and x.dtype is past.dtype and weight.dtype is past.dtype):
             raise _mismatch("conv_step")
         y = x.new_empty(batch, 1, nv, d)

@@ -612,3 +612,28 @@ def test_setup_without_a_compiler_still_installs(tmp_path):
     its PyTorch paths, saying so once)."""
     built, stderr = _setup_build(_project(tmp_path), CC="/no/such/cc", CXX="/no/such/c++")
     assert built == [] and "ddl_kernels._cpu" in stderr and "failed" in stderr, stderr[-2000:]
+
+
+def test_the_c_calls_refuse_what_they_cannot_read_as_flat_cpu_arrays():
+    """The C functions read their tensors as flat arrays in CPU memory from their pointers, so native.py refuses,
+    with an error and before the call, a view whose numbers are not laid out flat (an expanded weight, whose storage
+    holds fewer numbers than its shape says), a tensor in another device's memory, and a state whose shape does not
+    match the others'. (An expanded taps tensor was read past its storage; a meta one crashed the process.)"""
+    ops = build.kernels()
+    if ops is None:
+        pytest.skip("the C++ CPU kernels are not built here")
+    x, g, taps = torch.randn(2, 5, 3, 8), torch.randn(2, 5, 8), torch.randn(1, 3, 8)
+    for bad in (taps.expand(4, 3, 8), torch.randn(4, 3, 8, device="meta")):
+        with pytest.raises(RuntimeError, match="mismatched"):
+            ops.readout_forward(x, bad)
+        with pytest.raises(RuntimeError, match="mismatched"):
+            ops.readout_backward(g, x, bad)
+        with pytest.raises(RuntimeError, match="mismatched"):
+            ops.conv_forward(g, bad)
+    with pytest.raises(RuntimeError, match="mismatched"):
+        ops.readout_forward(x.transpose(0, 1).contiguous().transpose(0, 1), taps.expand(4, 3, 8).contiguous())
+    h = torch.randn(2, 5, 8)
+    weights = (torch.randn(8), torch.randn(1), torch.randn(3, 8), torch.randn(3))
+    wrong_state = torch.randn(2, 5, 8, 3)  # (the right numel, another layout of d_v and d)
+    with pytest.raises(RuntimeError, match="mismatched"):
+        ops.residual_forward(wrong_state, h, h, h, *weights, 4.0, 1e-5, True, False, torch.randn(2, 3, 8))
