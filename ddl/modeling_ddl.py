@@ -47,10 +47,10 @@ class BatchPlan:
     cache (token windows), the batch's padding and packed documents (`packing`), the implementation that runs
     (`ops`), the state rebuild (or None), and whether a seam may make the next sublayer's input itself."""
 
+    implementation: str
     cache: Cache | None = None
     padding: Padding | None = None
     documents: Documents | None = None
-    implementation: str = "auto"
     rebuild: "StateRebuild | None" = None
     reads_ahead: bool = True
     weights: dict = field(default_factory=dict)
@@ -341,7 +341,7 @@ class DDLCompressor(nn.Module):
 
     def forward(self, state, plan=None, slot=None):
         """x_in `(B, T, d)`: the readout of the state (TC: over the tokens, with the cache's window in `slot`)."""
-        plan = plan or BatchPlan(implementation=choose(self.config.ddl_implementation))
+        plan = plan or BatchPlan(choose(self.config.ddl_implementation))
         weight = plan.readout_weight(self)  # (K, d, d_v)
         with plan.saving():
             if self.kind != "tc":
@@ -360,7 +360,7 @@ class DDLEmbedConv(nn.Module):
                                                config.ddl_value_channels))
 
     def forward(self, embeds, plan=None):
-        plan = plan or BatchPlan(implementation=choose(self.config.ddl_implementation))
+        plan = plan or BatchPlan(choose(self.config.ddl_implementation))
         return convolve_tokens(token_conv, embeds, self.weight, plan, 0, self.cache_slot)  # (B, T, d_v, d)
 
 
@@ -430,7 +430,7 @@ class DDLDecoderLayer(GradientCheckpointingLayer):
     def forward(self, hidden_states, attention_mask=None, position_ids=None, cache: Cache | None = None,
                 use_cache: bool | None = False, position_embeddings=None, plan: BatchPlan | None = None, **kwargs):
         plan = replace(plan, weights={}) if plan is not None else BatchPlan(  # (weights: this block's, once)
-            cache, implementation=choose(self.config.ddl_implementation))
+            choose(self.config.ddl_implementation), cache)
         read_attn, read_mlp = self.compressor("attn"), self.compressor("mlp")
         # Self Attention: on the state's readout x_in (the state itself at d_v = 1)
         x_in = hidden_states if read_attn is None else read_attn(hidden_states, plan, self.cache_slots["attn"])
@@ -658,8 +658,9 @@ class DDLModel(DDLPreTrainedModel):
             causal_mask = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds,
                                              attention_mask=attention_mask, cache=cache, position_ids=positions,
                                              and_mask_function=packed_attention)
-        plan = BatchPlan(cache, Padding.of(pad_mask, inputs_embeds.dtype, cache), documents,
-                         choose(self.config.ddl_implementation), reads_ahead=not user_hooks(self))
+        padding = Padding.of(pad_mask, inputs_embeds.dtype, cache)
+        plan = BatchPlan(choose(self.config.ddl_implementation), cache, padding, documents,
+                         reads_ahead=not user_hooks(self))
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids=positions)
 
         hidden_states = self.expand(inputs_embeds, plan)  # X_0: (B, T, [d_v,] d)
