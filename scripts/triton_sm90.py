@@ -28,20 +28,23 @@ def variants(d, dv):
     from ddl_kernels.readout import triton as readout
     from ddl_kernels.residual import triton as residual
 
-    blocks, scalar = residual._blocks(d, dv), residual._blocks(d, 1)
+    blocks, scalar = residual._blocks(d, dv), residual._blocks(d, 1, backward=True)
     warps, scalar_warps = {"num_warps": blocks.pop("num_warps")}, {"num_warps": scalar.pop("num_warps")}
+    back_warps = {"num_warps": residual._blocks(d, dv, backward=True)["num_warps"]}
     window = readout._tiles(d, dv)[1]
-    fp32_out = {"gz_ptr", "gy_ptr"}
+    fp32_out = {"gz_ptr", "gy_ptr", "part_ptr"}
     return [
         (residual._seam_fwd_kernel, "bf16", set(), dict(ERASE=True, U_IS_C=False, SIGMOID=True, **blocks), warps),
         (residual._seam_fwd_kernel, "fp32", set(), dict(ERASE=True, U_IS_C=False, SIGMOID=True, **blocks), warps),
         (residual._seam_fwd_kernel, "bf16", set(), dict(ERASE=False, U_IS_C=True, SIGMOID=False, **blocks), warps),
-        *[(residual._seam_bwd_kernel, "bf16", fp32_out, dict(ERASE=True, U_KIND=kind, SIGMOID=True, **blocks), warps)
-          for kind in (0, 1)],
+        *[(residual._seam_bwd_kernel, "bf16", fp32_out,
+           dict(ERASE=True, U_KIND=kind, SIGMOID=True, WEIGHT_GRADS=True, **blocks), back_warps) for kind in (0, 1)],
         # u is the state only where d_v = 1: its own tile
-        (residual._seam_bwd_kernel, "bf16", fp32_out, dict(ERASE=True, U_KIND=2, SIGMOID=True, **scalar), scalar_warps),
-        (residual._seam_bwd_kernel, "fp32", fp32_out, dict(ERASE=False, U_KIND=2, SIGMOID=False, **scalar),
-         scalar_warps),
+        (residual._seam_bwd_kernel, "bf16", fp32_out,
+         dict(ERASE=True, U_KIND=2, SIGMOID=True, WEIGHT_GRADS=True, **scalar), scalar_warps),
+        (residual._seam_bwd_kernel, "fp32", fp32_out,
+         dict(ERASE=False, U_KIND=2, SIGMOID=False, WEIGHT_GRADS=False, **scalar), scalar_warps),
+        (residual._sum_parts_kernel, "bf16", {"part_ptr"}, dict(BLOCK=1024), {}),
         (readout._window_kernel, "bf16", set(), dict(READ=True, K=4, DIRECTION=1, **window), {}),
         (readout._window_kernel, "bf16", set(), dict(READ=False, K=4, DIRECTION=-1, **window), {}),
         (readout._step_kernel, "bf16", set(), dict(READ=True, K=4, **window), {}),

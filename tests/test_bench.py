@@ -256,7 +256,8 @@ def test_a_second_bench_into_a_timeline_folder_being_written_is_refused(tmp_path
 def test_the_triton_seam_launches_as_many_kernels_forward_as_llamas_residual_add():
     """scripts/launch_count.py: a training step's kernel launches (what a GPU step that waits on the CPU pays for),
     counted on CPU through Triton's interpreter. The seam replaces Llama's residual add by one kernel: d_v=1's forward
-    and its decoded token (inside `generate`) launch what Llama's do; a training step fewer than the specification's;
+    and its decoded token (inside `generate`) launch what Llama's do; a training step at most 1.10x Llama's (the seam's
+    backward, the weights' gradients included, two launches) and fewer than the specification's;
     TC's decoded token fewer with its Triton steps."""
     pytest.importorskip("triton")
     script = os.path.join(os.path.dirname(bench.__file__), "scripts", "launch_count.py")
@@ -266,6 +267,7 @@ def test_the_triton_seam_launches_as_many_kernels_forward_as_llamas_residual_add
     result = json.loads(done.stdout.splitlines()[-1])
     ways = result["ddl-dv1"]
     assert ways["Triton"][0] == result["llama"][0]
+    assert ways["Triton"][1] <= 1.10 * result["llama"][1]  # (issue 58's bound: the seam's backward is 2 launches)
     for part in (0, 1):  # forward, forward + backward
         assert ways["Triton"][part] < ways["PyTorch"][part], part
     done = subprocess.run([sys.executable, script, "--variants", "ddl-dv1", "ddl-tc", "--decoding", "--json"],
@@ -283,7 +285,7 @@ def test_every_triton_kernel_compiles_for_an_h200_without_spilling():
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env, timeout=300)
     rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| _")]
-    assert done.returncode == 0 and len(rows) == 13, done.stdout + done.stderr
+    assert done.returncode == 0 and len(rows) == 14, done.stdout + done.stderr
     assert all(row[-1].strip() == "0" for row in rows), done.stdout
 
 

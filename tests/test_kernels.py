@@ -377,6 +377,34 @@ def test_triton_seam_with_frozen_weights_gives_the_trained_ones_gradients(frozen
             torch.testing.assert_close(fast, spec, rtol=1e-5, atol=1e-5, msg=str(i))
 
 
+@pytest.mark.parametrize("programs", [1, 3, 8])
+@pytest.mark.parametrize("dv, value_input", [(1, "state"), (4, "u"), (4, "c")], ids=["dv1-state", "dv4-u", "dv4-c"])
+def test_triton_seam_backward_in_runs_of_tokens(programs, dv, value_input, monkeypatch):
+    """The seam's backward runs consecutive tokens per program and sums the weights' gradients per program before the
+    rows are added: with 22 tokens in 1 run, in 3 (8, 8 and a shorter last) or in 8, every gradient is the
+    specification's."""
+    residual = _triton("residual")
+    monkeypatch.setattr(residual, "_programs", lambda tokens, device: min(tokens, programs))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = seeded(11)
+    shape = (2, 11) + ((dv,) if dv > 1 else ()) + (40,)
+    inputs = [torch.randn(s, generator=g) for s in (shape, (2, 11, 40), (2, 11, 40), (2, 11, 40))]
+    inputs += [0.1 * torch.randn(40, generator=g), torch.randn(1, generator=g), 0.1 * torch.randn(dv, 40, generator=g),
+               torch.randn(dv, generator=g)]
+    grads = {}
+    for name, run in (("spec", delta_residual), ("seam", residual.run)):
+        leaves = [t.to(device).clone().requires_grad_() for t in inputs]
+        x, h, c, u = leaves[:4]
+        out = run(x, h, c, {"u": u, "c": c, "state": x}[value_input], *leaves[4:], 4.0, 1e-5, "delta")
+        out.backward(torch.randn(out.shape, generator=seeded(12)).to(device))
+        grads[name] = [t.grad for t in leaves]
+    for i, (spec, fast) in enumerate(zip(grads["spec"], grads["seam"])):
+        if spec is None:
+            assert fast is None, i
+        else:
+            torch.testing.assert_close(fast, spec, rtol=1e-5, atol=1e-5, msg=str(i))
+
+
 @pytest.mark.parametrize("checkpointing, failing_backward", [(False, False), (True, False), (True, True)],
                          ids=["plain", "checkpointed", "checkpointed-failing-backward"])
 def test_triton_seam_in_a_model_matches_reference(checkpointing, failing_backward, monkeypatch, caplog):

@@ -1,8 +1,8 @@
-r"""The residual seam in Triton for CUDA: one program per token. `_seam_*` make the gate, the value and the delta update
-in one kernel each way (`reference.delta_residual`). Each program loads h (d), the state X (d_v x d,
-stored column after column) and the inputs of beta and v, and writes X_next; the backward program recomputes k, k^T X,
-beta, v and the coefficient from the same inputs, so nothing else is stored. The same kernels serve d_v = 1 and every
-d_v > 1.
+r"""The residual seam in Triton for CUDA. `_seam_*` make the gate, the value and the delta update in one kernel each
+way (`reference.delta_residual`): the forward one program per token, the backward one per run of consecutive tokens.
+Each program loads h (d), the state X (d_v x d, stored column after column) and the inputs of beta and v, and writes
+X_next; the backward recomputes k, k^T X, beta, v and the coefficient from the same inputs, so nothing else is
+stored. The same kernels serve d_v = 1 and every d_v > 1.
 
 Per token, with the gate and value of `reference.delta_residual` (all in fp32, whatever the storage dtype):
     beta = 2 sigmoid(w . c + b),   v_j = s_v sigmoid(W_v[j] . u + b_v[j])  (or W_v[j] . u + b_v[j] when s_v = None)
@@ -11,9 +11,10 @@ and backward, from G = dL/dX_next: g_j = k . G_j, dv_j = beta g_j, dbeta = sum_j
 (write-only: G_j), dk = sum_j G_j beta t_j - X_j beta g_j, dh = s (dk - k (k . dk)); through the gate and the value
 dz = dbeta beta (1 - beta / 2), dy_j = dv_j v_j (1 - v_j / s_v) (or dv_j), dc = dz w, du = sum_j dy_j W_v[j] (added to
 dc when u is c, to dX when u is the d_v = 1 state). The weights' gradients are sums over tokens of dz and dy_j times c
-and u: products in PyTorch, from the per-token dz and dy the kernel writes. Why: in eager PyTorch the gate and value
-are 9 more launches forward and 5 more backward per sublayer in bf16 (scripts/launch_count.py), each a launch that a
-GPU step waits for.
+and u: each backward program sums its tokens' in registers into one row of partial sums, and `_sum_parts_kernel`
+adds the rows, in the weights' dtype. Why: a launch is what an eager GPU step waits for (scripts/launch_count.py): in
+PyTorch the gate and value are 9 more launches forward and 5 more backward per sublayer in bf16, and the weights'
+gradients as products and casts after the kernel were 9 more; the seam is 1 launch forward and 2 backward.
 
 Serves `reference.delta_residual` (a single linear gate, a learned value; delta or write-only) for CUDA tensors
 other than fp64, outside traces (`ddl_kernels.eager`).
@@ -64,23 +65,27 @@ def _update_grads(x, k, inv_norm, target, beta, g, ERASE: tl.constexpr):
     return grad_coef, gx, inv_norm * (grad_k - k * tl.sum(k * grad_k, axis=0))
 
 @triton.jit
+def _weights(w_ptr, wv_ptr, rows, row_ok, tile, tile_ok):
+    """The gate's w `(BLOCK_D,)` and W_v's tile `(BLOCK_D, BLOCK_V)` (fp32; W_v (d_v, d) is in the state's layout)."""
+    w = tl.load(w_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    return w, tl.load(wv_ptr + tile, mask=tile_ok, other=0.0).to(tl.float32)
+
+@triton.jit
 def _gate_and_value(
-    c_ptr, u_ptr, w_ptr, b_ptr, wv_ptr, bv_ptr, token, d, v_scale, rows, row_ok, cols, col_ok, tile, tile_ok,
+    c_ptr, u_ptr, b_ptr, bv_ptr, w, wv, token, d, v_scale, rows, row_ok, cols, col_ok,
     U_IS_C: tl.constexpr, SIGMOID: tl.constexpr,
 ):
-    """c, w, u, W_v's tile (fp32) and this token's beta = 2 sigmoid(w . c + b) and v `(BLOCK_V,)` (0 past d_v)."""
+    """c, u (fp32) and this token's beta = 2 sigmoid(w . c + b) and v `(BLOCK_V,)` (0 past d_v)."""
     c = tl.load(c_ptr + token * d + rows, mask=row_ok, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     beta = 2.0 * tl.sigmoid(tl.sum(w * c, axis=0) + tl.load(b_ptr).to(tl.float32))
     if U_IS_C:
         u = c
     else:
         u = tl.load(u_ptr + token * d + rows, mask=row_ok, other=0.0).to(tl.float32)
-    wv = tl.load(wv_ptr + tile, mask=tile_ok, other=0.0).to(tl.float32)  # W_v (d_v, d): the state's layout
     v = tl.sum(wv * u[:, None], axis=0) + tl.load(bv_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     if SIGMOID:
         v = v_scale * tl.sigmoid(v)
-    return c, w, u, wv, beta, tl.where(col_ok, v, 0.0)
+    return c, u, beta, tl.where(col_ok, v, 0.0)
 
 @triton.jit
 def _seam_fwd_kernel(
@@ -92,9 +97,9 @@ def _seam_fwd_kernel(
     rows, row_ok, cols, col_ok, tile, tile_ok, x, k, inv_norm, h = _token_state(
         x_ptr, h_ptr, token, d, dv, k_eps_sq, BLOCK_D, BLOCK_V
     )
-    c, w, u, wv, beta, v = _gate_and_value(
-        c_ptr, u_ptr, w_ptr, b_ptr, wv_ptr, bv_ptr, token, d, v_scale, rows, row_ok, cols, col_ok, tile, tile_ok,
-        U_IS_C, SIGMOID,
+    w, wv = _weights(w_ptr, wv_ptr, rows, row_ok, tile, tile_ok)
+    c, u, beta, v = _gate_and_value(
+        c_ptr, u_ptr, b_ptr, bv_ptr, w, wv, token, d, v_scale, rows, row_ok, cols, col_ok, U_IS_C, SIGMOID,
     )
     target = _target(v, k, x, ERASE)
     write = inv_norm * beta * target
@@ -104,48 +109,97 @@ def _seam_fwd_kernel(
 @triton.jit
 def _seam_bwd_kernel(
     x_ptr, h_ptr, c_ptr, u_ptr, w_ptr, b_ptr, wv_ptr, bv_ptr, grad_ptr, gx_ptr, gh_ptr, gc_ptr, gu_ptr, gz_ptr,
-    gy_ptr, d, dv, k_eps_sq, v_scale,
-    ERASE: tl.constexpr, U_KIND: tl.constexpr, SIGMOID: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    gy_ptr, part_ptr, tokens, per_program, d, dv, k_eps_sq, v_scale,
+    ERASE: tl.constexpr, U_KIND: tl.constexpr, SIGMOID: tl.constexpr, WEIGHT_GRADS: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """dX, dh, dc, du (U_KIND 0; 1: u is c, its gradient in dc; 2: u is the d_v = 1 state, in dX) and the per-token
-    dz `(N,)` and dy `(N, d_v)` (fp32) that the weights' gradients sum."""
-    token = tl.program_id(0).to(tl.int64)
-    rows, row_ok, cols, col_ok, tile, tile_ok, x, k, inv_norm, h = _token_state(
-        x_ptr, h_ptr, token, d, dv, k_eps_sq, BLOCK_D, BLOCK_V
-    )
-    c, w, u, wv, beta, v = _gate_and_value(
-        c_ptr, u_ptr, w_ptr, b_ptr, wv_ptr, bv_ptr, token, d, v_scale, rows, row_ok, cols, col_ok, tile, tile_ok,
-        U_KIND == 1, SIGMOID,
-    )
-    target = _target(v, k, x, ERASE)
-    g = tl.load(grad_ptr + token * d * dv + tile, mask=tile_ok, other=0.0).to(tl.float32)
-    grad_coef, gx, grad_h = _update_grads(x, k, inv_norm, target, beta, g, ERASE)
-    grad_z = tl.sum(grad_coef * target, axis=0) * beta * (1.0 - 0.5 * beta)  # d beta / dz = beta (1 - beta/2)
-    grad_y = beta * grad_coef  # dv
-    if SIGMOID:
-        grad_y = grad_y * v * (1.0 - v / v_scale)
-    grad_u = tl.sum(wv * grad_y[None, :], axis=1)
-    grad_c = grad_z * w
-    if U_KIND == 1:
-        grad_c = grad_c + grad_u
-    if U_KIND == 2:
-        gx = gx + grad_u[:, None]
-    if U_KIND == 0:
-        tl.store(gu_ptr + token * d + rows, grad_u.to(gu_ptr.dtype.element_ty), mask=row_ok)
-    tl.store(gx_ptr + token * d * dv + tile, gx.to(gx_ptr.dtype.element_ty), mask=tile_ok)
-    tl.store(gh_ptr + token * d + rows, grad_h.to(gh_ptr.dtype.element_ty), mask=row_ok)
-    tl.store(gc_ptr + token * d + rows, grad_c.to(gc_ptr.dtype.element_ty), mask=row_ok)
-    tl.store(gz_ptr + token, grad_z)
-    tl.store(gy_ptr + token * dv + cols, grad_y, mask=col_ok)
+    """dX, dh, dc, du (U_KIND 0; 1: u is c, its gradient in dc; 2: u is the d_v = 1 state, in dX) of `per_program`
+    consecutive tokens, and (WEIGHT_GRADS) this program's row of the weights' partial gradients, sums over its tokens
+    in fp32: [dw = sum dz c (d) | dW_v = sum u dy^T (d_v x d, W_v's layout) | db_v = sum dy (d_v) | db = sum dz].
+    The sums are a second pass over the tokens, from the per-token dz `(N,)` and dy `(N, d_v)` the first one wrote
+    (fp32) and c and u read again (just read: from cache), so that no running sum holds registers while the first
+    pass's tiles do."""
+    first = tl.program_id(0).to(tl.int64) * per_program
+    count = tl.minimum(per_program, tokens - first).to(tl.int32)
+    x_ptr, grad_ptr, gx_ptr = x_ptr + first * d * dv, grad_ptr + first * d * dv, gx_ptr + first * d * dv
+    h_ptr, c_ptr, u_ptr = h_ptr + first * d, c_ptr + first * d, u_ptr + first * d
+    gh_ptr, gc_ptr, gu_ptr = gh_ptr + first * d, gc_ptr + first * d, gu_ptr + first * d
+    gz_ptr, gy_ptr = gz_ptr + first, gy_ptr + first * dv
+    for token in range(count):
+        rows, row_ok, cols, col_ok, tile, tile_ok, x, k, inv_norm, h = _token_state(
+            x_ptr, h_ptr, token, d, dv, k_eps_sq, BLOCK_D, BLOCK_V
+        )
+        w, wv = _weights(w_ptr, wv_ptr, rows, row_ok, tile, tile_ok)
+        c, u, beta, v = _gate_and_value(
+            c_ptr, u_ptr, b_ptr, bv_ptr, w, wv, token, d, v_scale, rows, row_ok, cols, col_ok, U_KIND == 1, SIGMOID,
+        )
+        target = _target(v, k, x, ERASE)
+        g = tl.load(grad_ptr + token * d * dv + tile, mask=tile_ok, other=0.0).to(tl.float32)
+        grad_coef, gx, grad_h = _update_grads(x, k, inv_norm, target, beta, g, ERASE)
+        grad_z = tl.sum(grad_coef * target, axis=0) * beta * (1.0 - 0.5 * beta)  # d beta / dz = beta (1 - beta/2)
+        grad_y = beta * grad_coef  # dv
+        if SIGMOID:
+            grad_y = grad_y * v * (1.0 - v / v_scale)
+        grad_u = tl.sum(wv * grad_y[None, :], axis=1)
+        grad_c = grad_z * w
+        if U_KIND == 1:
+            grad_c = grad_c + grad_u
+        if U_KIND == 2:
+            gx = gx + grad_u[:, None]
+        if U_KIND == 0:
+            tl.store(gu_ptr + token * d + rows, grad_u.to(gu_ptr.dtype.element_ty), mask=row_ok)
+        tl.store(gx_ptr + token * d * dv + tile, gx.to(gx_ptr.dtype.element_ty), mask=tile_ok)
+        tl.store(gh_ptr + token * d + rows, grad_h.to(gh_ptr.dtype.element_ty), mask=row_ok)
+        tl.store(gc_ptr + token * d + rows, grad_c.to(gc_ptr.dtype.element_ty), mask=row_ok)
+        if WEIGHT_GRADS:
+            tl.store(gz_ptr + token, grad_z)
+            tl.store(gy_ptr + token * dv + cols, grad_y, mask=col_ok)
+    if WEIGHT_GRADS:
+        tl.debug_barrier()  # (every thread's dz and dy stored before any reads them)
+        rows = tl.arange(0, BLOCK_D)
+        cols = tl.arange(0, BLOCK_V)
+        row_ok, col_ok = rows < d, cols < dv
+        sum_w = tl.zeros((BLOCK_D,), dtype=tl.float32)
+        sum_wv = tl.zeros((BLOCK_D, BLOCK_V), dtype=tl.float32)
+        sum_bv = tl.zeros((BLOCK_V,), dtype=tl.float32)
+        sum_b = 0.0
+        for token in range(count):
+            grad_z = tl.load(gz_ptr + token)
+            grad_y = tl.load(gy_ptr + token * dv + cols, mask=col_ok, other=0.0)
+            c = tl.load(c_ptr + token * d + rows, mask=row_ok, other=0.0).to(tl.float32)
+            if U_KIND == 1:
+                u = c
+            else:
+                u = tl.load(u_ptr + token * d + rows, mask=row_ok, other=0.0).to(tl.float32)
+            sum_w += grad_z * c
+            sum_wv += u[:, None] * grad_y[None, :]
+            sum_bv += grad_y
+            sum_b += grad_z
+        part = part_ptr + tl.program_id(0).to(tl.int64) * (d + d * dv + dv + 1)
+        tl.store(part + rows, sum_w, mask=row_ok)
+        tl.store(part + d + cols[None, :] * d + rows[:, None], sum_wv, mask=row_ok[:, None] & col_ok[None, :])
+        tl.store(part + d + d * dv + cols, sum_bv, mask=col_ok)
+        tl.store(part + d + d * dv + dv, sum_b)
+
+@triton.jit
+def _sum_parts_kernel(part_ptr, out_ptr, n_parts, width, BLOCK: tl.constexpr):
+    """out = the sum of the partial rows `(n_parts, width)` (fp32, in order), in out's dtype."""
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < width
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for p in range(n_parts):
+        acc += tl.load(part_ptr + p * width + cols, mask=ok, other=0.0)
+    tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def _blocks(d, dv):
-    """A token's tile (BLOCK_D, BLOCK_V) and the warps for it: enough that a backward program's few fp32 tiles stay in
-    registers (compiled for sm_90: 4 warps keep d = 1,024 x 4 channels without spilling; d = 4,096 x 4 spilled 7 KB per
-    thread with 4, 112 bytes with 16)."""
+def _blocks(d, dv, backward=False):
+    """A token's tile (BLOCK_D, BLOCK_V) and the warps for it: enough that a program's few fp32 tiles stay in
+    registers. Compiled for sm_90 (scripts/triton_sm90.py): the forward with 4 warps keeps d = 1,024 x 4 channels
+    without spilling; the backward, whose loop over tokens holds more, needs twice the forward's (d = 768 x 4: 80 bytes
+    spilled per thread with 4 warps, none with 8; d = 4,096 x 4: about 450 bytes with 32)."""
     block_d, block_v = triton.next_power_of_2(d), channel_block(dv)
-    return dict(BLOCK_D=block_d, BLOCK_V=block_v, num_warps=min(16, max(4, block_d * block_v // 1024)))
+    warps = min(16, max(4, block_d * block_v // 1024))
+    return dict(BLOCK_D=block_d, BLOCK_V=block_v, num_warps=min(32, 2 * warps) if backward else warps)
 
 
 _SEAM = "Triton residual seam"
@@ -176,51 +230,68 @@ def _value(v_scale):
     return dict(v_scale=1.0 if v_scale is None else v_scale, SIGMOID=v_scale is not None)
 
 
+def _programs(tokens, device):
+    """How many programs the backward runs (each a run of consecutive tokens, and one row of the weights' partial
+    gradients): a few per multiprocessor on a GPU, so that the partial rows summed after it stay few; 8 elsewhere (the
+    interpreter), so that the tests' few tokens still share programs."""
+    most = torch.cuda.get_device_properties(device).multi_processor_count * 4 if device.type == "cuda" else 8
+    return min(tokens, most)
+
+
 def _seam_gradients(ctx, saved, grad_out):
+    """The seam's gradients in two launches: the backward kernel, then the sum of its partial rows of the weights'
+    gradients in their dtype (none where no weight needs one, as under LoRA)."""
     x, h, c, u, gate_weight, gate_bias, value_weight, value_bias = saved
     d, dv, tokens = h.shape[-1], value_weight.shape[0], h.numel() // h.shape[-1]
     grad_x, grad_h, grad_c = torch.empty_like(x), torch.empty_like(h), torch.empty_like(c)
     grad_u = torch.empty_like(u) if ctx.u_kind == 0 else grad_c  # (not written otherwise)
-    grad_z = torch.empty(tokens, dtype=torch.float32, device=x.device)
-    grad_y = torch.empty(tokens, dv, dtype=torch.float32, device=x.device)
+    weights = (gate_weight, gate_bias, value_weight, value_bias)
+    needs = ctx.needs_input_grad[4:8]
+    programs = _programs(tokens, x.device)
+    per_program = triton.cdiv(tokens, programs)
+    programs = triton.cdiv(tokens, per_program)
+    width = d + d * dv + dv + 1  # [w | W_v | b_v | b]
+    if any(needs):  # (one allocation: dz `(N,)`, dy `(N, d_v)`, the partial rows `(programs, width)`; fp32)
+        scratch = torch.empty(tokens * (1 + dv) + programs * width, dtype=torch.float32, device=x.device)
+        grad_z, grad_y, parts = scratch[:tokens], scratch[tokens : tokens * (1 + dv)], scratch[tokens * (1 + dv) :]
+    else:
+        grad_z = grad_y = parts = grad_h  # (not written)
     with torch.cuda.device_of(x):
-        _seam_bwd_kernel[(tokens,)](
-            x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, grad_out.contiguous(), grad_x, grad_h,
-            grad_c, grad_u, grad_z, grad_y, d, dv, ctx.k_eps**2, ERASE=ctx.erase, U_KIND=ctx.u_kind,
-            **_value(ctx.v_scale), **_blocks(d, dv),
+        _seam_bwd_kernel[(programs,)](
+            x, h, c, u, *weights, grad_out.contiguous(), grad_x, grad_h, grad_c, grad_u, grad_z, grad_y, parts,
+            tokens, per_program,
+            d, dv, ctx.k_eps**2, ERASE=ctx.erase, U_KIND=ctx.u_kind, WEIGHT_GRADS=any(needs),
+            **_value(ctx.v_scale), **_blocks(d, dv, backward=True),
         )
-    # the weights' (none when frozen, as under LoRA): sums over tokens, fp32 products (the gate is fp32 throughout)
-    needs = ctx.needs_input_grad
-    grad_w = grad_b = grad_wv = grad_bv = None
-    with torch.autocast(x.device.type, enabled=False):  # (backward may run under autocast)
-        if needs[4]:
-            grad_w = (grad_z @ c.reshape(tokens, d).float()).to(gate_weight.dtype)
-        if needs[5]:
-            grad_b = grad_z.sum(0, keepdim=True).to(gate_bias.dtype)
-        if needs[6]:
-            grad_wv = (grad_y.T @ u.reshape(tokens, d).float()).to(value_weight.dtype)
-        if needs[7]:
-            grad_bv = grad_y.sum(0).to(value_bias.dtype)
-    return (grad_x, grad_h, grad_c, grad_u if ctx.u_kind == 0 else None, grad_w, grad_b, grad_wv, grad_bv,
-            None, None, None, None)
+    grads = [None] * 4
+    if any(needs):
+        dtype = gate_weight.dtype if all(w.dtype == gate_weight.dtype for w in weights) else torch.float32
+        summed = torch.empty(width, dtype=dtype, device=x.device)
+        with torch.cuda.device_of(x):
+            _sum_parts_kernel[(triton.cdiv(width, 1024),)](parts, summed, programs, width, BLOCK=1024)
+        split = summed[:d], summed[d : d + d * dv].view(dv, d), summed[d + d * dv : width - 1], summed[width - 1 :]
+        order = (0, 3, 1, 2)  # (the partial rows hold w, W_v, b_v, b)
+        grads = [split[order[i]].to(w.dtype) if need else None for i, (w, need) in enumerate(zip(weights, needs))]
+    return (grad_x, grad_h, grad_c, grad_u if ctx.u_kind == 0 else None, *grads, None, None, None, None)
 
 
 _compiled = set()  # the kernels' variants whose backward compiled here
 
 
 def _backward_compiles(x, h, c, u, weights, v_scale, k_eps, erase, u_kind):
-    """Whether this variant's backward kernel compiles and launches, tried once (on one token) before its forward
+    """Whether this variant's backward kernels compile and launch, tried once (on one token) before its forward
     first serves: a backward that failed only after the forward ran could give no gradient for that step, while a
     seam that does not serve leaves forward and backward to the specification."""
-    key = (x.dtype, h.dtype, x.device, h.shape[-1], weights[2].shape[0], v_scale is None, erase, u_kind)
+    weight_grads = torch.is_grad_enabled() and any(w.requires_grad for w in weights)
+    key = (x.dtype, h.dtype, x.device, h.shape[-1], weights[2].shape[0], v_scale is None, erase, u_kind, weight_grads)
     if key not in _compiled:
         class Probe:
-            needs_input_grad = (False,) * 12
+            needs_input_grad = (False,) * 4 + (weight_grads,) * 4 + (False,) * 4
 
         probe = Probe()
         probe.v_scale, probe.k_eps, probe.erase, probe.u_kind = v_scale, k_eps, erase, u_kind
         one = [t.reshape(-1, *t.shape[2:])[:1].contiguous() for t in (x, h, c, u)]
-        _seam_gradients(probe, (*one, *weights), torch.zeros_like(one[0]))
+        _seam_gradients(probe, (*one, *(w.detach() for w in weights)), torch.zeros_like(one[0]))
         _compiled.add(key)
     return True
 
