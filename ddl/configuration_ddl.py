@@ -29,15 +29,12 @@ LEGACY_DEFAULTS = {"ddl_shared_compressor": False, "ddl_cc_form": "matrix", "ddl
 # Lets the Auto classes load a saved folder with trust_remote_code=True without `ddl` installed, the task heads too (a
 # causal LM fine-tuned as a classifier); `transformers serve` loads by AutoModelForDecision (else it looks the class
 # up on the transformers module, where no checkpoint's own class is).
-AUTO_MAP = {
-    "AutoConfig": "configuration_ddl.DDLConfig",
-    "AutoModel": "modeling_ddl.DDLModel",
-    "AutoModelForCausalLM": "modeling_ddl.DDLForCausalLM",
-    "AutoModelForDecision": "modeling_ddl.DDLForCausalLM",
-    "AutoModelForSequenceClassification": "modeling_ddl.DDLForSequenceClassification",
-    "AutoModelForTokenClassification": "modeling_ddl.DDLForTokenClassification",
-    "AutoModelForQuestionAnswering": "modeling_ddl.DDLForQuestionAnswering",
-}
+AUTO_MAP = {"AutoConfig": "configuration_ddl.DDLConfig", "AutoModel": "modeling_ddl.DDLModel",
+            "AutoModelForCausalLM": "modeling_ddl.DDLForCausalLM",
+            "AutoModelForDecision": "modeling_ddl.DDLForCausalLM",
+            "AutoModelForSequenceClassification": "modeling_ddl.DDLForSequenceClassification",
+            "AutoModelForTokenClassification": "modeling_ddl.DDLForTokenClassification",
+            "AutoModelForQuestionAnswering": "modeling_ddl.DDLForQuestionAnswering"}
 
 
 def conv_state_slots(config) -> dict[tuple[int, str], int]:

@@ -29,7 +29,7 @@ from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from .ops import choose, conv_step, delta_residual, kernel, token_conv, token_readout, window_step
+from .ops import choose, conv_step, delta_residual, folded_conv_read, kernel, token_conv, token_readout, window_step
 from .configuration_ddl import DDLConfig, conv_state_slots
 from .packing import Documents, Padding, check_documents_start, find_documents
 from .reference import constant_value, delta_gate, delta_value
@@ -60,13 +60,12 @@ class BatchPlan:
         return self.rebuild.hooks if self.rebuild is not None else nullcontext()
 
     def readout_weight(self, compressor):
-        """`compressor.derived_weight()`, made once per block (a shared compressor reads twice; each block's call,
-        and a checkpoint's recompute of it, makes its own), but for a compressor whose pre-hooks may remake its
-        parameters."""
+        """`compressor.derived_weight`, made once per block (a shared compressor reads twice; each block's call, and a
+        checkpoint's recompute of it, makes its own), but for a compressor whose pre-hooks may remake its weights."""
         if compressor._forward_pre_hooks:
-            return compressor.derived_weight()
+            return compressor.derived_weight(self.implementation)
         if compressor not in self.weights:
-            self.weights[compressor] = compressor.derived_weight()
+            self.weights[compressor] = compressor.derived_weight(self.implementation)
         return self.weights[compressor]
 
 
@@ -102,8 +101,7 @@ def _cached_window_of_documents(flat, kernel_size, cache, layer_idx, slot, had_p
 
 def steppable_window(cache, layer_idx, slot, kernel_size):
     """The K-1 inputs before a decoding step's token `(B, C, K-1)` where the cache keeps them, for its step
-    (`ops.window_step`, `ops.conv_step`) to advance in place; None where it keeps none or its whole past (assisted
-    decoding)."""
+    (`ops.window_step`, `ops.conv_step`) to advance in place; None where it keeps none or all (assisted decoding)."""
     if cache is None or kernel_size == 1 or not cache.has_previous_state(layer_idx, slot):
         return None
     layer = cache.layers[layer_idx]
@@ -201,8 +199,7 @@ class StateRebuild:
             return self.states[top]
         if self.held is None or self.held < index:  # (from the last state, into the buffer: no copy of it first)
             h, w = self.writes[top - 1]
-            self.buffer = torch.addcmul(self.states[top], h.unsqueeze(-2), w.unsqueeze(-1), value=-1.0,
-                                        out=self.buffer)
+            self.buffer = torch.addcmul(self.states[top], h.unsqueeze(-2), w.unsqueeze(-1), value=-1.0, out=self.buffer)
             self.held = top - 1
         for h, w in reversed(self.writes[index:self.held]):
             self.buffer.addcmul_(h.unsqueeze(-2), w.unsqueeze(-1), value=-1.0)
@@ -324,20 +321,14 @@ class DDLCompressor(nn.Module):
         self.conv_weight = nn.Parameter(torch.empty(kernel, d, dv) if self.kind == "tc" else torch.empty(d, kernel))
         self.read = nn.Parameter(torch.empty(dv))
 
-    def derived_weight(self):
+    def derived_weight(self, implementation="auto"):
         """The readout's weight `(K, d, d_v)`, with autograd: CC's (K = 1: the matrix, or the conv and read vector
-        folded, w[i, j] = sum_m c[i, m] r[j + p - m], zero outside [0, K)), or TC's taps times the read vector."""
+        folded, `ops.folded_conv_read`), or TC's taps times the read vector."""
         if self.kind == "cc_matrix":
             return self.weight.unsqueeze(0)
         if self.kind == "tc":
             return self.conv_weight * self.read
-        kernel, dv = self.conv_weight.shape[1], self.read.shape[0]
-        pad = (kernel - 1) // 2
-        windows = F.pad(self.read, (kernel, kernel)).unfold(0, dv, 1)  # windows[s, j] = r[s + j - K] (0 outside)
-        shifted = windows[pad + 1 : pad + kernel + 1].flip(0)  # (K, d_v): shifted[m, j] = r[j + p - m]
-        if torch.compiler.is_compiling():  # (as products summed over K, Inductor fuses it; a matmul stays a call)
-            return (self.conv_weight.unsqueeze(-1) * shifted).sum(1).unsqueeze(0)
-        return (self.conv_weight @ shifted).unsqueeze(0)  # w[i, j] = sum_m c[i, m] r[j + p - m]
+        return folded_conv_read(self.conv_weight, self.read, implementation).unsqueeze(0)
 
     def forward(self, state, plan=None, slot=None):
         """x_in `(B, T, d)`: the readout of the state (TC: over the tokens, with the cache's window in `slot`)."""

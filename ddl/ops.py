@@ -61,16 +61,20 @@ def _find_kernels():
     return ddl_kernels.implementations()
 
 
+def _fast(op, implementation, device, *args):
+    """ddl_kernels' `op` of `args` where it is allowed, installed and serves them, else None."""
+    run = kernel(op, implementation, device)
+    return None if run is None else run(*args)
+
+
 def delta_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, *, v_scale, k_eps, mode,
                    gate_hidden=None, v_constant=None, readout=None, implementation="auto"):
     r"""One sublayer's residual seam (`reference.delta_residual`). With `readout`, the next compressor's weight
-    `(K, d, d_v)`: (X_next, y), y its readout of X_next (no history) where a kernel made it in the same pass, else
-    None."""
+    `(K, d, d_v)`: (X_next, y), y its readout of X_next (no history) if a kernel made it in the same pass, else None."""
     fast = gate_hidden is None and v_constant is None and mode != "additive"  # (what the kernels implement)
     op = "delta_residual" if readout is None else "delta_residual_readout"
-    run = kernel(op, implementation, x.device) if fast else None
-    out = None if run is None else run(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps,
-                                       mode, readout)
+    out = _fast(op, implementation, x.device, x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale,
+                k_eps, mode, readout) if fast else None
     if out is None:
         out = reference.delta_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps,
                                        mode, gate_hidden, v_constant)
@@ -92,18 +96,23 @@ def token_conv(x, weight, history=None, implementation="auto"):
 
 def _convolve(op, specification, x, weight, history, implementation):
     run = kernel(op, implementation, x.device)
-    if run is not None:  # (kernels take the window whole, taps in the state's layout (K, d_v, d))
-        out = run(x if history is None else torch.cat([history, x], dim=1), weight.transpose(1, 2).contiguous())
+    if run is not None:  # (kernels take the window whole, taps in the state's layout (K, d_v, d): a view, not a copy)
+        out = run(x if history is None else torch.cat([history, x], dim=1), weight.transpose(1, 2))
         if out is not None:
             return out if history is None else out[:, weight.shape[0] - 1 :]
     return specification(x, weight, history)
 
 
+def folded_conv_read(conv_weight, read, implementation="auto"):
+    r"""CC's readout matrix `(d, d_v)` of its conv `(d, K)` and read `(d_v,)` (`reference.folded_conv_read`)."""
+    out = _fast("folded_conv_read", implementation, conv_weight.device, conv_weight, read)
+    return reference.folded_conv_read(conv_weight, read) if out is None else out
+
+
 def window_step(past, x, weight, implementation="auto"):
     r"""A TC decoding step's readout `(B, 1, d)` of its state x `(B, 1, d_v, d)` after the K-1 states before it,
     `past` `(B, d_v*d, K-1)` as the cache keeps them (channel j*d + i, time last; no autograd), then advanced in place."""
-    run = kernel("window_step", implementation, x.device)
-    out = None if run is None else run(past, x, weight)
+    out = _fast("window_step", implementation, x.device, past, x, weight)
     if out is None:
         steps = past.transpose(1, 2).unflatten(-1, (weight.shape[2], weight.shape[1]))  # (B, K-1, d_v, d)
         out = reference.causal_token_readout(x, weight, steps.to(x.dtype))
@@ -114,8 +123,7 @@ def window_step(past, x, weight, implementation="auto"):
 def conv_step(past, x, weight, implementation="auto"):
     r"""EC `(B, 1, d_v, d)` of a decoding step's embedding x `(B, 1, d)` after the K-1 embeddings before it, `past`
     `(B, d, K-1)` as the cache keeps them (time last; no autograd), then advanced in place."""
-    run = kernel("conv_step", implementation, x.device)
-    out = None if run is None else run(past, x, weight)
+    out = _fast("conv_step", implementation, x.device, past, x, weight)
     if out is None:
         out = reference.causal_token_conv(x, weight, past.transpose(1, 2).to(x.dtype))
         _advance(past, x)
@@ -127,5 +135,5 @@ def _advance(past, x):
     past.copy_(torch.cat([past[..., 1:], x.reshape(x.shape[0], -1, 1).to(past.dtype)], dim=-1))
 
 
-__all__ = ["FAST", "INTERFACE_VERSION", "choose", "conv_step", "delta_residual", "kernel", "token_conv",
-           "token_readout", "window_step"]
+__all__ = ["FAST", "INTERFACE_VERSION", "choose", "conv_step", "delta_residual", "folded_conv_read", "kernel",
+           "token_conv", "token_readout", "window_step"]

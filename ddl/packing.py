@@ -168,8 +168,7 @@ class Padding:
         return compacted, window if had_past else None
 
     def restore(self, y, kernel):
-        """The outputs `(B, T, ...)` of a compacted row (`compact`) read back into each token's place (zero at
-        padding)."""
+        """The outputs `(B, T, ...)` of a compacted row (`compact`) read back into each token's place (0 at padding)."""
         _, place = self._order(kernel)
         index = place.view(*place.shape, *([1] * (y.dim() - 2))).expand_as(y)
         return self.masked(y.gather(1, index))

@@ -5,6 +5,7 @@ faster path (ddl_kernels' C++ and Triton, chosen in `ddl.ops`) is tested against
 - `delta_update`: the residual update of one sublayer (paper Eq. 2.1-2.2), with the write-only and additive controls.
 - `delta_gate`, `delta_value`, `delta_residual`: where beta and v come from, and the whole residual seam.
 - `causal_token_conv` (EC), `causal_token_readout` (TC; CC its one-tap case): the expanded state's token convolutions.
+- `folded_conv_read`: CC's conv and read vector as the one matrix its readout applies.
 
 The state X is `(B, T, d)` for d_v = 1 and `(B, T, d_v, d)` (d_v rows of contiguous d) for the expanded state.
 """
@@ -113,6 +114,17 @@ def delta_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias,
     return delta_update(x, h, v, beta, mode=mode, k_eps=k_eps)
 
 
+def folded_conv_read(conv_weight, read):
+    r"""CC's conv form (the authors': K taps along d_v, "same" zero padding p = (K-1) // 2, then the read vector r
+    `(d_v,)`) as the matrix `(d, d_v)` its readout applies: w[i, j] = sum_m c[i, m] r[j + p - m] (0 outside d_v)."""
+    kernel, pad = conv_weight.shape[1], (conv_weight.shape[1] - 1) // 2
+    windows = F.pad(read, (kernel, kernel)).unfold(0, read.shape[0], 1)  # windows[s, j] = r[s + j - K] (0 outside)
+    shifted = windows[pad + 1 : pad + kernel + 1].flip(0)  # (K, d_v): shifted[m, j] = r[j + p - m]
+    if torch.compiler.is_compiling():  # (as products summed over K, Inductor fuses it; a matmul stays a call)
+        return (conv_weight.unsqueeze(-1) * shifted).sum(1)
+    return conv_weight @ shifted
+
+
 def _causal_window(x, kernel, history):
     """x with the K-1 inputs before it prepended (the cached history, or zeros at the start of a sequence)."""
     if kernel == 1:  # no window (CC): x itself, not a copy that autograd would keep for backward
@@ -161,4 +173,4 @@ def causal_token_readout(x, weight, history=None):
 
 
 __all__ = ["DELTA_MODES", "causal_token_conv", "causal_token_readout", "delta_gate", "delta_residual", "delta_update",
-           "delta_value"]
+           "delta_value", "folded_conv_read"]

@@ -8,6 +8,7 @@ serves them. One folder per operation:
     residual/   the residual seam (gate, value and delta update, and optionally the next compressor's readout of the
                 new state): C++ for CPU, Triton for CUDA
     readout/    the TC readout of the expanded state (CC: one tap) and a decoding step's window step: C++; Triton
+                (and CC's folded readout matrix: Triton)
     conv/       EC, the embedding convolution, and a decoding step's EC from the cached window: C++; Triton
     build.py    loading the C++ kernels the install built (`python -m ddl_kernels.build` builds them again)
 
@@ -27,6 +28,8 @@ import torch.utils.checkpoint
 #       `(K, d, d_v)`, zeros before the first token, made in the same pass
 #   token_readout(x, taps) / token_conv(x, taps) -> y: taps `(K, d_v, d)`, zeros before the first token
 #   window_step(past, x, weight) / conv_step(past, x, weight) -> one decoding step's output; `past` advanced in place
+#   folded_conv_read(conv_weight, read) -> CC's readout matrix `(d, d_v)` (an operation added without a new version:
+#       a dispatcher that does not ask for it runs as before, and one that finds none runs its specification)
 INTERFACE_VERSION = 3
 
 
@@ -56,6 +59,7 @@ def implementations():
         found["window_step"]["cuda"] = readout_triton.STEP
         found["token_conv"]["cuda"] = conv_triton.RUN
         found["conv_step"]["cuda"] = conv_triton.STEP
+        found["folded_conv_read"] = {"cuda": readout_triton.FOLD}
     return found
 
 

@@ -151,26 +151,26 @@ def count_calls(monkeypatch, op, which):
     return calls
 
 
-def triton_on_cpu(monkeypatch, operations=("delta_residual", "token_readout", "token_conv")):
+def triton_on_cpu(monkeypatch, operations=("delta_residual", "token_readout", "token_conv", "folded_conv_read")):
     """ddl_kernels' Triton kernels for `operations`, run through Triton's CPU interpreter (TRITON_INTERPRET=1) as if
     these CPU tensors were on a GPU: put in `ddl.ops`' table for the CPU, where the C++ kernels would be (not fp64,
     as on CUDA), for as long as the test runs."""
     pytest.importorskip("triton")
     from ddl import ops
     from ddl_kernels import fallible, serving
-    from ddl_kernels.readout.triton import token_window
+    from ddl_kernels.readout.triton import fold, token_window
     from ddl_kernels.residual import triton as residual
 
     runs = {"delta_residual": ("Triton residual seam", residual.run),
             "token_readout": ("Triton readout", lambda x, taps: token_window(x, taps, read=True)),
-            "token_conv": ("Triton EC", lambda x, taps: token_window(x, taps, read=False))}
+            "token_conv": ("Triton EC", lambda x, taps: token_window(x, taps, read=False)),
+            "folded_conv_read": ("Triton CC fold", fold)}
     ops.kernel("delta_residual", "auto", torch.device("cpu"))  # (fills ops' table of installed kernels)
-    for op in operations:
+    for op in runs:  # (the C++ kernels' place, where there is one: these, or none)
         name, run = runs[op]
-        monkeypatch.setitem(ops._installed[op], "cpu", serving(lambda *args: args[0].dtype != torch.float64,
-                                                               fallible(name, run)))
-    for op in set(runs) - set(operations):
-        monkeypatch.setitem(ops._installed[op], "cpu", lambda *args: None)  # (the C++ kernels' place: not these)
+        cpu = serving(lambda *args: args[0].dtype != torch.float64, fallible(name, run)) if op in operations else (
+            lambda *args: None)
+        monkeypatch.setitem(ops._installed, op, {**ops._installed.get(op, {}), "cpu": cpu})
     monkeypatch.delitem(ops._installed["delta_residual_readout"], "cpu", raising=False)  # (Triton's makes no readout)
 
 

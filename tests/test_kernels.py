@@ -14,7 +14,7 @@ from conftest import assert_same_loss_and_gradients, seeded, tiny_config, traine
 from ddl import DDLForCausalLM, ops
 from ddl.modeling_ddl import window_history
 from ddl.ops import conv_step, token_conv, token_readout, window_step
-from ddl.reference import causal_token_conv, causal_token_readout, delta_residual, delta_update
+from ddl.reference import causal_token_conv, causal_token_readout, delta_residual, delta_update, folded_conv_read
 
 
 pytestmark = pytest.mark.device  # (runs on DDL_TEST_DEVICE: see conftest.py)
@@ -544,7 +544,7 @@ def test_triton_token_convolutions_match_reference(kind, kernel, dv, with_histor
 
     def fast(x, weight, history):
         full = x if history is None else torch.cat([history, x], dim=1)
-        out = windows.token_window(full, weight.transpose(1, 2).contiguous(), read=kind == "readout")
+        out = windows.token_window(full, weight.transpose(1, 2), read=kind == "readout")  # (a view, as ops gives it)
         return out if history is None else out[:, kernel - 1 :]
 
     ref_x, ref_w = (t.detach().clone().requires_grad_() for t in (x, weight))
@@ -557,6 +557,43 @@ def test_triton_token_convolutions_match_reference(kind, kernel, dv, with_histor
     (out * upstream.to(device=device, dtype=dtype)).sum().backward()
     torch.testing.assert_close(x.grad.double(), ref_x.grad.double(), rtol=tol, atol=tol * 4)
     torch.testing.assert_close(weight.grad.double(), ref_w.grad.double(), rtol=tol, atol=tol * 20)  # 38-token sums
+
+
+@pytest.mark.parametrize("d, kernel, dv", [(200, 3, 4), (130, 4, 4), (64, 5, 3), (300, 1, 8), (40, 7, 4)],
+                         ids=["k3-dv4", "k4-even", "dv3", "k1", "k7-wider-than-dv"])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+def test_triton_cc_fold_matches_reference(d, kernel, dv, dtype, tol):
+    """CC's conv and read vector folded into its readout matrix by the Triton kernels (features in blocks of 128, the
+    last partial; the read vector's gradient summed over every block in one program): the matrix and both gradients
+    equal `reference.folded_conv_read`'s in fp64."""
+    windows = _triton("readout")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = seeded(d + kernel)
+    conv, read = torch.randn(d, kernel, generator=g), torch.randn(dv, generator=g)
+    upstream = torch.randn(d, dv, generator=g, dtype=torch.float64)
+    results = []
+    for run, cast in ((folded_conv_read, torch.float64), (windows.fold, dtype)):
+        leaves = [t.to(device=device, dtype=cast).requires_grad_() for t in (conv, read)]
+        out = run(*leaves)
+        (out.double() * upstream.to(device)).sum().backward()
+        assert out.dtype == cast and out.shape == (d, dv)
+        results.append([out, *(t.grad for t in leaves)])
+    for name, exact, fast in zip(("w", "conv", "read"), *results):
+        torch.testing.assert_close(fast.double(), exact, rtol=tol, atol=tol * max(1.0, exact.abs().max().item()),
+                                   msg=name)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"ddl_compressor": "tc"}, {"ddl_cc_kernel_size": 2}],
+                         ids=["cc-ec", "tc-ec", "cc-even-kernel"])
+def test_every_triton_kernel_in_a_model_matches_reference(overrides, monkeypatch):
+    """Under "triton" with every Triton kernel serving (the seam, the readouts, EC, CC's fold; through the
+    interpreter), a model's loss and every parameter's gradient equal the specification's."""
+    triton_on_cpu(monkeypatch)
+    models = {}
+    for name, impl in (("reference", "reference"), ("fused", "triton")):
+        torch.manual_seed(0)
+        models[name] = trained_looking(DDLForCausalLM(tiny_config(ddl_implementation=impl, **overrides)))
+    assert_same_loss_and_gradients(models, torch.randint(3, 99, (2, 8), generator=seeded(1)), grad_atol=1e-5)
 
 
 @torch.no_grad()

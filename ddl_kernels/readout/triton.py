@@ -2,7 +2,8 @@ r"""The token convolutions of the expanded state in Triton for CUDA: the readout
 state to a vector, EC (ddl_kernels/conv) maps the embeddings to a state, and each one's input gradient is the other's
 shape of computation run backwards in time. So two kernels serve both, forward and backward: `_window_kernel` (a
 K-token window of states -> a d-vector per token, or of d-vectors -> a (d_v x d) tile per token) and
-`_tap_grads_kernel` (per-lag products summed over a chunk of tokens; the chunks' partial sums are added in PyTorch).
+`_tap_grads_kernel` (per-lag products summed over a chunk of tokens; `_sum_parts_kernel` adds the chunks' partial
+sums).
 Each program handles one token (or chunk) and one block of features; accumulation is in fp32.
 
 Serves `reference.causal_token_readout` without history (x `(B, T, d_v, d)`, taps `(K, d_v, d)`, zeros before the
@@ -15,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import eager, fallible, serving
+from .. import eager, fallible, refuse_second_derivative, serving
 
 
 # Token convolutions. A program's output row `t` reads source rows src = t + offset + direction * s for the lags
@@ -37,21 +38,22 @@ def _row_in_range(cols, row, n_rows):
 
 @triton.jit
 def _window_kernel(
-    in_ptr, taps_ptr, out_ptr, t_out, l_src, offset, d, dv,
+    in_ptr, taps_ptr, out_ptr, t_out, l_src, offset, d, dv, tap_stride_k, tap_stride_v, tap_stride_d,
     READ: tl.constexpr, K: tl.constexpr, DIRECTION: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """A K-row window of the input, weighted by the taps, for output row t:
+    """A K-row window of the input, weighted by the taps `(K, d_v, d)` (read at their strides), for output row t:
     READ:      out[t] = sum_s sum_j taps[s, j] * in[src(t, s), j]   (B, t_out, d) from a state (B, l_src, d_v, d)
     otherwise: out[t, j] = sum_s taps[s, j] * in[src(t, s)]        (B, t_out, d_v, d) from vectors (B, l_src, d)
     """
     row = tl.program_id(0).to(tl.int64)
     b, t = row // t_out, row % t_out
     cols, tile, tile_ok = _feature_block(d, dv, BLOCK_D, BLOCK_V)
+    taps = taps_ptr + tl.arange(0, BLOCK_V)[:, None] * tap_stride_v + cols[None, :] * tap_stride_d
     acc = tl.zeros((BLOCK_V, BLOCK_D), dtype=tl.float32)
     for s in tl.static_range(K):
         src = t + offset + DIRECTION * s
         ok = _row_in_range(cols, src, l_src)
-        w = tl.load(taps_ptr + s * dv * d + tile, mask=tile_ok, other=0.0).to(tl.float32)
+        w = tl.load(taps + s * tap_stride_k, mask=tile_ok, other=0.0).to(tl.float32)
         if READ:
             x = tl.load(in_ptr + (b * l_src + src) * dv * d + tile, mask=tile_ok & ok[None, :], other=0.0)
             acc += x.to(tl.float32) * w
@@ -89,6 +91,26 @@ def _tap_grads_kernel(
             g = tl.load(grad_ptr + (b * t_out + t) * dv * d + tile, mask=tile_ok & ok[None, :], other=0.0)
             acc += a.to(tl.float32)[None, :] * g.to(tl.float32)
     tl.store(part_ptr + (program * K + s) * dv * d + tile, acc, mask=tile_ok)
+
+
+@triton.jit
+def _sum_parts_kernel(part_ptr, out_ptr, n_parts, width, BLOCK: tl.constexpr):
+    """out = the sum of the partial rows `(n_parts, width)` (fp32, in order), in out's dtype."""
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < width
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for p in range(n_parts):
+        acc += tl.load(part_ptr + p * width + cols, mask=ok, other=0.0)
+    tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def sum_parts(parts, dtype):
+    """The rows of `parts` `(n, ...)` (fp32) added, `(...)` in `dtype`: one launch (a sum and a cast would be two)."""
+    out = torch.empty(parts.shape[1:], dtype=dtype, device=parts.device)
+    width = out.numel()
+    with torch.cuda.device_of(parts):
+        _sum_parts_kernel[(triton.cdiv(width, 1024),)](parts, out, parts.shape[0], width, BLOCK=1024)
+    return out
 
 
 @triton.jit
@@ -133,6 +155,45 @@ def _step_kernel(
         tl.store(out_ptr + b * dv * d + tile, acc.to(out_ptr.dtype.element_ty), mask=tile_ok)
 
 
+@triton.jit
+def _fold_kernel(c_ptr, r_ptr, w_ptr, d, dv, K: tl.constexpr, PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_V: tl.constexpr):
+    """CC's folded readout matrix for one block of features: w[i, j] = sum_m c[i, m] r[j + PAD - m] (fp32 sums),
+    c `(d, K)`, r `(d_v,)`, w `(d, d_v)`."""
+    rows = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    cols = tl.arange(0, BLOCK_V)
+    acc = tl.zeros((BLOCK_D, BLOCK_V), dtype=tl.float32)
+    for m in tl.static_range(K):
+        c = tl.load(c_ptr + rows * K + m, mask=rows < d, other=0.0).to(tl.float32)
+        at = cols + PAD - m
+        r = tl.load(r_ptr + at, mask=(at >= 0) & (at < dv) & (cols < dv), other=0.0).to(tl.float32)
+        acc += c[:, None] * r[None, :]
+    tl.store(w_ptr + rows[:, None] * dv + cols[None, :], acc.to(w_ptr.dtype.element_ty),
+             mask=(rows < d)[:, None] & (cols < dv)[None, :])
+
+@triton.jit
+def _fold_grads_kernel(c_ptr, r_ptr, gw_ptr, gc_ptr, gr_ptr, d, dv, K: tl.constexpr, PAD: tl.constexpr,
+                       BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr):
+    """The fold's gradients from G = dL/dw, in one program (the read vector's is a sum over every feature):
+    dc[i, m] = sum_j G[i, j] r[j + PAD - m],   dr[n] = sum_m sum_i G[i, n - PAD + m] c[i, m]."""
+    cols = tl.arange(0, BLOCK_V)
+    grad_r = tl.zeros((BLOCK_V,), dtype=tl.float32)
+    for start in range(0, d, BLOCK_D):
+        rows = start + tl.arange(0, BLOCK_D)
+        ok = rows < d
+        g = tl.load(gw_ptr + rows[:, None] * dv + cols[None, :], mask=ok[:, None] & (cols < dv)[None, :],
+                    other=0.0).to(tl.float32)
+        for m in tl.static_range(K):
+            at = cols + PAD - m
+            r = tl.load(r_ptr + at, mask=(at >= 0) & (at < dv) & (cols < dv), other=0.0).to(tl.float32)
+            tl.store(gc_ptr + rows * K + m, tl.sum(g * r[None, :], axis=1).to(gc_ptr.dtype.element_ty), mask=ok)
+            c = tl.load(c_ptr + rows * K + m, mask=ok, other=0.0).to(tl.float32)
+            per_j = tl.sum(g * c[:, None], axis=0)  # sum_i G[i, j] c[i, m]: reaches dr[j + PAD - m]
+            moved = cols[None, :] == cols[:, None] - PAD + m  # [n, j]: j = n - PAD + m
+            grad_r += tl.sum(tl.where(moved, per_j[None, :], 0.0), axis=1)
+    tl.store(gr_ptr + cols, grad_r.to(gr_ptr.dtype.element_ty), mask=cols < dv)
+
+
 def channel_block(dv):
     """The d_v axis of a tile: a power of 2, at least 2 (tl.sum over a length-1 axis is avoided)."""
     return max(2, triton.next_power_of_2(dv))
@@ -153,12 +214,13 @@ def _window(read, inputs, taps, out, t_out, l_src, offset, direction):
     feature_blocks, tile = _tiles(d, dv)
     with torch.cuda.device_of(out):
         _window_kernel[(out.shape[0] * t_out, feature_blocks)](
-            inputs, taps, out, t_out, l_src, offset, d, dv, READ=read, K=kernel_size, DIRECTION=direction, **tile)
+            inputs, taps, out, t_out, l_src, offset, d, dv, *taps.stride(), READ=read, K=kernel_size,
+            DIRECTION=direction, **tile)
     return out
 
 
 def _tap_grads(src, grad, taps, t_out, offset, src_is_state):
-    """d taps: `(K, d_v, d)` in fp32, from per-chunk partial sums."""
+    """d taps: `(K, d_v, d)` in the taps' dtype, from per-chunk partial sums."""
     kernel_size, dv, d = taps.shape
     batch, l_src = src.shape[:2]
     n_chunks = triton.cdiv(t_out, _CHUNK)
@@ -169,7 +231,7 @@ def _tap_grads(src, grad, taps, t_out, offset, src_is_state):
             src, grad, parts, t_out, l_src, offset, d, dv, n_chunks, SRC_IS_STATE=src_is_state, K=kernel_size,
             CHUNK=_CHUNK, **tile,
         )
-    return parts.sum(0)
+    return sum_parts(parts, taps.dtype)
 
 
 class _TritonTokenWindow(torch.autograd.Function):
@@ -180,7 +242,7 @@ class _TritonTokenWindow(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, taps, t_out, read):
-        x, taps = x.contiguous(), taps.contiguous()
+        x = x.contiguous()  # (the taps are read at their strides: the model's weight, transposed, is not copied)
         offset = x.shape[1] - t_out - (taps.shape[0] - 1)
         shape = (x.shape[0], t_out, x.shape[-1]) if read else (x.shape[0], t_out, taps.shape[1], x.shape[-1])
         out = x.new_empty(shape, dtype=torch.promote_types(x.dtype, taps.dtype))
@@ -196,7 +258,7 @@ class _TritonTokenWindow(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = _window(not ctx.read, grad, taps, torch.empty_like(x), x.shape[1], ctx.t_out, -ctx.offset, -1)
         if ctx.needs_input_grad[1]:
-            grad_taps = _tap_grads(x, grad, taps, ctx.t_out, ctx.offset, src_is_state=ctx.read).to(taps.dtype)
+            grad_taps = _tap_grads(x, grad, taps, ctx.t_out, ctx.offset, src_is_state=ctx.read)
         return grad_x, grad_taps, None, None
 
 
@@ -248,8 +310,51 @@ def step_shapes(past, x, weight):
     return x.shape == token and past.shape == (x.shape[0], dv * d if x.dim() == 4 else d, kernel_size - 1)
 
 
+_FOLD_BLOCK = 128  # features per program of the fold (a few taps and channels each: a small tile)
+
+
+class _TritonFold(torch.autograd.Function):
+    """`reference.folded_conv_read` (CC's conv `(d, K)` and read `(d_v,)` as its readout matrix `(d, d_v)`): one
+    launch each way, where the specification's pad, flip and product are 3 forward and 6 backward."""
+
+    @staticmethod
+    def forward(ctx, conv_weight, read):
+        (d, kernel_size), dv = conv_weight.shape, read.shape[0]
+        conv_weight, read = conv_weight.contiguous(), read.contiguous()
+        out = conv_weight.new_empty(d, dv, dtype=torch.promote_types(conv_weight.dtype, read.dtype))
+        with torch.cuda.device_of(out):
+            _fold_kernel[(triton.cdiv(d, _FOLD_BLOCK),)](conv_weight, read, out, d, dv, K=kernel_size,
+                                                         PAD=(kernel_size - 1) // 2, BLOCK_D=_FOLD_BLOCK,
+                                                         BLOCK_V=channel_block(dv))
+        ctx.save_for_backward(conv_weight, read)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        refuse_second_derivative("the Triton CC fold")
+        conv_weight, read = ctx.saved_tensors
+        (d, kernel_size), dv = conv_weight.shape, read.shape[0]
+        grad_c, grad_r = torch.empty_like(conv_weight), torch.empty_like(read)
+        with torch.cuda.device_of(grad_c):
+            _fold_grads_kernel[(1,)](conv_weight, read, grad.contiguous(), grad_c, grad_r, d, dv, K=kernel_size,
+                                     PAD=(kernel_size - 1) // 2, BLOCK_D=_FOLD_BLOCK, BLOCK_V=channel_block(dv))
+        return grad_c, grad_r
+
+
+def fold(conv_weight, read):
+    """`ddl.ops.folded_conv_read` in Triton."""
+    return _TritonFold.apply(conv_weight, read)
+
+
+def fold_serves(conv_weight, read):
+    """Both on one CUDA device, neither fp64, `eager`."""
+    return (conv_weight.is_cuda and read.device == conv_weight.device and torch.float64 not in (
+        conv_weight.dtype, read.dtype) and eager())
+
+
 RUN = serving(serves, fallible("Triton readout", lambda x, taps: token_window(x, taps, read=True)))
 STEP = serving(step_serves, fallible("Triton window step", window_step))
+FOLD = serving(fold_serves, fallible("Triton CC fold", fold))
 
-__all__ = ["RUN", "STEP", "channel_block", "conv_step", "serves", "step_serves", "step_shapes", "token_window",
-           "window_step"]
+__all__ = ["FOLD", "RUN", "STEP", "channel_block", "conv_step", "fold", "fold_serves", "serves", "step_serves",
+           "step_shapes", "sum_parts", "token_window", "window_step"]

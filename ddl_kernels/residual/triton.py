@@ -11,10 +11,11 @@ and backward, from G = dL/dX_next: g_j = k . G_j, dv_j = beta g_j, dbeta = sum_j
 (write-only: G_j), dk = sum_j G_j beta t_j - X_j beta g_j, dh = s (dk - k (k . dk)); through the gate and the value
 dz = dbeta beta (1 - beta / 2), dy_j = dv_j v_j (1 - v_j / s_v) (or dv_j), dc = dz w, du = sum_j dy_j W_v[j] (added to
 dc when u is c, to dX when u is the d_v = 1 state). The weights' gradients are sums over tokens of dz and dy_j times c
-and u: each backward program sums its tokens' in registers into one row of partial sums, and `_sum_parts_kernel`
-adds the rows, in the weights' dtype. Why: a launch is what an eager GPU step waits for (scripts/launch_count.py): in
-PyTorch the gate and value are 9 more launches forward and 5 more backward per sublayer in bf16, and the weights'
-gradients as products and casts after the kernel were 9 more; the seam is 1 launch forward and 2 backward.
+and u: each backward program sums its tokens' into one row of partial sums (a second pass over its tokens), and a
+second kernel adds the rows in the weights' dtype (`readout.triton.sum_parts`). Why: a launch is what an eager GPU
+step waits for (scripts/launch_count.py): in PyTorch the gate and value are 9 more launches forward and 5 more
+backward per sublayer in bf16, and the weights' gradients as products and casts after the kernel were 9 more; the
+seam is 1 launch forward and 2 backward.
 
 Serves `reference.delta_residual` (a single linear gate, a learned value; delta or write-only) for CUDA tensors
 other than fp64, outside traces (`ddl_kernels.eager`).
@@ -28,7 +29,7 @@ import triton
 import triton.language as tl
 
 from .. import eager, fallible, refuse_second_derivative, serving
-from ..readout.triton import channel_block
+from ..readout.triton import channel_block, sum_parts
 from . import value_input_kind
 
 
@@ -181,17 +182,6 @@ def _seam_bwd_kernel(
         tl.store(part + d + d * dv + cols, sum_bv, mask=col_ok)
         tl.store(part + d + d * dv + dv, sum_b)
 
-@triton.jit
-def _sum_parts_kernel(part_ptr, out_ptr, n_parts, width, BLOCK: tl.constexpr):
-    """out = the sum of the partial rows `(n_parts, width)` (fp32, in order), in out's dtype."""
-    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < width
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for p in range(n_parts):
-        acc += tl.load(part_ptr + p * width + cols, mask=ok, other=0.0)
-    tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
-
-
 def _blocks(d, dv, backward=False):
     """A token's tile (BLOCK_D, BLOCK_V) and the warps for it: enough that a program's few fp32 tiles stay in
     registers. Compiled for sm_90 (scripts/triton_sm90.py): the forward with 4 warps keeps d = 1,024 x 4 channels
@@ -266,9 +256,7 @@ def _seam_gradients(ctx, saved, grad_out):
     grads = [None] * 4
     if any(needs):
         dtype = gate_weight.dtype if all(w.dtype == gate_weight.dtype for w in weights) else torch.float32
-        summed = torch.empty(width, dtype=dtype, device=x.device)
-        with torch.cuda.device_of(x):
-            _sum_parts_kernel[(triton.cdiv(width, 1024),)](parts, summed, programs, width, BLOCK=1024)
+        summed = sum_parts(parts.view(programs, width), dtype)
         split = summed[:d], summed[d : d + d * dv].view(dv, d), summed[d + d * dv : width - 1], summed[width - 1 :]
         order = (0, 3, 1, 2)  # (the partial rows hold w, W_v, b_v, b)
         grads = [split[order[i]].to(w.dtype) if need else None for i, (w, need) in enumerate(zip(weights, needs))]
