@@ -25,7 +25,8 @@ import torch.utils.checkpoint
 #   delta_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, mode, readout=None)
 #       -> X_next; a single linear gate and a learned value; mode "delta"/"write_only"
 #   delta_residual_readout(..., readout) -> (X_next, y): also the readout y of X_next by the next compressor's weight
-#       `(K, d, d_v)`, zeros before the first token, made in the same pass
+#       `(K, d, d_v)`, zeros before the first token, made in the same pass, or y None where it is not (the caller
+#       reads X_next itself)
 #   token_readout(x, taps) / token_conv(x, taps) -> y: taps `(K, d_v, d)`, zeros before the first token
 #   window_step(past, x, weight) / conv_step(past, x, weight) -> one decoding step's output; `past` advanced in place
 #   folded_conv_read(conv_weight, read) -> CC's readout matrix `(d, d_v)` (an operation added without a new version:
@@ -55,6 +56,7 @@ def implementations():
         from .residual import triton as residual_triton
 
         found["delta_residual"]["cuda"] = residual_triton.RUN
+        found["delta_residual_readout"]["cuda"] = residual_triton.RUN
         found["token_readout"]["cuda"] = readout_triton.RUN
         found["window_step"]["cuda"] = readout_triton.STEP
         found["token_conv"]["cuda"] = conv_triton.RUN

@@ -66,7 +66,8 @@ def triton_table():
     from ddl_kernels.residual import triton as residual
 
     serves = lambda *args: args[0].dtype != torch.float64  # noqa: E731
-    runs = {"delta_residual": residual.run, "token_readout": lambda x, taps: readout.token_window(x, taps, read=True),
+    runs = {"delta_residual": residual.run, "delta_residual_readout": residual.run,
+            "token_readout": lambda x, taps: readout.token_window(x, taps, read=True),
             "token_conv": lambda x, taps: readout.token_window(x, taps, read=False),
             "window_step": readout.window_step, "conv_step": readout.conv_step, "folded_conv_read": readout.fold}
     return {op: {"cpu": serving(serves, run)} for op, run in runs.items()}

@@ -32,18 +32,22 @@ def variants(d, dv):
     warps, scalar_warps = {"num_warps": blocks.pop("num_warps")}, {"num_warps": scalar.pop("num_warps")}
     back_warps = {"num_warps": residual._blocks(d, dv, backward=True)["num_warps"]}
     window = readout._tiles(d, dv)[1]
-    fp32_out = {"gz_ptr", "gy_ptr", "part_ptr"}
+    fp32_out = {"gz_ptr", "gy_ptr", "write_ptr", "part_ptr"}
     return [
-        (residual._seam_fwd_kernel, "bf16", set(), dict(ERASE=True, U_IS_C=False, SIGMOID=True, **blocks), warps),
-        (residual._seam_fwd_kernel, "fp32", set(), dict(ERASE=True, U_IS_C=False, SIGMOID=True, **blocks), warps),
-        (residual._seam_fwd_kernel, "bf16", set(), dict(ERASE=False, U_IS_C=True, SIGMOID=False, **blocks), warps),
+        (residual._seam_fwd_kernel, "bf16", set(), dict(ERASE=True, U_IS_C=False, SIGMOID=True, READ=False, **blocks),
+         warps),
+        (residual._seam_fwd_kernel, "fp32", set(), dict(ERASE=True, U_IS_C=False, SIGMOID=True, READ=True, **blocks),
+         warps),
+        (residual._seam_fwd_kernel, "bf16", set(), dict(ERASE=False, U_IS_C=True, SIGMOID=False, READ=True, **blocks),
+         warps),
         *[(residual._seam_bwd_kernel, "bf16", fp32_out,
-           dict(ERASE=True, U_KIND=kind, SIGMOID=True, WEIGHT_GRADS=True, **blocks), back_warps) for kind in (0, 1)],
-        # u is the state only where d_v = 1: its own tile
+           dict(ERASE=True, U_KIND=kind, SIGMOID=True, READ=read, WEIGHT_GRADS=True, **blocks), back_warps)
+          for kind, read in ((0, False), (0, True), (1, False))],
+        # u is the state only where d_v = 1: its own tile, no readout
         (residual._seam_bwd_kernel, "bf16", fp32_out,
-         dict(ERASE=True, U_KIND=2, SIGMOID=True, WEIGHT_GRADS=True, **scalar), scalar_warps),
+         dict(ERASE=True, U_KIND=2, SIGMOID=True, READ=False, WEIGHT_GRADS=True, **scalar), scalar_warps),
         (residual._seam_bwd_kernel, "fp32", fp32_out,
-         dict(ERASE=False, U_KIND=2, SIGMOID=False, WEIGHT_GRADS=False, **scalar), scalar_warps),
+         dict(ERASE=False, U_KIND=2, SIGMOID=False, READ=False, WEIGHT_GRADS=False, **scalar), scalar_warps),
         (readout._sum_parts_kernel, "bf16", {"part_ptr"}, dict(BLOCK=1024), {}),
         (readout._fold_kernel, "bf16", set(), dict(K=4, PAD=1, BLOCK_D=readout._FOLD_BLOCK, BLOCK_V=4), {}),
         (readout._fold_grads_kernel, "bf16", set(), dict(K=4, PAD=1, BLOCK_D=readout._FOLD_BLOCK, BLOCK_V=4), {}),

@@ -162,16 +162,17 @@ def triton_on_cpu(monkeypatch, operations=("delta_residual", "token_readout", "t
     from ddl_kernels.residual import triton as residual
 
     runs = {"delta_residual": ("Triton residual seam", residual.run),
+            "delta_residual_readout": ("Triton residual seam", residual.run),
             "token_readout": ("Triton readout", lambda x, taps: token_window(x, taps, read=True)),
             "token_conv": ("Triton EC", lambda x, taps: token_window(x, taps, read=False)),
             "folded_conv_read": ("Triton CC fold", fold)}
     ops.kernel("delta_residual", "auto", torch.device("cpu"))  # (fills ops' table of installed kernels)
-    for op in runs:  # (the C++ kernels' place, where there is one: these, or none)
+    for op in runs:  # (the C++ kernels' place, where there is one: these, or none; the seam with its readout too)
         name, run = runs[op]
-        cpu = serving(lambda *args: args[0].dtype != torch.float64, fallible(name, run)) if op in operations else (
+        served = op in operations or op == "delta_residual_readout" and "delta_residual" in operations
+        cpu = serving(lambda *args: args[0].dtype != torch.float64, fallible(name, run)) if served else (
             lambda *args: None)
         monkeypatch.setitem(ops._installed, op, {**ops._installed.get(op, {}), "cpu": cpu})
-    monkeypatch.delitem(ops._installed["delta_residual_readout"], "cpu", raising=False)  # (Triton's makes no readout)
 
 
 def assert_same_loss_and_gradients(models, ids, loss_atol=1e-6, grad_rtol=1e-5, grad_atol=1e-6):

@@ -405,6 +405,50 @@ def test_triton_seam_backward_in_runs_of_tokens(programs, dv, value_input, monke
             torch.testing.assert_close(fast, spec, rtol=1e-5, atol=1e-5, msg=str(i))
 
 
+@pytest.mark.parametrize("programs", [3, 8])
+@pytest.mark.parametrize("dv", [4, 3])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
+def test_triton_seam_with_the_next_readout_matches_reference(programs, dv, dtype, tol, monkeypatch):
+    """With a one-tap readout weight (CC's), the seam also gives the next compressor's readout of X_next as stored,
+    made in the same pass: X_next, y and every gradient (the state's, through both, and the readout weight's) equal
+    the specification's (the seam, then `causal_token_readout`) in fp64; with K > 1 taps (TC), or u = c, it gives
+    X_next and None."""
+    residual = _triton("residual")
+    monkeypatch.setattr(residual, "_programs", lambda tokens, device: min(tokens, programs))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = seeded(dv + programs)
+    inputs = [torch.randn(2, 11, dv, 40, generator=g)] + [torch.randn(2, 11, 40, generator=g) for _ in range(3)]
+    inputs += [0.1 * torch.randn(40, generator=g), torch.randn(1, generator=g), 0.1 * torch.randn(dv, 40, generator=g),
+               torch.randn(dv, generator=g), torch.randn(1, 40, dv, generator=g)]
+    upstream = [torch.randn(2, 11, dv, 40, generator=g, dtype=torch.float64),
+                torch.randn(2, 11, 40, generator=g, dtype=torch.float64)]
+
+    def spec(*args):
+        out = delta_residual(*args[:-1], 4.0, 1e-5, "delta")
+        return out, causal_token_readout(out, args[-1])
+
+    results = []
+    for run, cast in ((spec, torch.float64), (lambda *args: residual.run(*args[:-1], 4.0, 1e-5, "delta", args[-1]),
+                                              dtype)):
+        leaves = [t.to(device=device, dtype=cast).requires_grad_() for t in inputs]
+        x, h, c, u = leaves[:4]
+        out, y = run(x, h, c, u, *leaves[4:])
+        assert out.dtype == y.dtype == cast
+        (sum((t.double() * up.to(device)).sum() for t, up in zip((out, y), upstream))).backward()
+        results.append([out, y, *(t.grad for t in leaves)])
+    for i, (exact, fast) in enumerate(zip(*results)):
+        if exact is None:
+            assert fast is None, i
+            continue
+        torch.testing.assert_close(fast.double(), exact, rtol=tol, atol=tol * max(1.0, exact.abs().max().item()),
+                                   msg=str(i))
+    x, h, c, u, *weights = (t.to(device=device, dtype=dtype) for t in inputs[:8])
+    for value_input, readout in ((u, torch.randn(4, 40, dv, generator=g).to(device=device, dtype=dtype)),
+                                 (c, inputs[8].to(device=device, dtype=dtype))):
+        out, y = residual.run(x, h, c, value_input, *weights, 4.0, 1e-5, "delta", readout)
+        assert y is None and out.shape == x.shape
+
+
 @pytest.mark.parametrize("checkpointing, failing_backward", [(False, False), (True, False), (True, True)],
                          ids=["plain", "checkpointed", "checkpointed-failing-backward"])
 def test_triton_seam_in_a_model_matches_reference(checkpointing, failing_backward, monkeypatch, caplog):

@@ -172,17 +172,18 @@ def _fold_kernel(c_ptr, r_ptr, w_ptr, d, dv, K: tl.constexpr, PAD: tl.constexpr,
              mask=(rows < d)[:, None] & (cols < dv)[None, :])
 
 @triton.jit
-def _fold_grads_kernel(c_ptr, r_ptr, gw_ptr, gc_ptr, gr_ptr, d, dv, K: tl.constexpr, PAD: tl.constexpr,
-                       BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr):
-    """The fold's gradients from G = dL/dw, in one program (the read vector's is a sum over every feature):
+def _fold_grads_kernel(c_ptr, r_ptr, gw_ptr, gc_ptr, gr_ptr, d, dv, gw_stride_d, gw_stride_v, K: tl.constexpr,
+                       PAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr):
+    """The fold's gradients from G = dL/dw (read at its strides), in one program (the read vector's is a sum over
+    every feature):
     dc[i, m] = sum_j G[i, j] r[j + PAD - m],   dr[n] = sum_m sum_i G[i, n - PAD + m] c[i, m]."""
     cols = tl.arange(0, BLOCK_V)
     grad_r = tl.zeros((BLOCK_V,), dtype=tl.float32)
     for start in range(0, d, BLOCK_D):
         rows = start + tl.arange(0, BLOCK_D)
         ok = rows < d
-        g = tl.load(gw_ptr + rows[:, None] * dv + cols[None, :], mask=ok[:, None] & (cols < dv)[None, :],
-                    other=0.0).to(tl.float32)
+        g = tl.load(gw_ptr + rows[:, None] * gw_stride_d + cols[None, :] * gw_stride_v,
+                    mask=ok[:, None] & (cols < dv)[None, :], other=0.0).to(tl.float32)
         for m in tl.static_range(K):
             at = cols + PAD - m
             r = tl.load(r_ptr + at, mask=(at >= 0) & (at < dv) & (cols < dv), other=0.0).to(tl.float32)
@@ -336,7 +337,7 @@ class _TritonFold(torch.autograd.Function):
         (d, kernel_size), dv = conv_weight.shape, read.shape[0]
         grad_c, grad_r = torch.empty_like(conv_weight), torch.empty_like(read)
         with torch.cuda.device_of(grad_c):
-            _fold_grads_kernel[(1,)](conv_weight, read, grad.contiguous(), grad_c, grad_r, d, dv, K=kernel_size,
+            _fold_grads_kernel[(1,)](conv_weight, read, grad, grad_c, grad_r, d, dv, *grad.stride(), K=kernel_size,
                                      PAD=(kernel_size - 1) // 2, BLOCK_D=_FOLD_BLOCK, BLOCK_V=channel_block(dv))
         return grad_c, grad_r
 

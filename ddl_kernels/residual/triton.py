@@ -90,10 +90,13 @@ def _gate_and_value(
 
 @triton.jit
 def _seam_fwd_kernel(
-    x_ptr, h_ptr, c_ptr, u_ptr, w_ptr, b_ptr, wv_ptr, bv_ptr, out_ptr, d, dv, k_eps_sq, v_scale,
-    ERASE: tl.constexpr, U_IS_C: tl.constexpr, SIGMOID: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+    x_ptr, h_ptr, c_ptr, u_ptr, w_ptr, b_ptr, wv_ptr, bv_ptr, taps_ptr, out_ptr, y_ptr, d, dv, k_eps_sq, v_scale,
+    tap_stride_d, tap_stride_v,
+    ERASE: tl.constexpr, U_IS_C: tl.constexpr, SIGMOID: tl.constexpr, READ: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
-    """X_next = X + h (x) w with w = s beta t `(d_v,)`."""
+    """X_next = X + h (x) w with w = s beta t `(d_v,)`; READ: also the next compressor's readout of X_next as stored,
+    y[i] = sum_j taps[i, j] X_next[j, i] (fp32 sums), taps `(d, d_v)` read at their strides."""
     token = tl.program_id(0).to(tl.int64)
     rows, row_ok, cols, col_ok, tile, tile_ok, x, k, inv_norm, h = _token_state(
         x_ptr, h_ptr, token, d, dv, k_eps_sq, BLOCK_D, BLOCK_V
@@ -104,28 +107,37 @@ def _seam_fwd_kernel(
     )
     target = _target(v, k, x, ERASE)
     write = inv_norm * beta * target
-    out = x + h[:, None] * write[None, :]
-    tl.store(out_ptr + token * d * dv + tile, out.to(out_ptr.dtype.element_ty), mask=tile_ok)
+    out = (x + h[:, None] * write[None, :]).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + token * d * dv + tile, out, mask=tile_ok)
+    if READ:
+        taps = tl.load(taps_ptr + rows[:, None] * tap_stride_d + cols[None, :] * tap_stride_v, mask=tile_ok,
+                       other=0.0).to(tl.float32)
+        y = tl.sum(out.to(tl.float32) * taps, axis=1)
+        tl.store(y_ptr + token * d + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
 
 @triton.jit
 def _seam_bwd_kernel(
-    x_ptr, h_ptr, c_ptr, u_ptr, w_ptr, b_ptr, wv_ptr, bv_ptr, grad_ptr, gx_ptr, gh_ptr, gc_ptr, gu_ptr, gz_ptr,
-    gy_ptr, part_ptr, tokens, per_program, d, dv, k_eps_sq, v_scale,
-    ERASE: tl.constexpr, U_KIND: tl.constexpr, SIGMOID: tl.constexpr, WEIGHT_GRADS: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+    x_ptr, h_ptr, c_ptr, u_ptr, w_ptr, b_ptr, wv_ptr, bv_ptr, taps_ptr, grad_ptr, grad_read_ptr, gx_ptr, gh_ptr,
+    gc_ptr, gu_ptr, gz_ptr, gy_ptr, write_ptr, part_ptr, tokens, per_program, d, dv, k_eps_sq, v_scale,
+    tap_stride_d, tap_stride_v,
+    ERASE: tl.constexpr, U_KIND: tl.constexpr, SIGMOID: tl.constexpr, READ: tl.constexpr,
+    WEIGHT_GRADS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """dX, dh, dc, du (U_KIND 0; 1: u is c, its gradient in dc; 2: u is the d_v = 1 state, in dX) of `per_program`
     consecutive tokens, and (WEIGHT_GRADS) this program's row of the weights' partial gradients, sums over its tokens
     in fp32: [dw = sum dz c (d) | dW_v = sum u dy^T (d_v x d, W_v's layout) | db_v = sum dy (d_v) | db = sum dz].
     The sums are a second pass over the tokens, from the per-token dz `(N,)` and dy `(N, d_v)` the first one wrote
     (fp32) and c and u read again (just read: from cache), so that no running sum holds registers while the first
-    pass's tiles do."""
+    pass's tiles do. READ (the forward also read X_next out): dL/dX_next adds taps * dL/dy, and the row ends with the
+    taps' partial gradient, sum X_next dL/dy (d_v x d), X_next made again from X, h and the write w `(N, d_v)` the
+    first pass kept."""
     first = tl.program_id(0).to(tl.int64) * per_program
     count = tl.minimum(per_program, tokens - first).to(tl.int32)
     x_ptr, grad_ptr, gx_ptr = x_ptr + first * d * dv, grad_ptr + first * d * dv, gx_ptr + first * d * dv
     h_ptr, c_ptr, u_ptr = h_ptr + first * d, c_ptr + first * d, u_ptr + first * d
     gh_ptr, gc_ptr, gu_ptr = gh_ptr + first * d, gc_ptr + first * d, gu_ptr + first * d
-    gz_ptr, gy_ptr = gz_ptr + first, gy_ptr + first * dv
+    gz_ptr, gy_ptr, write_ptr, grad_read_ptr = gz_ptr + first, gy_ptr + first * dv, write_ptr + first * dv, (
+        grad_read_ptr + first * d)
     for token in range(count):
         rows, row_ok, cols, col_ok, tile, tile_ok, x, k, inv_norm, h = _token_state(
             x_ptr, h_ptr, token, d, dv, k_eps_sq, BLOCK_D, BLOCK_V
@@ -136,6 +148,10 @@ def _seam_bwd_kernel(
         )
         target = _target(v, k, x, ERASE)
         g = tl.load(grad_ptr + token * d * dv + tile, mask=tile_ok, other=0.0).to(tl.float32)
+        if READ:
+            taps = tl.load(taps_ptr + rows[:, None] * tap_stride_d + cols[None, :] * tap_stride_v, mask=tile_ok,
+                           other=0.0).to(tl.float32)
+            g += taps * tl.load(grad_read_ptr + token * d + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
         grad_coef, gx, grad_h = _update_grads(x, k, inv_norm, target, beta, g, ERASE)
         grad_z = tl.sum(grad_coef * target, axis=0) * beta * (1.0 - 0.5 * beta)  # d beta / dz = beta (1 - beta/2)
         grad_y = beta * grad_coef  # dv
@@ -155,6 +171,8 @@ def _seam_bwd_kernel(
         if WEIGHT_GRADS:
             tl.store(gz_ptr + token, grad_z)
             tl.store(gy_ptr + token * dv + cols, grad_y, mask=col_ok)
+            if READ:
+                tl.store(write_ptr + token * dv + cols, inv_norm * beta * target, mask=col_ok)
     if WEIGHT_GRADS:
         tl.debug_barrier()  # (every thread's dz and dy stored before any reads them)
         rows = tl.arange(0, BLOCK_D)
@@ -164,6 +182,7 @@ def _seam_bwd_kernel(
         sum_wv = tl.zeros((BLOCK_D, BLOCK_V), dtype=tl.float32)
         sum_bv = tl.zeros((BLOCK_V,), dtype=tl.float32)
         sum_b = 0.0
+        sum_taps = tl.zeros((BLOCK_D, BLOCK_V), dtype=tl.float32)
         for token in range(count):
             grad_z = tl.load(gz_ptr + token)
             grad_y = tl.load(gy_ptr + token * dv + cols, mask=col_ok, other=0.0)
@@ -176,11 +195,23 @@ def _seam_bwd_kernel(
             sum_wv += u[:, None] * grad_y[None, :]
             sum_bv += grad_y
             sum_b += grad_z
-        part = part_ptr + tl.program_id(0).to(tl.int64) * (d + d * dv + dv + 1)
+            if READ:  # (X_next as the forward stored it)
+                tile = cols[None, :] * d + rows[:, None]
+                tile_ok = row_ok[:, None] & col_ok[None, :]
+                x = tl.load(x_ptr + token * d * dv + tile, mask=tile_ok, other=0.0).to(tl.float32)
+                h = tl.load(h_ptr + token * d + rows, mask=row_ok, other=0.0).to(tl.float32)
+                write = tl.load(write_ptr + token * dv + cols, mask=col_ok, other=0.0)
+                stored = (x + h[:, None] * write[None, :]).to(gx_ptr.dtype.element_ty).to(tl.float32)
+                sum_taps += stored * tl.load(grad_read_ptr + token * d + rows, mask=row_ok, other=0.0).to(
+                    tl.float32)[:, None]
+        part = part_ptr + tl.program_id(0).to(tl.int64) * (d + d * dv + dv + 1 + (d * dv if READ else 0))
         tl.store(part + rows, sum_w, mask=row_ok)
         tl.store(part + d + cols[None, :] * d + rows[:, None], sum_wv, mask=row_ok[:, None] & col_ok[None, :])
         tl.store(part + d + d * dv + cols, sum_bv, mask=col_ok)
         tl.store(part + d + d * dv + dv, sum_b)
+        if READ:
+            tl.store(part + d + d * dv + dv + 1 + cols[None, :] * d + rows[:, None], sum_taps,
+                     mask=row_ok[:, None] & col_ok[None, :])
 
 def _blocks(d, dv, backward=False):
     """A token's tile (BLOCK_D, BLOCK_V) and the warps for it: enough that a program's few fp32 tiles stay in
@@ -197,27 +228,33 @@ _SEAM = "Triton residual seam"
 
 class _TritonSeam(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, erase, u_kind):
+    def forward(ctx, x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, taps, v_scale, k_eps, erase, u_kind):
         d, dv = h.shape[-1], value_weight.shape[0]
         out = torch.empty_like(x)
+        y = None if taps is None else h.new_empty(h.shape, dtype=torch.promote_types(x.dtype, taps.dtype))
         ctx.v_scale, ctx.k_eps, ctx.erase, ctx.u_kind = v_scale, k_eps, erase, u_kind
         with torch.cuda.device_of(x):
             _seam_fwd_kernel[(h.numel() // d,)](
-                x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, out, d, dv, k_eps**2,
-                ERASE=erase, U_IS_C=u_kind == 1, **_value(v_scale), **_blocks(d, dv),
+                x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, x if taps is None else taps, out,
+                out if y is None else y, d, dv, k_eps**2, **_tap_strides(taps), ERASE=erase, U_IS_C=u_kind == 1, READ=taps is not None, **_value(v_scale), **_blocks(d, dv),
             )
-        ctx.save_for_backward(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias)
-        return out
+        ctx.save_for_backward(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, taps)
+        return out if y is None else (out, y)
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, grad_read=None):
         refuse_second_derivative("the Triton residual seam")  # (its gradients are computed outside autograd)
-        return _seam_gradients(ctx, ctx.saved_tensors, grad_out)
+        return _seam_gradients(ctx, ctx.saved_tensors, grad_out, grad_read)
 
 
 def _value(v_scale):
     """The kernels' v_scale and SIGMOID (v_scale None: the linear value, v = W_v u + b_v)."""
     return dict(v_scale=1.0 if v_scale is None else v_scale, SIGMOID=v_scale is not None)
+
+
+def _tap_strides(taps):
+    """The readout taps' `(d, d_v)` strides, as the kernels take them (0 without a readout)."""
+    return dict(zip(("tap_stride_d", "tap_stride_v"), (0, 0) if taps is None else taps.stride()))
 
 
 def _programs(tokens, device):
@@ -228,77 +265,91 @@ def _programs(tokens, device):
     return min(tokens, most)
 
 
-def _seam_gradients(ctx, saved, grad_out):
+def _seam_gradients(ctx, saved, grad_out, grad_read=None):
     """The seam's gradients in two launches: the backward kernel, then the sum of its partial rows of the weights'
-    gradients in their dtype (none where no weight needs one, as under LoRA)."""
-    x, h, c, u, gate_weight, gate_bias, value_weight, value_bias = saved
-    d, dv, tokens = h.shape[-1], value_weight.shape[0], h.numel() // h.shape[-1]
+    gradients (the gate's, the value's and, with a readout, its taps') in their dtype (none where no weight needs
+    one, as under LoRA)."""
+    x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, taps = saved
+    d, dv, tokens, read = h.shape[-1], value_weight.shape[0], h.numel() // h.shape[-1], taps is not None
     grad_x, grad_h, grad_c = torch.empty_like(x), torch.empty_like(h), torch.empty_like(c)
     grad_u = torch.empty_like(u) if ctx.u_kind == 0 else grad_c  # (not written otherwise)
-    weights = (gate_weight, gate_bias, value_weight, value_bias)
-    needs = ctx.needs_input_grad[4:8]
+    weights = (gate_weight, gate_bias, value_weight, value_bias) + ((taps,) if read else ())
+    needs = ctx.needs_input_grad[4 : 4 + len(weights)]
     programs = _programs(tokens, x.device)
     per_program = triton.cdiv(tokens, programs)
     programs = triton.cdiv(tokens, per_program)
-    width = d + d * dv + dv + 1  # [w | W_v | b_v | b]
-    if any(needs):  # (one allocation: dz `(N,)`, dy `(N, d_v)`, the partial rows `(programs, width)`; fp32)
-        scratch = torch.empty(tokens * (1 + dv) + programs * width, dtype=torch.float32, device=x.device)
-        grad_z, grad_y, parts = scratch[:tokens], scratch[tokens : tokens * (1 + dv)], scratch[tokens * (1 + dv) :]
+    width = d + d * dv + dv + 1 + (d * dv if read else 0)  # [w | W_v | b_v | b | taps]
+    if any(needs):  # (one allocation, fp32: dz `(N,)`, dy `(N, d_v)`, the write `(N, d_v)`, the partial rows)
+        kept = tokens * (1 + 2 * dv)
+        scratch = torch.empty(kept + programs * width, dtype=torch.float32, device=x.device)
+        grad_z, grad_y = scratch[:tokens], scratch[tokens : tokens * (1 + dv)]
+        write, parts = scratch[tokens * (1 + dv) : kept], scratch[kept:]
     else:
-        grad_z = grad_y = parts = grad_h  # (not written)
+        grad_z = grad_y = write = parts = grad_h  # (not written)
     with torch.cuda.device_of(x):
         _seam_bwd_kernel[(programs,)](
-            x, h, c, u, *weights, grad_out.contiguous(), grad_x, grad_h, grad_c, grad_u, grad_z, grad_y, parts,
-            tokens, per_program,
-            d, dv, ctx.k_eps**2, ERASE=ctx.erase, U_KIND=ctx.u_kind, WEIGHT_GRADS=any(needs),
-            **_value(ctx.v_scale), **_blocks(d, dv, backward=True),
+            x, h, c, u, *weights[:4], taps if read else x, grad_out.contiguous(),
+            grad_read.contiguous() if read else grad_out, grad_x, grad_h, grad_c, grad_u, grad_z, grad_y, write,
+            parts, tokens, per_program, d, dv, ctx.k_eps**2, **_tap_strides(taps), ERASE=ctx.erase, U_KIND=ctx.u_kind, READ=read, WEIGHT_GRADS=any(needs), **_value(ctx.v_scale),
+            **_blocks(d, dv, backward=True),
         )
-    grads = [None] * 4
+    grads = [None] * len(weights)
     if any(needs):
         dtype = gate_weight.dtype if all(w.dtype == gate_weight.dtype for w in weights) else torch.float32
         summed = sum_parts(parts.view(programs, width), dtype)
-        split = summed[:d], summed[d : d + d * dv].view(dv, d), summed[d + d * dv : width - 1], summed[width - 1 :]
-        order = (0, 3, 1, 2)  # (the partial rows hold w, W_v, b_v, b)
-        grads = [split[order[i]].to(w.dtype) if need else None for i, (w, need) in enumerate(zip(weights, needs))]
-    return (grad_x, grad_h, grad_c, grad_u if ctx.u_kind == 0 else None, *grads, None, None, None, None)
+        end = d + d * dv + dv + 1
+        split = (summed[:d], summed[end - 1 : end], summed[d : d + d * dv].view(dv, d), summed[d + d * dv : end - 1])
+        split += (summed[end:].view(dv, d).t(),) if read else ()  # (the rows: w, W_v, b_v, b, the taps as (d_v, d))
+        grads = [part.to(w.dtype) if need else None for part, w, need in zip(split, weights, needs)]
+    return (grad_x, grad_h, grad_c, grad_u if ctx.u_kind == 0 else None, *grads[:4], grads[4] if read else None,
+            None, None, None, None)
 
 
 _compiled = set()  # the kernels' variants whose backward compiled here
 
 
-def _backward_compiles(x, h, c, u, weights, v_scale, k_eps, erase, u_kind):
+def _backward_compiles(x, h, c, u, weights, taps, v_scale, k_eps, erase, u_kind):
     """Whether this variant's backward kernels compile and launch, tried once (on one token) before its forward
     first serves: a backward that failed only after the forward ran could give no gradient for that step, while a
     seam that does not serve leaves forward and backward to the specification."""
-    weight_grads = torch.is_grad_enabled() and any(w.requires_grad for w in weights)
-    key = (x.dtype, h.dtype, x.device, h.shape[-1], weights[2].shape[0], v_scale is None, erase, u_kind, weight_grads)
+    trained = (*weights, taps) if taps is not None else weights
+    weight_grads = torch.is_grad_enabled() and any(w.requires_grad for w in trained)
+    key = (x.dtype, h.dtype, x.device, h.shape[-1], weights[2].shape[0], v_scale is None, erase, u_kind, weight_grads,
+           None if taps is None else taps.dtype)
     if key not in _compiled:
         class Probe:
-            needs_input_grad = (False,) * 4 + (weight_grads,) * 4 + (False,) * 4
+            needs_input_grad = (False,) * 4 + (weight_grads,) * 5 + (False,) * 4
 
         probe = Probe()
         probe.v_scale, probe.k_eps, probe.erase, probe.u_kind = v_scale, k_eps, erase, u_kind
         one = [t.reshape(-1, *t.shape[2:])[:1].contiguous() for t in (x, h, c, u)]
-        _seam_gradients(probe, (*one, *(w.detach() for w in weights)), torch.zeros_like(one[0]))
+        kept = (*(w.detach() for w in weights), None if taps is None else taps.detach())
+        _seam_gradients(probe, (*one, *kept), torch.zeros_like(one[0]),
+                        None if taps is None else torch.zeros_like(one[1]))
         _compiled.add(key)
     return True
 
 
 def serves(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, mode, readout=None):
     """Delta or write-only; every tensor on CUDA and none fp64; `eager`."""
-    tensors = (x, h, c, u, gate_weight, gate_bias, value_weight, value_bias)
+    tensors = (x, h, c, u, gate_weight, gate_bias, value_weight, value_bias) + (() if readout is None else (readout,))
     return mode != "additive" and eager() and all(t.is_cuda and t.dtype != torch.float64 for t in tensors)
 
 
 def run(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, mode, readout=None):
-    """`reference.delta_residual` through the seam's kernels, with autograd (no next readout: `readout` is None)."""
+    """`reference.delta_residual` through the seam's kernels, with autograd: X_next; with the next compressor's
+    `readout` weight `(K, d, d_v)`, (X_next, y), y its readout of X_next made in the same pass where it has one tap
+    (CC) and u is not c, else None (TC's reads earlier tokens' states, which other programs write; with u = c the
+    backward spilled registers when compiled for sm_90 at d = 768, scripts/triton_sm90.py, where the others do not)."""
     u_kind = value_input_kind(x, h, c, u)
     x, h, c = x.contiguous(), h.contiguous(), c.contiguous()
     u = c if u_kind == 1 else (x if u_kind == 2 else u.contiguous())
     weights = (gate_weight.contiguous(), gate_bias.contiguous(), value_weight.contiguous(), value_bias.contiguous())
+    taps = readout[0] if readout is not None and readout.shape[0] == 1 and u_kind != 1 else None  # (d, d_v)
     v_scale, erase = None if v_scale is None else float(v_scale), mode == "delta"
-    _backward_compiles(x, h, c, u, weights, v_scale, float(k_eps), erase, u_kind)
-    return _TritonSeam.apply(x, h, c, u, *weights, v_scale, float(k_eps), erase, u_kind)
+    _backward_compiles(x, h, c, u, weights, taps, v_scale, float(k_eps), erase, u_kind)
+    out = _TritonSeam.apply(x, h, c, u, *weights, taps, v_scale, float(k_eps), erase, u_kind)
+    return out if readout is None or taps is not None else (out, None)
 
 
 RUN = serving(serves, fallible(_SEAM, run))
