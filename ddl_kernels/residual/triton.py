@@ -2,7 +2,9 @@ r"""The residual seam in Triton for CUDA. `_seam_*` make the gate, the value and
 way (`reference.delta_residual`): the forward one program per token, the backward one per run of consecutive tokens.
 Each program loads h (d), the state X (d_v x d, stored column after column) and the inputs of beta and v, and writes
 X_next; the backward recomputes k, k^T X, beta, v and the coefficient from the same inputs, so nothing else is
-stored. The same kernels serve d_v = 1 and every d_v > 1.
+stored. The same kernels serve d_v = 1 and every d_v > 1. Given the next compressor's one-tap weight (CC), the forward
+also writes that compressor's readout of X_next, the next sublayer's input, and the backward takes its gradient
+(`run`): the seam returns the state and the next input, as the C++ seam does.
 
 Per token, with the gate and value of `reference.delta_residual` (all in fp32, whatever the storage dtype):
     beta = 2 sigmoid(w . c + b),   v_j = s_v sigmoid(W_v[j] . u + b_v[j])  (or W_v[j] . u + b_v[j] when s_v = None)
@@ -217,7 +219,8 @@ def _blocks(d, dv, backward=False):
     """A token's tile (BLOCK_D, BLOCK_V) and the warps for it: enough that a program's few fp32 tiles stay in
     registers. Compiled for sm_90 (scripts/triton_sm90.py): the forward with 4 warps keeps d = 1,024 x 4 channels
     without spilling; the backward, whose loop over tokens holds more, needs twice the forward's (d = 768 x 4: 80 bytes
-    spilled per thread with 4 warps, none with 8; d = 4,096 x 4: about 450 bytes with 32)."""
+    spilled per thread with 4 warps, none with 8, with the readout's gradient too; d = 4,096 x 4: 416-472 bytes with
+    32, 792-880 with the readout's)."""
     block_d, block_v = triton.next_power_of_2(d), channel_block(dv)
     warps = min(16, max(4, block_d * block_v // 1024))
     return dict(BLOCK_D=block_d, BLOCK_V=block_v, num_warps=min(32, 2 * warps) if backward else warps)
