@@ -631,13 +631,26 @@ def test_triton_cc_fold_matches_reference(d, kernel, dv, dtype, tol):
                          ids=["cc-ec", "tc-ec", "cc-even-kernel"])
 def test_every_triton_kernel_in_a_model_matches_reference(overrides, monkeypatch):
     """Under "triton" with every Triton kernel serving (the seam, the readouts, EC, CC's fold; through the
-    interpreter), a model's loss and every parameter's gradient equal the specification's."""
+    interpreter), a model's loss and every parameter's gradient equal the specification's; none of them failed (a
+    failing kernel gives way to the specification, which would compare the specification with itself)."""
+    import ddl_kernels
+
+    monkeypatch.setattr(ddl_kernels, "_failed", set())
+    residual, windows = _triton("residual"), _triton("readout")
+    calls = []
+    for module, name in ((residual, "run"), (windows, "fold"), (windows, "token_window")):
+        function = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *args, _f=function, _n=name, **kwargs: calls.append(_n) or _f(
+            *args, **kwargs))
     triton_on_cpu(monkeypatch)
     models = {}
     for name, impl in (("reference", "reference"), ("fused", "triton")):
         torch.manual_seed(0)
         models[name] = trained_looking(DDLForCausalLM(tiny_config(ddl_implementation=impl, **overrides)))
     assert_same_loss_and_gradients(models, torch.randint(3, 99, (2, 8), generator=seeded(1)), grad_atol=1e-5)
+    assert not ddl_kernels._failed
+    expected = {"run", "token_window"} | ({"fold"} if overrides.get("ddl_compressor") != "tc" else set())
+    assert set(calls) == expected, calls
 
 
 @torch.no_grad()

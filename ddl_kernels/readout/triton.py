@@ -93,14 +93,16 @@ def _tap_grads_kernel(
     tl.store(part_ptr + (program * K + s) * dv * d + tile, acc, mask=tile_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_parts"])  # (a seam's probe on one token must compile the variant it will launch)
 def _sum_parts_kernel(part_ptr, out_ptr, n_parts, width, BLOCK: tl.constexpr):
     """out = the sum of the partial rows `(n_parts, width)` (fp32, in order), in out's dtype."""
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < width
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for p in range(n_parts):
-        acc += tl.load(part_ptr + p * width + cols, mask=ok, other=0.0)
+    rows = part_ptr + cols
+    for _ in range(n_parts):
+        acc += tl.load(rows, mask=ok, other=0.0)
+        rows += width  # (pointer arithmetic: 64-bit, past 2^31 elements)
     tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 

@@ -117,7 +117,7 @@ def _seam_fwd_kernel(
         y = tl.sum(out.to(tl.float32) * taps, axis=1)
         tl.store(y_ptr + token * d + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens", "per_program"])  # (the probe's one token must not compile its own variant)
 def _seam_bwd_kernel(
     x_ptr, h_ptr, c_ptr, u_ptr, w_ptr, b_ptr, wv_ptr, bv_ptr, taps_ptr, grad_ptr, grad_read_ptr, gx_ptr, gh_ptr,
     gc_ptr, gu_ptr, gz_ptr, gy_ptr, write_ptr, part_ptr, tokens, per_program, d, dv, k_eps_sq, v_scale,
@@ -129,8 +129,8 @@ def _seam_bwd_kernel(
     consecutive tokens, and (WEIGHT_GRADS) this program's row of the weights' partial gradients, sums over its tokens
     in fp32: [dw = sum dz c (d) | dW_v = sum u dy^T (d_v x d, W_v's layout) | db_v = sum dy (d_v) | db = sum dz].
     The sums are a second pass over the tokens, from the per-token dz `(N,)` and dy `(N, d_v)` the first one wrote
-    (fp32) and c and u read again (just read: from cache), so that no running sum holds registers while the first
-    pass's tiles do. READ (the forward also read X_next out): dL/dX_next adds taps * dL/dy, and the row ends with the
+    (fp32) and c and u read again (one more read of each: from L2 while a program's run of tokens is still there), so
+    that no running sum holds registers while the first pass's tiles do. READ (the forward also read X_next out): dL/dX_next adds taps * dL/dy, and the row ends with the
     taps' partial gradient, sum X_next dL/dy (d_v x d), X_next made again from X, h and the write w `(N, d_v)` the
     first pass kept."""
     first = tl.program_id(0).to(tl.int64) * per_program
@@ -255,6 +255,11 @@ def _value(v_scale):
     return dict(v_scale=1.0 if v_scale is None else v_scale, SIGMOID=v_scale is not None)
 
 
+def _aligned(n):
+    """n rounded up to a multiple of 16 (fp32: 64 bytes)."""
+    return -(-n // 16) * 16
+
+
 def _tap_strides(taps):
     """The readout taps' `(d, d_v)` strides, as the kernels take them (0 without a readout)."""
     return dict(zip(("tap_stride_d", "tap_stride_v"), (0, 0) if taps is None else taps.stride()))
@@ -282,11 +287,13 @@ def _seam_gradients(ctx, saved, grad_out, grad_read=None):
     per_program = triton.cdiv(tokens, programs)
     programs = triton.cdiv(tokens, per_program)
     width = d + d * dv + dv + 1 + (d * dv if read else 0)  # [w | W_v | b_v | b | taps]
-    if any(needs):  # (one allocation, fp32: dz `(N,)`, dy `(N, d_v)`, the write `(N, d_v)`, the partial rows)
-        kept = tokens * (1 + 2 * dv)
-        scratch = torch.empty(kept + programs * width, dtype=torch.float32, device=x.device)
-        grad_z, grad_y = scratch[:tokens], scratch[tokens : tokens * (1 + dv)]
-        write, parts = scratch[tokens * (1 + dv) : kept], scratch[kept:]
+    if any(needs):  # (one allocation, fp32: dz `(N,)`, dy `(N, d_v)`, the write `(N, d_v)`, the partial rows; each
+        # part 64-byte aligned, as a tensor of its own would be, so that any token count compiles one variant)
+        ends = [_aligned(n) for n in (tokens, tokens * dv, tokens * dv, programs * width)]
+        starts = [sum(ends[:i]) for i in range(4)]
+        scratch = torch.empty(sum(ends), dtype=torch.float32, device=x.device)
+        grad_z, grad_y, write, parts = (scratch[s : s + n] for s, n in zip(
+            starts, (tokens, tokens * dv, tokens * dv, programs * width)))
     else:
         grad_z = grad_y = write = parts = grad_h  # (not written)
     with torch.cuda.device_of(x):
@@ -317,8 +324,8 @@ def _backward_compiles(x, h, c, u, weights, taps, v_scale, k_eps, erase, u_kind)
     seam that does not serve leaves forward and backward to the specification."""
     trained = (*weights, taps) if taps is not None else weights
     weight_grads = torch.is_grad_enabled() and any(w.requires_grad for w in trained)
-    key = (x.dtype, h.dtype, x.device, h.shape[-1], weights[2].shape[0], v_scale is None, erase, u_kind, weight_grads,
-           None if taps is None else taps.dtype)
+    key = (x.dtype, h.dtype, c.dtype, u.dtype, *(w.dtype for w in weights), x.device, h.shape[-1], weights[2].shape[0],
+           v_scale is None, erase, u_kind, weight_grads, None if taps is None else taps.dtype)
     if key not in _compiled:
         class Probe:
             needs_input_grad = (False,) * 4 + (weight_grads,) * 5 + (False,) * 4
@@ -327,8 +334,8 @@ def _backward_compiles(x, h, c, u, weights, taps, v_scale, k_eps, erase, u_kind)
         probe.v_scale, probe.k_eps, probe.erase, probe.u_kind = v_scale, k_eps, erase, u_kind
         one = [t.reshape(-1, *t.shape[2:])[:1].contiguous() for t in (x, h, c, u)]
         kept = (*(w.detach() for w in weights), None if taps is None else taps.detach())
-        _seam_gradients(probe, (*one, *kept), torch.zeros_like(one[0]),
-                        None if taps is None else torch.zeros_like(one[1]))
+        read = None if taps is None else one[1].new_zeros(one[1].shape, dtype=torch.promote_types(x.dtype, taps.dtype))
+        _seam_gradients(probe, (*one, *kept), torch.zeros_like(one[0]), read)  # (read: as y's gradient will be)
         _compiled.add(key)
     return True
 
