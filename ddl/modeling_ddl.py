@@ -321,9 +321,9 @@ class DDLCompressor(nn.Module):
         self.conv_weight = nn.Parameter(torch.empty(kernel, d, dv) if self.kind == "tc" else torch.empty(d, kernel))
         self.read = nn.Parameter(torch.empty(dv))
 
-    def derived_weight(self, implementation="auto"):
+    def derived_weight(self, implementation):
         """The readout's weight `(K, d, d_v)`, with autograd: CC's (K = 1: the matrix, or the conv and read vector
-        folded, `ops.folded_conv_read`), or TC's taps times the read vector."""
+        folded, `ops.folded_conv_read` run by `implementation`), or TC's taps times the read vector."""
         if self.kind == "cc_matrix":
             return self.weight.unsqueeze(0)
         if self.kind == "tc":

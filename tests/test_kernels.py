@@ -405,14 +405,19 @@ def test_triton_seam_backward_in_runs_of_tokens(programs, dv, value_input, monke
             torch.testing.assert_close(fast, spec, rtol=1e-5, atol=1e-5, msg=str(i))
 
 
-@pytest.mark.parametrize("programs", [3, 8])
-@pytest.mark.parametrize("dv", [4, 3])
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
-def test_triton_seam_with_the_next_readout_matches_reference(programs, dv, dtype, tol, monkeypatch):
+_READOUT_SEAM_CASES = [  # (programs, d_v, dtype, tolerance, frozen inputs): trained weights, then frozen ones
+    *[pytest.param(programs, dv, dtype, tol, (), id=f"{programs}-programs-dv{dv}-{name}") for programs in (3, 8)
+      for dv in (4, 3) for dtype, tol, name in ((torch.float32, 1e-5, "fp32"), (torch.bfloat16, 3e-2, "bf16"))],
+    *[pytest.param(3, 4, torch.float32, 1e-5, frozen, id=name) for frozen, name in (
+        ((4, 5, 6, 7), "seam-weights-frozen"), ((8,), "readout-frozen"), ((4, 5, 6, 7, 8), "all-frozen"))]]
+
+
+@pytest.mark.parametrize("programs, dv, dtype, tol, frozen", _READOUT_SEAM_CASES)
+def test_triton_seam_with_the_next_readout_matches_reference(programs, dv, dtype, tol, frozen, monkeypatch):
     """With a one-tap readout weight (CC's), the seam also gives the next compressor's readout of X_next as stored,
     made in the same pass: X_next, y and every gradient (the state's, through both, and the readout weight's) equal
-    the specification's (the seam, then `causal_token_readout`) in fp64; with K > 1 taps (TC), or u = c, it gives
-    X_next and None."""
+    the specification's (the seam, then `causal_token_readout`) in fp64, and a frozen weight (LoRA's case) gets none;
+    with K > 1 taps (TC), or u = c, it gives X_next and None."""
     residual = _triton("residual")
     monkeypatch.setattr(residual, "_programs", lambda tokens, device: min(tokens, programs))
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -430,7 +435,7 @@ def test_triton_seam_with_the_next_readout_matches_reference(programs, dv, dtype
     results = []
     for run, cast in ((spec, torch.float64), (lambda *args: residual.run(*args[:-1], 4.0, 1e-5, "delta", args[-1]),
                                               dtype)):
-        leaves = [t.to(device=device, dtype=cast).requires_grad_() for t in inputs]
+        leaves = [t.to(device=device, dtype=cast).requires_grad_(i not in frozen) for i, t in enumerate(inputs)]
         x, h, c, u = leaves[:4]
         out, y = run(x, h, c, u, *leaves[4:])
         assert out.dtype == y.dtype == cast

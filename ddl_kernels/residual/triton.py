@@ -130,9 +130,9 @@ def _seam_bwd_kernel(
     in fp32: [dw = sum dz c (d) | dW_v = sum u dy^T (d_v x d, W_v's layout) | db_v = sum dy (d_v) | db = sum dz].
     The sums are a second pass over the tokens, from the per-token dz `(N,)` and dy `(N, d_v)` the first one wrote
     (fp32) and c and u read again (one more read of each: from L2 while a program's run of tokens is still there), so
-    that no running sum holds registers while the first pass's tiles do. READ (the forward also read X_next out): dL/dX_next adds taps * dL/dy, and the row ends with the
-    taps' partial gradient, sum X_next dL/dy (d_v x d), X_next made again from X, h and the write w `(N, d_v)` the
-    first pass kept."""
+    that no running sum holds registers while the first pass's tiles do. READ (the forward also read X_next out):
+    dL/dX_next adds taps * dL/dy, and the row ends with the taps' partial gradient, sum X_next dL/dy (d_v x d), X_next
+    made again from X, h and the write w `(N, d_v)` the first pass kept."""
     first = tl.program_id(0).to(tl.int64) * per_program
     count = tl.minimum(per_program, tokens - first).to(tl.int32)
     x_ptr, grad_ptr, gx_ptr = x_ptr + first * d * dv, grad_ptr + first * d * dv, gx_ptr + first * d * dv
@@ -239,7 +239,8 @@ class _TritonSeam(torch.autograd.Function):
         with torch.cuda.device_of(x):
             _seam_fwd_kernel[(h.numel() // d,)](
                 x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, x if taps is None else taps, out,
-                out if y is None else y, d, dv, k_eps**2, **_tap_strides(taps), ERASE=erase, U_IS_C=u_kind == 1, READ=taps is not None, **_value(v_scale), **_blocks(d, dv),
+                out if y is None else y, d, dv, k_eps**2, **_tap_strides(taps), ERASE=erase, U_IS_C=u_kind == 1,
+                READ=taps is not None, **_value(v_scale), **_blocks(d, dv),
             )
         ctx.save_for_backward(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, taps)
         return out if y is None else (out, y)
@@ -300,8 +301,8 @@ def _seam_gradients(ctx, saved, grad_out, grad_read=None):
         _seam_bwd_kernel[(programs,)](
             x, h, c, u, *weights[:4], taps if read else x, grad_out.contiguous(),
             grad_read.contiguous() if read else grad_out, grad_x, grad_h, grad_c, grad_u, grad_z, grad_y, write,
-            parts, tokens, per_program, d, dv, ctx.k_eps**2, **_tap_strides(taps), ERASE=ctx.erase, U_KIND=ctx.u_kind, READ=read, WEIGHT_GRADS=any(needs), **_value(ctx.v_scale),
-            **_blocks(d, dv, backward=True),
+            parts, tokens, per_program, d, dv, ctx.k_eps**2, **_tap_strides(taps), ERASE=ctx.erase, U_KIND=ctx.u_kind,
+            READ=read, WEIGHT_GRADS=any(needs), **_value(ctx.v_scale), **_blocks(d, dv, backward=True),
         )
     grads = [None] * len(weights)
     if any(needs):
@@ -319,11 +320,14 @@ _compiled = set()  # the kernels' variants whose backward compiled here
 
 
 def _backward_compiles(x, h, c, u, weights, taps, v_scale, k_eps, erase, u_kind):
-    """Whether this variant's backward kernels compile and launch, tried once (on one token) before its forward
+    """This variant's backward kernels compiled and launched (else raises), tried once (on one token) before its forward
     first serves: a backward that failed only after the forward ran could give no gradient for that step, while a
-    seam that does not serve leaves forward and backward to the specification."""
+    seam that does not serve leaves forward and backward to the specification. None without autograd (a decoding
+    step: no backward follows)."""
+    if not torch.is_grad_enabled():
+        return
     trained = (*weights, taps) if taps is not None else weights
-    weight_grads = torch.is_grad_enabled() and any(w.requires_grad for w in trained)
+    weight_grads = any(w.requires_grad for w in trained)
     key = (x.dtype, h.dtype, c.dtype, u.dtype, *(w.dtype for w in weights), x.device, h.shape[-1], weights[2].shape[0],
            v_scale is None, erase, u_kind, weight_grads, None if taps is None else taps.dtype)
     if key not in _compiled:
@@ -337,7 +341,6 @@ def _backward_compiles(x, h, c, u, weights, taps, v_scale, k_eps, erase, u_kind)
         read = None if taps is None else one[1].new_zeros(one[1].shape, dtype=torch.promote_types(x.dtype, taps.dtype))
         _seam_gradients(probe, (*one, *kept), torch.zeros_like(one[0]), read)  # (read: as y's gradient will be)
         _compiled.add(key)
-    return True
 
 
 def serves(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, mode, readout=None):
