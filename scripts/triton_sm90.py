@@ -51,14 +51,13 @@ def variants(d, dv):
         (readout._sum_parts_kernel, "bf16", {"part_ptr"}, dict(BLOCK=1024), {}),
         (readout._fold_kernel, "bf16", set(), dict(K=4, PAD=1, BLOCK_D=readout._FOLD_BLOCK, BLOCK_V=4), {}),
         (readout._fold_grads_kernel, "bf16", set(), dict(K=4, PAD=1, BLOCK_D=readout._FOLD_BLOCK, BLOCK_V=4), {}),
-        (readout._window_kernel, "bf16", set(), dict(READ=True, K=4, DIRECTION=1, **window), {}),
-        (readout._window_kernel, "bf16", set(), dict(READ=False, K=4, DIRECTION=-1, **window), {}),
+        (readout._window_kernel, "bf16", set(), dict(READ=True, K=4, **window), {}),
+        (readout._window_kernel, "bf16", set(), dict(READ=False, K=4, **window), {}),
         (readout._step_kernel, "bf16", set(), dict(READ=True, K=4, **window), {}),
         (readout._step_kernel, "bf16", set(), dict(READ=False, K=4, **window), {}),
-        (readout._tap_grads_kernel, "bf16", {"part_ptr"}, dict(SRC_IS_STATE=True, K=4, CHUNK=readout._CHUNK,
-                                                               **window), {}),
-        (readout._tap_grads_kernel, "bf16", {"part_ptr"}, dict(SRC_IS_STATE=False, K=4, CHUNK=readout._CHUNK,
-                                                               **window), {}),
+        *[(readout._window_grads_kernel, "bf16", {"part_ptr"}, dict(READ=read, GRAD_X=True, GRAD_TAPS=True, K=4,
+                                                                    CHUNK=readout._CHUNK, **window), {})
+          for read in (True, False)],
     ]
 
 

@@ -608,6 +608,39 @@ def test_triton_token_convolutions_match_reference(kind, kernel, dv, with_histor
     torch.testing.assert_close(weight.grad.double(), ref_w.grad.double(), rtol=tol, atol=tol * 20)  # 38-token sums
 
 
+@pytest.mark.parametrize("kind", ["readout", "conv"])
+@pytest.mark.parametrize("frozen", [None, "taps", "input"])
+def test_triton_token_convolutions_backward_with_either_input_frozen(kind, frozen, monkeypatch):
+    """One backward kernel makes both gradients of the token convolutions, or only the one asked for (frozen taps, as
+    under LoRA; frozen embeddings): each equals the specification's, and the taps' comes back in the layout of the
+    view the model passes (its weight transposed), so that it needs no copy into the parameter's."""
+    windows = _triton("readout")
+    monkeypatch.setattr(windows, "_CHUNK", 4)  # 9 + 3 rows of history: the input's rows in 3 chunks, the output's in 3
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = seeded(7)
+    batch, seq_len, kernel, dv, d = 2, 9, 4, 3, 150
+    x_shape = (batch, seq_len + kernel - 1, dv, d) if kind == "readout" else (batch, seq_len + kernel - 1, d)
+    x = torch.randn(x_shape, generator=g, dtype=torch.float64).to(device)
+    weight = torch.randn(kernel, d, dv, generator=g, dtype=torch.float64).to(device)
+    spec = causal_token_readout if kind == "readout" else causal_token_conv
+    upstream = torch.randn((batch, seq_len, dv, d) if kind == "conv" else (batch, seq_len, d), generator=g,
+                           dtype=torch.float64).to(device)
+    for t, is_frozen in ((x, frozen == "input"), (weight, frozen == "taps")):
+        t.requires_grad_(not is_frozen)
+    wanted = [t for t in (x, weight) if t.requires_grad]
+    exact = torch.autograd.grad((spec(x[:, kernel - 1 :], weight, x[:, : kernel - 1]) * upstream).sum(), wanted)
+    taps = weight.float().transpose(1, 2)
+    fast_inputs = [t.float().detach().requires_grad_(t.requires_grad) for t in (x, taps)]
+    out = windows.token_window(fast_inputs[0], fast_inputs[1], read=kind == "readout")[:, kernel - 1 :]
+    fast = torch.autograd.grad((out * upstream.float()).sum(), [t for t in fast_inputs if t.requires_grad])
+    names = [name for name, t in (("input", x), ("taps", weight)) if t.requires_grad]
+    for name, e, f in zip(names, exact, fast):
+        f = f.transpose(1, 2) if name == "taps" else f
+        torch.testing.assert_close(f.double(), e, rtol=1e-5, atol=1e-4, msg=name)
+    if frozen != "taps":
+        assert fast[-1].stride() == taps.stride()
+
+
 @pytest.mark.parametrize("d, kernel, dv", [(200, 3, 4), (130, 4, 4), (64, 5, 3), (300, 1, 8), (40, 7, 4)],
                          ids=["k3-dv4", "k4-even", "dv3", "k1", "k7-wider-than-dv"])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])

@@ -1,10 +1,10 @@
 r"""The token convolutions of the expanded state in Triton for CUDA: the readout (TC; CC is its one-tap case) maps the
 state to a vector, EC (ddl_kernels/conv) maps the embeddings to a state, and each one's input gradient is the other's
-shape of computation run backwards in time. So two kernels serve both, forward and backward: `_window_kernel` (a
-K-token window of states -> a d-vector per token, or of d-vectors -> a (d_v x d) tile per token) and
-`_tap_grads_kernel` (per-lag products summed over a chunk of tokens; `_sum_parts_kernel` adds the chunks' partial
-sums).
-Each program handles one token (or chunk) and one block of features; accumulation is in fp32.
+shape of computation run backwards in time. So one kernel serves both forward (`_window_row`, in `_window_kernel`: a
+K-token window of states -> a d-vector per token, or of d-vectors -> a (d_v x d) tile per token), and the backward is
+two launches: `_window_grads_kernel` (the input's gradient, and per-lag products of the taps' summed over a chunk of
+tokens) and `_sum_parts_kernel` (the chunks' partial sums added). Each program handles one token (forward) or chunk
+(backward) and one block of features; accumulation is in fp32.
 
 Serves `reference.causal_token_readout` without history (x `(B, T, d_v, d)`, taps `(K, d_v, d)`, zeros before the
 first token) for CUDA tensors other than fp64, outside traces (`ddl_kernels.eager`). Opt-in
@@ -37,18 +37,14 @@ def _row_in_range(cols, row, n_rows):
     return (rows >= 0) & (rows < n_rows)
 
 @triton.jit
-def _window_kernel(
-    in_ptr, taps_ptr, out_ptr, t_out, l_src, offset, d, dv, tap_stride_k, tap_stride_v, tap_stride_d,
-    READ: tl.constexpr, K: tl.constexpr, DIRECTION: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
-):
-    """A K-row window of the input, weighted by the taps `(K, d_v, d)` (read at their strides), for output row t:
+def _window_row(in_ptr, taps, out_ptr, b, t, row, l_src, offset, d, dv, tap_stride_k, cols, tile, tile_ok,
+                READ: tl.constexpr, K: tl.constexpr, DIRECTION: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_V: tl.constexpr):
+    """Output row `row` (token t of sequence b) of a K-row window of the input weighted by the taps (this block of
+    features; `taps` their tile's pointers at lag 0):
     READ:      out[t] = sum_s sum_j taps[s, j] * in[src(t, s), j]   (B, t_out, d) from a state (B, l_src, d_v, d)
     otherwise: out[t, j] = sum_s taps[s, j] * in[src(t, s)]        (B, t_out, d_v, d) from vectors (B, l_src, d)
     """
-    row = tl.program_id(0).to(tl.int64)
-    b, t = row // t_out, row % t_out
-    cols, tile, tile_ok = _feature_block(d, dv, BLOCK_D, BLOCK_V)
-    taps = taps_ptr + tl.arange(0, BLOCK_V)[:, None] * tap_stride_v + cols[None, :] * tap_stride_d
     acc = tl.zeros((BLOCK_V, BLOCK_D), dtype=tl.float32)
     for s in tl.static_range(K):
         src = t + offset + DIRECTION * s
@@ -66,31 +62,57 @@ def _window_kernel(
         tl.store(out_ptr + row * dv * d + tile, acc.to(out_ptr.dtype.element_ty), mask=tile_ok)
 
 @triton.jit
-def _tap_grads_kernel(
-    src_ptr, grad_ptr, part_ptr, t_out, l_src, offset, d, dv, n_chunks,
-    SRC_IS_STATE: tl.constexpr, K: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+def _window_kernel(
+    in_ptr, taps_ptr, out_ptr, t_out, l_src, offset, d, dv, tap_stride_k, tap_stride_v, tap_stride_d,
+    READ: tl.constexpr, K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """part[chunk, s] = sum over the chunk's tokens t of src[t + offset + s] * grad[t]: the lag-s tap gradient
-    of one chunk of one sequence, (d_v, d) in fp32. One of src / grad is the state (d_v x d), the other a
-    vector: the readout's taps (src = state, grad = vector) or EC's (src = embeddings, grad = state)."""
-    program = tl.program_id(0).to(tl.int64)
-    b, chunk, s = program // n_chunks, program % n_chunks, tl.program_id(2)
+    """The forward convolution (`_window_row`, causal): one program per output token and block of features."""
+    row = tl.program_id(0).to(tl.int64)
     cols, tile, tile_ok = _feature_block(d, dv, BLOCK_D, BLOCK_V)
-    acc = tl.zeros((BLOCK_V, BLOCK_D), dtype=tl.float32)
-    for i in range(CHUNK):
-        t = chunk * CHUNK + i
-        src = t + offset + s
-        ok = _row_in_range(cols, src, l_src) & _row_in_range(cols, t, t_out)
-        if SRC_IS_STATE:
-            a = tl.load(src_ptr + (b * l_src + src) * dv * d + tile, mask=tile_ok & ok[None, :], other=0.0)
-            g = tl.load(grad_ptr + (b * t_out + t) * d + cols, mask=(cols < d) & ok, other=0.0)
-            acc += a.to(tl.float32) * g.to(tl.float32)[None, :]
-        else:
-            a = tl.load(src_ptr + (b * l_src + src) * d + cols, mask=(cols < d) & ok, other=0.0)
-            g = tl.load(grad_ptr + (b * t_out + t) * dv * d + tile, mask=tile_ok & ok[None, :], other=0.0)
-            acc += a.to(tl.float32)[None, :] * g.to(tl.float32)
-    tl.store(part_ptr + (program * K + s) * dv * d + tile, acc, mask=tile_ok)
+    taps = taps_ptr + tl.arange(0, BLOCK_V)[:, None] * tap_stride_v + cols[None, :] * tap_stride_d
+    _window_row(in_ptr, taps, out_ptr, row // t_out, row % t_out, row, l_src, offset, d, dv, tap_stride_k, cols, tile,
+                tile_ok, READ, K, 1, BLOCK_D, BLOCK_V)
+
+@triton.jit
+def _window_grads_kernel(
+    x_ptr, grad_ptr, taps_ptr, gx_ptr, part_ptr, t_out, l_src, offset, d, dv, n_chunks, tap_stride_k, tap_stride_v,
+    tap_stride_d, part_stride_v, part_stride_d,
+    READ: tl.constexpr, GRAD_X: tl.constexpr, GRAD_TAPS: tl.constexpr, K: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Both gradients of `_window_kernel` for one chunk of CHUNK rows of one sequence and a block of features:
+    GRAD_X: the input's rows r of the chunk, the forward's relation run backwards in time (the other kind of
+      window): dx[r] = sum_s taps[s] G[r - offset - s];
+    GRAD_TAPS: part[chunk, s] = sum over the chunk's output tokens t of x[t + offset + s] * G[t] (per lag s,
+      `(d_v, d)` in fp32, stored at the strides part_stride_v, part_stride_d: the taps' layout), the chunks'
+      partial sums added by `_sum_parts_kernel`. One of x / G is the state (d_v x d), the other a vector."""
+    program = tl.program_id(0).to(tl.int64)
+    b, chunk = program // n_chunks, program % n_chunks
+    cols, tile, tile_ok = _feature_block(d, dv, BLOCK_D, BLOCK_V)
+    if GRAD_X:
+        taps = taps_ptr + tl.arange(0, BLOCK_V)[:, None] * tap_stride_v + cols[None, :] * tap_stride_d
+        for i in range(CHUNK):
+            r = chunk * CHUNK + i
+            if r < l_src:
+                _window_row(grad_ptr, taps, gx_ptr, b, r, b * l_src + r, t_out, -offset, d, dv, tap_stride_k, cols,
+                            tile, tile_ok, not READ, K, -1, BLOCK_D, BLOCK_V)
+    if GRAD_TAPS:
+        part = part_ptr + tl.arange(0, BLOCK_V)[:, None] * part_stride_v + cols[None, :] * part_stride_d
+        for s in tl.static_range(K):
+            acc = tl.zeros((BLOCK_V, BLOCK_D), dtype=tl.float32)
+            for i in range(CHUNK):
+                t = chunk * CHUNK + i
+                src = t + offset + s
+                ok = _row_in_range(cols, src, l_src) & _row_in_range(cols, t, t_out)
+                if READ:
+                    a = tl.load(x_ptr + (b * l_src + src) * dv * d + tile, mask=tile_ok & ok[None, :], other=0.0)
+                    g = tl.load(grad_ptr + (b * t_out + t) * d + cols, mask=(cols < d) & ok, other=0.0)
+                    acc += a.to(tl.float32) * g.to(tl.float32)[None, :]
+                else:
+                    a = tl.load(x_ptr + (b * l_src + src) * d + cols, mask=(cols < d) & ok, other=0.0)
+                    g = tl.load(grad_ptr + (b * t_out + t) * dv * d + tile, mask=tile_ok & ok[None, :], other=0.0)
+                    acc += a.to(tl.float32)[None, :] * g.to(tl.float32)
+            tl.store(part + (program * K + s) * dv * d, acc, mask=tile_ok)
 
 
 @triton.jit(do_not_specialize=["n_parts"])  # (a seam's probe on one token must compile the variant it will launch)
@@ -106,9 +128,10 @@ def _sum_parts_kernel(part_ptr, out_ptr, n_parts, width, BLOCK: tl.constexpr):
     tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def sum_parts(parts, dtype):
-    """The rows of `parts` `(n, ...)` (fp32) added, `(...)` in `dtype`: one launch (a sum and a cast would be two)."""
-    out = torch.empty(parts.shape[1:], dtype=dtype, device=parts.device)
+def sum_parts(parts, dtype, out=None):
+    """The rows of `parts` `(n, ...)` (fp32) added, `(...)` in `dtype` (into `out`, whose elements lie in the order of
+    each row's, where given): one launch (a sum and a cast would be two)."""
+    out = torch.empty(parts.shape[1:], dtype=dtype, device=parts.device) if out is None else out
     width = out.numel()
     with torch.cuda.device_of(parts):
         _sum_parts_kernel[(triton.cdiv(width, 1024),)](parts, out, parts.shape[0], width, BLOCK=1024)
@@ -208,40 +231,34 @@ def _tiles(d, dv):
     return triton.cdiv(d, block_d), dict(BLOCK_D=block_d, BLOCK_V=channel_block(dv))
 
 
-_CHUNK = 64  # tokens per tap-gradient program
+_CHUNK = 64  # rows per program of the gradients
 
 
-def _window(read, inputs, taps, out, t_out, l_src, offset, direction):
+def _window(read, inputs, taps, out, t_out, l_src, offset):
     """Launch `_window_kernel`: one program per output token and block of features."""
     kernel_size, dv, d = taps.shape
     feature_blocks, tile = _tiles(d, dv)
     with torch.cuda.device_of(out):
         _window_kernel[(out.shape[0] * t_out, feature_blocks)](
-            inputs, taps, out, t_out, l_src, offset, d, dv, *taps.stride(), READ=read, K=kernel_size,
-            DIRECTION=direction, **tile)
+            inputs, taps, out, t_out, l_src, offset, d, dv, *taps.stride(), READ=read, K=kernel_size, **tile)
     return out
 
 
-def _tap_grads(src, grad, taps, t_out, offset, src_is_state):
-    """d taps: `(K, d_v, d)` in the taps' dtype, from per-chunk partial sums."""
+def _taps_layout(taps):
+    """An empty tensor for the taps' gradient: a model's weight `(K, d, d_v)` transposed (as ops passes it) gets its
+    gradient in that layout, which then needs no copy into its parameter's; any other taps a contiguous one."""
     kernel_size, dv, d = taps.shape
-    batch, l_src = src.shape[:2]
-    n_chunks = triton.cdiv(t_out, _CHUNK)
-    feature_blocks, tile = _tiles(d, dv)
-    parts = torch.empty(batch * n_chunks, kernel_size, dv, d, dtype=torch.float32, device=src.device)
-    with torch.cuda.device_of(parts):
-        _tap_grads_kernel[(batch * n_chunks, feature_blocks, kernel_size)](
-            src, grad, parts, t_out, l_src, offset, d, dv, n_chunks, SRC_IS_STATE=src_is_state, K=kernel_size,
-            CHUNK=_CHUNK, **tile,
-        )
-    return sum_parts(parts, taps.dtype)
+    if taps.stride(1) == 1 and taps.stride(2) == dv and (kernel_size == 1 or taps.stride(0) == dv * d):
+        return torch.empty_strided(taps.shape, taps.stride(), dtype=taps.dtype, device=taps.device)
+    return torch.empty_like(taps, memory_format=torch.contiguous_format)
 
 
 class _TritonTokenWindow(torch.autograd.Function):
     """The causal token convolutions over x with history first (if any), `taps` `(K, d_v, d)`:
         read (TC/CC readout):  y[t] = sum_s sum_j taps[s, j] * x[t + offset + s, j]    x `(B, L, d_v, d)` -> `(B, T, d)`
         spread (EC):           y[t, j] = sum_s taps[s, j] * x[t + offset + s]          x `(B, L, d)` -> `(B, T, d_v, d)`
-    The input gradient of each is the other run backwards in time: dx[r] = sum_s taps[s] G[r - offset - s]."""
+    The input gradient of each is the other run backwards in time: dx[r] = sum_s taps[s] G[r - offset - s]; both
+    gradients come from one kernel, the taps' as partial sums per chunk of tokens added by a second."""
 
     @staticmethod
     def forward(ctx, x, taps, t_out, read):
@@ -251,17 +268,30 @@ class _TritonTokenWindow(torch.autograd.Function):
         out = x.new_empty(shape, dtype=torch.promote_types(x.dtype, taps.dtype))
         ctx.save_for_backward(x, taps)
         ctx.t_out, ctx.offset, ctx.read = t_out, offset, read
-        return _window(read, x, taps, out, t_out, x.shape[1], offset, 1)
+        return _window(read, x, taps, out, t_out, x.shape[1], offset)
 
     @staticmethod
     def backward(ctx, grad):
         x, taps = ctx.saved_tensors
         grad = grad.contiguous()
-        grad_x = grad_taps = None
-        if ctx.needs_input_grad[0]:
-            grad_x = _window(not ctx.read, grad, taps, torch.empty_like(x), x.shape[1], ctx.t_out, -ctx.offset, -1)
-        if ctx.needs_input_grad[1]:
-            grad_taps = _tap_grads(x, grad, taps, ctx.t_out, ctx.offset, src_is_state=ctx.read)
+        grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
+        grad_taps = _taps_layout(taps) if ctx.needs_input_grad[1] else None
+        if grad_x is None and grad_taps is None:
+            return None, None, None, None
+        (batch, l_src), (kernel_size, dv, d) = x.shape[:2], taps.shape
+        n_chunks = triton.cdiv(max(l_src, ctx.t_out), _CHUNK)
+        feature_blocks, tile = _tiles(d, dv)
+        parts = None if grad_taps is None else torch.empty_strided(
+            (batch * n_chunks, *taps.shape), (kernel_size * dv * d, *grad_taps.stride()), dtype=torch.float32,
+            device=x.device)
+        with torch.cuda.device_of(x):
+            _window_grads_kernel[(batch * n_chunks, feature_blocks)](
+                x, grad, taps, x if grad_x is None else grad_x, x if parts is None else parts, ctx.t_out, l_src,
+                ctx.offset, d, dv, n_chunks, *taps.stride(), *(grad_taps.stride()[1:] if parts is not None else (0, 0)),
+                READ=ctx.read, GRAD_X=grad_x is not None, GRAD_TAPS=parts is not None, K=kernel_size, CHUNK=_CHUNK,
+                **tile)
+        if parts is not None:
+            grad_taps = sum_parts(parts, taps.dtype, out=grad_taps)
         return grad_x, grad_taps, None, None
 
 

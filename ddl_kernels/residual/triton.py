@@ -262,8 +262,8 @@ def _aligned(n):
 
 
 def _tap_strides(taps):
-    """The readout taps' `(d, d_v)` strides, as the kernels take them (0 without a readout)."""
-    return dict(zip(("tap_stride_d", "tap_stride_v"), (0, 0) if taps is None else taps.stride()))
+    """The readout taps' `(1, d, d_v)` strides along d and d_v, as the kernels take them (0 without a readout)."""
+    return dict(zip(("tap_stride_d", "tap_stride_v"), (0, 0) if taps is None else taps.stride()[1:]))
 
 
 def _programs(tokens, device):
@@ -310,7 +310,7 @@ def _seam_gradients(ctx, saved, grad_out, grad_read=None):
         summed = sum_parts(parts.view(programs, width), dtype)
         end = d + d * dv + dv + 1
         split = (summed[:d], summed[end - 1 : end], summed[d : d + d * dv].view(dv, d), summed[d + d * dv : end - 1])
-        split += (summed[end:].view(dv, d).t(),) if read else ()  # (the rows: w, W_v, b_v, b, the taps as (d_v, d))
+        split += (summed[end:].view(1, dv, d).transpose(1, 2),) if read else ()  # (rows: w, W_v, b_v, b, the taps)
         grads = [part.to(w.dtype) if need else None for part, w, need in zip(split, weights, needs)]
     return (grad_x, grad_h, grad_c, grad_u if ctx.u_kind == 0 else None, *grads[:4], grads[4] if read else None,
             None, None, None, None)
@@ -358,7 +358,7 @@ def run(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k
     x, h, c = x.contiguous(), h.contiguous(), c.contiguous()
     u = c if u_kind == 1 else (x if u_kind == 2 else u.contiguous())
     weights = (gate_weight.contiguous(), gate_bias.contiguous(), value_weight.contiguous(), value_bias.contiguous())
-    taps = readout[0] if readout is not None and readout.shape[0] == 1 and u_kind != 1 else None  # (d, d_v)
+    taps = readout if readout is not None and readout.shape[0] == 1 and u_kind != 1 else None  # (1, d, d_v)
     v_scale, erase = None if v_scale is None else float(v_scale), mode == "delta"
     _backward_compiles(x, h, c, u, weights, taps, v_scale, float(k_eps), erase, u_kind)
     out = _TritonSeam.apply(x, h, c, u, *weights, taps, v_scale, float(k_eps), erase, u_kind)
