@@ -54,19 +54,20 @@ class BatchPlan:
     rebuild: "StateRebuild | None" = None
     reads_ahead: bool = True
     weights: dict = field(default_factory=dict)
+    call_weights: dict | None = None  # (one generate call's readout weights: its steps share them)
 
     def saving(self):
         """Where an operation saves the state for backward: under the state rebuild's hooks, or as autograd does."""
         return self.rebuild.hooks if self.rebuild is not None else nullcontext()
 
     def readout_weight(self, compressor):
-        """`compressor.derived_weight`, made once per block (a shared compressor reads twice; each block's call, and a
-        checkpoint's recompute of it, makes its own), but for a compressor whose pre-hooks may remake its weights."""
-        if compressor._forward_pre_hooks:
-            return compressor.derived_weight(self.implementation)
-        if compressor not in self.weights:
-            self.weights[compressor] = compressor.derived_weight(self.implementation)
-        return self.weights[compressor]
+        """`compressor.derived_weight`, made once per block (each block's call and a checkpoint's recompute make their
+        own) or generate call, but for a compressor whose pre-hooks may remake its weights."""
+        weights = {} if compressor._forward_pre_hooks else self.weights if self.call_weights is None else (
+            self.call_weights)
+        if compressor not in weights:
+            weights[compressor] = compressor.derived_weight(self.implementation)
+        return weights[compressor]
 
 
 def cached_window(x, kernel_size, cache, layer_idx, slot, documents=None):
@@ -650,8 +651,9 @@ class DDLModel(DDLPreTrainedModel):
                                              attention_mask=attention_mask, cache=cache, position_ids=positions,
                                              and_mask_function=packed_attention)
         padding = Padding.of(pad_mask, inputs_embeds.dtype, cache)
-        plan = BatchPlan(choose(self.config.ddl_implementation), cache, padding, documents,
-                         reads_ahead=not user_hooks(self))
+        kept = kwargs.pop("ddl_readout_weights", None)  # (generate's; never kept under autograd or in a trace)
+        plan = BatchPlan(choose(self.config.ddl_implementation), cache, padding, documents, reads_ahead=not user_hooks(
+            self), call_weights=None if torch.is_grad_enabled() or torch.compiler.is_compiling() else kept)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids=positions)
 
         hidden_states = self.expand(inputs_embeds, plan)  # X_0: (B, T, [d_v,] d)
@@ -689,12 +691,13 @@ class DDLForCausalLM(DDLPreTrainedModel, GenerationMixin):
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache: Cache | None = None,
                 inputs_embeds=None, labels=None, use_cache: bool | None = None, logits_to_keep: int | torch.Tensor = 0,
-                **kwargs) -> CausalLMOutputWithPast:
+                ddl_readout_weights: dict | None = None, **kwargs) -> CausalLMOutputWithPast:
         """Causal LM forward. `labels` are the input ids (shifted inside; -100 is ignored); extra loss kwargs such
-        as `num_items_in_batch` (passed by `Trainer`) go to the loss."""
-        outputs: BaseModelOutputWithPast = self.model(input_ids=input_ids, attention_mask=attention_mask,
-                                                      position_ids=position_ids, cache=cache,
-                                                      inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+        as `num_items_in_batch` (passed by `Trainer`) go to the loss. `ddl_readout_weights`: generate's, a dict per call
+        in which its steps share the compressors' readout weights (unused with autograd)."""
+        outputs: BaseModelOutputWithPast = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+            inputs_embeds=inputs_embeds, use_cache=use_cache, ddl_readout_weights=ddl_readout_weights, **kwargs)
         logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
         loss = None
         if labels is not None:
@@ -711,8 +714,8 @@ class DDLForCausalLM(DDLPreTrainedModel, GenerationMixin):
         return super().init_continuous_batching
 
     def generate(self, *args, **kwargs):
-        """GenerationMixin's. transformers' static cache layer for token windows (EC, TC) rolls back the windows but
-        not the keys, so drafting decoding (assisted, prompt lookup) over one is refused before it starts."""
+        """GenerationMixin's, its steps sharing the readout weights. transformers' static cache layer for token windows
+        (EC, TC) rolls back the windows but not the keys, so drafting decoding over one is refused before it starts."""
         config = kwargs.get("generation_config") or self.generation_config
         static = kwargs.get("cache_implementation", config.cache_implementation) == "static" or isinstance(
             kwargs.get("past_key_values", kwargs.get("cache")), StaticCache)
@@ -722,7 +725,7 @@ class DDLForCausalLM(DDLPreTrainedModel, GenerationMixin):
             raise ValueError("Assisted or prompt-lookup decoding cannot roll back a static cache that also holds "
                              "token windows (DDL's EC, TC): use the default dynamic cache (drop "
                              "cache_implementation='static').")
-        return super().generate(*args, **kwargs)
+        return super().generate(*args, **{"ddl_readout_weights": {}, **kwargs})  # (dropped with the call)
 
     def generate_batch(self, *args, **kwargs):
         if conv_state_slots(self.config):  # (EC or TC)
@@ -750,9 +753,8 @@ class _BaseModelFromConfig:
 
 
 class DDLForSequenceClassification(_BaseModelFromConfig, GenericForSequenceClassification, DDLPreTrainedModel):
-    """DDLModel with a linear `score` head read at the last non-pad token of each row (batches need
-    `config.pad_token_id`; left and right padding both work). The loss follows `config.problem_type` (regression,
-    single- or multi-label classification)."""
+    """DDLModel with a linear `score` head read at each row's last non-pad token (batches need `config.pad_token_id`;
+    either padding side); the loss follows `config.problem_type` (regression, single- or multi-label classification)."""
 
 
 class DDLForTokenClassification(_BaseModelFromConfig, GenericForTokenClassification, DDLPreTrainedModel):

@@ -78,17 +78,15 @@ def delta_value(u, weight, bias, scale=4.0):
 def _dot(k, state):
     """k^T X per token `(B, T, d_v)` of k `(B, T, d)` and the state `(B, T, d_v, d)`; traced by torch.compile, as
     products summed over d (fused into the seam's kernel, not a batched matrix product)."""
-    if torch.compiler.is_compiling():
-        return (k.unsqueeze(-2) * state).sum(-1)
-    return torch.einsum("btd,btvd->btv", k, state)
+    traced = torch.compiler.is_compiling()
+    return (k.unsqueeze(-2) * state).sum(-1) if traced else torch.einsum("btd,btvd->btv", k, state)
 
 
 def _project(x, weight, bias):
     """F.linear(x, weight, bias) to the few outputs of a gate or value `(..., N)`; traced by torch.compile, as products
     summed over d, which Inductor fuses into the seam's kernel where F.linear stays a library call."""
-    if torch.compiler.is_compiling():
-        return (x.unsqueeze(-2) * weight).sum(-1) + bias
-    return F.linear(x, weight, bias)
+    traced = torch.compiler.is_compiling()
+    return (x.unsqueeze(-2) * weight).sum(-1) + bias if traced else F.linear(x, weight, bias)
 
 
 def constant_value(x, constant):

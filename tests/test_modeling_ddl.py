@@ -297,6 +297,27 @@ def test_generation_modes(overrides):
     assert torch.equal(beam_cache, beam_plain)
 
 
+@pytest.mark.parametrize("overrides", GEN_VARIANTS[1:])
+def test_generate_makes_each_readout_weight_once_and_keeps_none(overrides, monkeypatch):
+    """A generate call's steps share the compressors' readout weights (each made once, for the prompt), and the next
+    call makes its own: weights changed between calls decode as a model that never kept any does."""
+    from transformers import GenerationMixin
+
+    model, ids = _model(**overrides), _ids(1, 6)
+    made, derived_weight = [], DDLCompressor.derived_weight
+    monkeypatch.setattr(DDLCompressor, "derived_weight", lambda self, *a: made.append(self) or derived_weight(self, *a))
+    model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    compressors = [m for m in model.modules() if isinstance(m, DDLCompressor)]
+    assert sorted(map(id, made)) == sorted(map(id, compressors))
+    with torch.no_grad():
+        for compressor in compressors:
+            compressor.read.mul_(-0.5)
+    again = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    made.clear()
+    unkept = GenerationMixin.generate(model, ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(again, unkept) and len(made) == 5 * len(compressors)  # (without: once per forward)
+
+
 def test_bare_dynamic_cache_gets_a_clear_error():
     model = _model()
     with pytest.raises(ValueError, match=r"DynamicCache\(config=model.config\)"):
