@@ -70,7 +70,7 @@ import ddl  # noqa: F401  (registers the DDL Auto classes and the code files sav
 from ddl import DDLConfig, DDLForCausalLM
 from ddl.ops import choose
 from ddl_tools import data, lora, resume
-from ddl_tools.card import card_metadata, describe_variant, model_card, plot_loss_curve
+from ddl_tools.card import card_metadata, describe_variant, model_card, plot_loss_curve, training_time
 from ddl_tools.launch import check_launch, launched_on_cpu, launcher_precision, outside_zero3
 from ddl_tools.loading import check_llama_weights, check_weights, checkpoint_config, load_from_llama, load_pretrained
 from ddl_tools.outputs import UsageError, write_json
@@ -78,7 +78,7 @@ from ddl_tools.presets import (PAPER_RECIPE, PRESET_RUN_DEFAULTS, PRESETS, TRAIN
                                parse_config_overrides, parsed_arguments, preset_config, variant_arguments)
 from ddl_tools.runs import (claim_output_dir, finish_output_dir, interruption_note, run_cli, saving_into,
                             take_output_dir)
-from ddl_tools.training import DDLTrainer, DDLTrainingArguments
+from ddl_tools.training import DDLTrainer, DDLTrainingArguments, StepClock
 
 
 # ---------------------------------------------------------------------------------------------- hyperparameters
@@ -303,7 +303,7 @@ def main(argv: list[str]) -> None:
 
     trainer = DDLTrainer(model=model, args=training_args, train_dataset=blocks.train if training_args.do_train
                          else None, eval_dataset=blocks.eval, processing_class=tokenizer,
-                         data_collator=default_data_collator, callbacks=[resume.DDLRunRecord(record)])
+                         data_collator=default_data_collator, callbacks=[resume.DDLRunRecord(record), StepClock()])
     trainer.card_inputs = card_inputs(model_args, data_args, training_args, model.config, blocks, data_info,
                                       tokenizer_source)
     build_kernels(model.config, training_args)
@@ -318,6 +318,8 @@ def main(argv: list[str]) -> None:
     print(f"\nsaved {out} in {time.time() - start:.0f}s: {metrics['tokens_seen']:,} tokens seen; final train loss "
           f"{metrics['final_train_loss']}; validation loss {val if val is None else f'{val:.4f}'} (perplexity "
           f"{metrics.get('eval_perplexity', float('nan')):.2f})")
+    if metrics.get("train_runtime") and trainer.state.global_step:
+        print(training_time(metrics, metrics["tokens_seen"], trainer.state.global_step, training_args.world_size)[2:])
     print(f"\n--- sample from {out} via pipeline('text-generation') ---\n{sample}")
 
 
@@ -567,6 +569,12 @@ def train_and_evaluate(trainer, training_args, checkpoint, state, finished: bool
         if state:  # train_runtime covers only the steps after the checkpoint (the model card's speed)
             metrics["resumed_at_step"] = state.global_step
         trainer.log_metrics("train", result.metrics)
+        clock = next(c for c in trainer.callback_handler.callbacks if isinstance(c, StepClock))
+        metrics["train_steady_seconds"], metrics["train_steady_steps"] = clock.steady()
+        mixed, weights = trainer.accelerator.mixed_precision, next(trainer.model.parameters()).dtype
+        weights = str(weights).removeprefix("torch.")
+        metrics["precision"] = f"{mixed} mixed precision ({weights} weights)" if mixed != "no" else weights
+        metrics["compiled"] = bool(training_args.torch_compile)
     # Without train(), DeepSpeed's engine, through which Trainer saves the model, is built by evaluate()
     no_engine = trainer.is_deepspeed_enabled and trainer.deepspeed is None
     if training_args.do_eval or no_engine:

@@ -55,16 +55,24 @@ def describe_variant(config: DDLConfig) -> str:
     return f"{mode}-{config.ddl_compressor.upper()}{ec} (d_v={config.ddl_value_channels})"
 
 
-def _training_time(metrics, tokens_seen, steps, world_size):
+def training_time(metrics, tokens_seen, steps, world_size):
     """The card's training-time line. `train_runtime` is this run's; a resumed run trained only the steps after its
-    checkpoint (`resumed_at_step`), so its speed counts only their share of the tokens seen."""
+    checkpoint (`resumed_at_step`), so its speed counts only their share of the tokens seen. Then the steady rate
+    (`StepClock`: without compilation, the first steps, evaluations and saves), the precision and whether the model
+    was compiled, where the run recorded them."""
     runtime, start = metrics["train_runtime"], metrics.get("resumed_at_step", 0)
     where = f"on {world_size} process(es), {metrics.get('device', 'unknown device')}"
     if start >= steps:  # resumed at (or past) the last step: this run trained nothing
         return f"- Training time: {runtime:.0f} s {where} (resumed at step {start:,}: no step left to train)."
     run_tokens = tokens_seen * (steps - start) / steps
     resumed = f"; resumed at step {start:,}, so for its last {steps - start:,} steps" if start else ""
-    return f"- Training time: {runtime:.0f} s ({run_tokens / runtime:,.0f} tokens/s {where}{resumed})."
+    seconds, counted = metrics.get("train_steady_seconds"), metrics.get("train_steady_steps")
+    steady = (f"; steady {tokens_seen / steps * counted / seconds:,.0f} tokens/s over {counted:,} steps, without the "
+              "first two, evaluations and saves" if seconds and counted else "")
+    regime = "" if "precision" not in metrics else f"; {metrics['precision']}, " + (
+        "compiled (torch.compile: its compilation is in the time, not in the steady rate)" if metrics.get(
+            "compiled") else "not compiled")
+    return f"- Training time: {runtime:.0f} s ({run_tokens / runtime:,.0f} tokens/s {where}{resumed}{steady}){regime}."
 
 
 MODEL_CARD = """---
@@ -161,7 +169,7 @@ def model_card(*, repo_name: str, config: DDLConfig, num_parameters: int, data_n
         tokenizer_source=tokenizer_source, block_size=block_size, data_name=data_name,
         train_tokens=f"; {train_tokens:,} training tokens" if train_tokens else "",
         tokens_seen=metrics["tokens_seen"], steps=steps, scheduler=scheduler, warmup=_warmup(training_args.warmup_steps),
-        training_time=_training_time(metrics, metrics["tokens_seen"], steps, training_args.world_size) + "\n"
+        training_time=training_time(metrics, metrics["tokens_seen"], steps, training_args.world_size) + "\n"
         if timed else "",
         train_loss=train_loss, train_ppl=train_ppl, val_loss=val_loss, val_ppl=val_ppl,
         unigram_row=f"| unigram reference (context-free, validation) | {unigram:.4f} | {math.exp(unigram):.2f} |\n"

@@ -6,10 +6,11 @@ losses and a fast resume of streamed data.
 import json
 import math
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy, SaveStrategy
 from transformers.utils import PushInProgress, logging
@@ -60,6 +61,37 @@ class DDLTrainingArguments(TrainingArguments):
             raise UsageError(f"--hub_strategy {self.hub_strategy.value} would push Trainer's checkpoint folders "
                              "(optimizer and RNG states are pickles); train.py pushes loadable models only. Use "
                              "--hub_strategy every_save or end, and resume from the local checkpoint-* folders.")
+
+
+class StepClock(TrainerCallback):
+    """The steady training rate, which the whole run's (`train_runtime`) is not: that one also counts compilation
+    (`--torch_compile`), the first steps' one-time work, evaluations and checkpoints. Here: the wall time between
+    consecutive optimizer steps of this `train()` call, after its first `warmup` steps, leaving out every interval in
+    which an evaluation or a save ran. Host time, without a device synchronisation: on a GPU the launch queue keeps it
+    within about a step of the device's. `steady()`: (seconds, steps), (0, 0) when no step qualified."""
+
+    def __init__(self, warmup: int = 2):
+        self.warmup = warmup
+        self.seconds, self.steps, self.seen, self.last, self.disturbed = 0.0, 0, 0, None, False
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.seconds, self.steps, self.seen, self.last, self.disturbed = 0.0, 0, 0, None, False
+
+    def on_step_end(self, args, state, control, **kwargs):
+        now = time.perf_counter()
+        self.seen += 1
+        if self.last is not None and self.seen > self.warmup and not self.disturbed:
+            self.seconds, self.steps = self.seconds + now - self.last, self.steps + 1
+        self.last, self.disturbed = now, False
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        self.disturbed = True
+
+    def on_save(self, args, state, control, **kwargs):
+        self.disturbed = True
+
+    def steady(self) -> tuple[float, int]:
+        return self.seconds, self.steps
 
 
 class TrainingDiverged(UsageError):

@@ -124,6 +124,11 @@ def test_checkpoint_is_complete(trained):
     results = json.loads((out / "all_results.json").read_text())
     assert math.isfinite(results["eval_loss"]) and results["tokens_seen"] == 3 * 4 * 32
     assert "sample from" in proc.stdout
+    # the steady rate: step 3 alone (after the first two; the evaluation and save came after it)
+    assert results["train_steady_steps"] == 1 and results["precision"] == "float32" and results["compiled"] is False
+    rate = 4 * 32 / results["train_steady_seconds"]
+    line = f"steady {rate:,.0f} tokens/s over 1 steps, without the first two, evaluations and saves); float32, not "
+    assert line in card and line in proc.stdout
 
 
 def test_a_plain_cpu_run_prints_nothing_of_deepspeed(trained):
@@ -333,15 +338,43 @@ def test_evaluation_loss_is_the_mean_over_every_token(tmp_path):
     assert got == pytest.approx(expected, rel=1e-6)
 
 
-def test_card_training_time_counts_only_the_steps_this_run_trained():
-    from ddl_tools.card import _training_time
+def test_the_steady_rate_leaves_out_the_first_steps_evaluations_and_saves(monkeypatch):
+    """StepClock counts the intervals between optimizer steps after the first two, except those in which an
+    evaluation or a save ran (each interval here lasts its step's number of seconds); a new train() starts again."""
+    from ddl_tools import training
 
-    fresh = _training_time({"train_runtime": 10.0, "device": "cpu"}, tokens_seen=1000, steps=10, world_size=1)
+    now = [0.0]
+    monkeypatch.setattr(training.time, "perf_counter", lambda: now[0])
+    clock = training.StepClock()
+    for _ in range(2):
+        clock.on_train_begin(None, None, None)
+        for step in range(1, 8):
+            now[0] += step  # the interval that ends at this step
+            clock.on_step_end(None, None, None)
+            if step == 4:
+                clock.on_evaluate(None, None, None)  # (after step 4: the interval 4 -> 5 is left out)
+            if step == 6:
+                clock.on_save(None, None, None)  # (the interval 6 -> 7)
+        assert clock.steady() == (3 + 4 + 6, 3)  # the intervals ending at steps 3, 4 and 6
+    clock.on_train_begin(None, None, None)
+    assert clock.steady() == (0.0, 0)
+
+
+def test_card_training_time_counts_only_the_steps_this_run_trained():
+    from ddl_tools.card import training_time
+
+    fresh = training_time({"train_runtime": 10.0, "device": "cpu"}, tokens_seen=1000, steps=10, world_size=1)
     assert "(100 tokens/s on 1 process(es), cpu)" in fresh
-    resumed = _training_time({"train_runtime": 10.0, "resumed_at_step": 6}, tokens_seen=1000, steps=10, world_size=1)
+    resumed = training_time({"train_runtime": 10.0, "resumed_at_step": 6}, tokens_seen=1000, steps=10, world_size=1)
     assert "(40 tokens/s " in resumed and "resumed at step 6, so for its last 4 steps" in resumed
-    done = _training_time({"train_runtime": 1.0, "resumed_at_step": 10}, tokens_seen=1000, steps=10, world_size=1)
+    done = training_time({"train_runtime": 1.0, "resumed_at_step": 10}, tokens_seen=1000, steps=10, world_size=1)
     assert "no step left to train" in done and "tokens/s" not in done
+    compiled = training_time({"train_runtime": 10.0, "train_steady_seconds": 2.0, "train_steady_steps": 4,
+                              "precision": "bf16 mixed precision (float32 weights)", "compiled": True},
+                             tokens_seen=1000, steps=10, world_size=1)
+    assert compiled.endswith("(100 tokens/s on 1 process(es), unknown device; steady 200 tokens/s over 4 steps, "
+                             "without the first two, evaluations and saves); bf16 mixed precision (float32 weights), "
+                             "compiled (torch.compile: its compilation is in the time, not in the steady rate).")
 
 
 def test_from_llama_additive_is_that_llama(llama_dir):
