@@ -15,12 +15,9 @@ from huggingface_hub.dataclasses import strict  # noqa: E402
 from transformers.models.llama.configuration_llama import LlamaConfig  # noqa: E402
 
 
-DDL_COMPRESSORS = ("cc", "tc")
-DDL_RESIDUAL_MODES = ("delta", "write_only", "additive")
-DDL_VALUE_INPUTS = ("state", "context")
-DDL_CC_FORMS = ("conv", "matrix")
-DDL_INITIALIZATIONS = ("authors", "llama")
-QK_NORM_POSITIONS = ("after_rope", "before_rope")
+CHOICES = {"ddl_compressor": ("cc", "tc"), "ddl_residual": ("delta", "write_only", "additive"),
+           "ddl_value_input": ("state", "context"), "ddl_cc_form": ("conv", "matrix"),
+           "ddl_initialization": ("authors", "llama"), "qk_norm_position": ("after_rope", "before_rope")}
 # The defaults follow the authors' code (github.com/yifanzhang-pro/deep-delta-learning at d1f76215,
 # docs/faithfulness.md). A config.json saved before these fields existed was trained with ddl's earlier choices: it
 # loads with these values.
@@ -123,6 +120,9 @@ class DDLConfig(LlamaConfig):
             keeping it (`modeling_ddl.StateRebuild`: less memory, the same gradients up to rounding). False keeps the
             states, for a second derivative (`create_graph=True`, with `ddl_implementation="reference"`) or code that
             changes a state in place.
+        ddl_autocast_state (`bool`, *optional*, defaults to False):
+            Under autocast, the state in autocast's dtype, as the authors' code has it: half its bytes, kept for
+            backward (not rebuilt). False: the embeddings' dtype (fp32 with fp32 weights), rebuilt where allowed.
 
         ddl_implementation (`str`, *optional*):
             How DDL's operations run here, a runtime choice never saved (like `attn_implementation`): `"auto"`,
@@ -161,6 +161,7 @@ class DDLConfig(LlamaConfig):
     ddl_initialization: str = "authors"
     ddl_init_std_factor: float = 0.5
     ddl_rebuild_states: bool = True
+    ddl_autocast_state: bool = False
     ddl_implementation: str | None = None
 
     def __post_init__(self, **kwargs):
@@ -212,9 +213,7 @@ class DDLConfig(LlamaConfig):
 
         if self.ddl_value_channels < 1:
             raise bad("ddl_value_channels", "an integer >= 1 (1 = scalar state, 4 = the paper's default)")
-        for field, choices in (("ddl_compressor", DDL_COMPRESSORS), ("ddl_residual", DDL_RESIDUAL_MODES),
-                               ("ddl_value_input", DDL_VALUE_INPUTS), ("ddl_cc_form", DDL_CC_FORMS),
-                               ("ddl_initialization", DDL_INITIALIZATIONS), ("qk_norm_position", QK_NORM_POSITIONS)):
+        for field, choices in CHOICES.items():
             if getattr(self, field) not in choices:
                 raise bad(field, f"one of {choices}")
         if self.ddl_cc_kernel_size is not None and not 1 <= self.ddl_cc_kernel_size <= self.ddl_value_channels:

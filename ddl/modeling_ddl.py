@@ -568,11 +568,13 @@ class DDLModel(DDLPreTrainedModel):
         self.post_init()
 
     def expand(self, embeds, plan):
-        """The initial state X_0: the embeddings (d_v = 1), EC of them, or them repeated over the d_v channels."""
-        if self.config.ddl_embed_conv:
-            return self.embed_conv(embeds, plan)
-        d_v = self.config.ddl_value_channels
-        return embeds if d_v == 1 else embeds.unsqueeze(-2).expand(*embeds.shape[:2], d_v, embeds.shape[-1])
+        """The initial state X_0: the embeddings (d_v = 1), EC of them, or them repeated over the d_v channels; in
+        autocast's dtype under autocast with `ddl_autocast_state`."""
+        d_v, device = self.config.ddl_value_channels, embeds.device.type
+        state = self.embed_conv(embeds, plan) if self.config.ddl_embed_conv else embeds if d_v == 1 else (
+            embeds.unsqueeze(-2).expand(*embeds.shape[:2], d_v, embeds.shape[-1]))
+        autocast = self.config.ddl_autocast_state and torch.is_autocast_enabled(device)
+        return state.to(torch.get_autocast_dtype(device)) if autocast else state
 
     def _check_cache(self, cache):
         if self.keeps_token_histories and not isinstance((cache.layers or [0])[0], LinearAttentionCacheLayerMixin):
@@ -743,9 +745,8 @@ MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault("ddl", "DDLForCausalLM")  # a causa
 
 
 class _BaseModelFromConfig:
-    """Lets the generic heads' `AutoModel.from_config(config)` find DDLModel for this very config class: as remote
-    code the config class is its own copy (transformers loads each auto_map file under its own hash), which nothing
-    registered with AutoModel, and transformers would ask on stdin whether to run the checkpoint's code again."""
+    """Lets the generic heads' `AutoModel.from_config(config)` find DDLModel for this very config class: as remote code
+    it is its own copy, which nothing registered (transformers would ask on stdin whether to run the code again)."""
 
     def __init__(self, config):
         AutoModel.register(type(config), DDLModel, exist_ok=True)

@@ -132,7 +132,7 @@ def check_ddl_environment() -> None:
 
 # DDLConfig fields that switch how training runs, not what the model is: their flags apply to a loaded checkpoint
 # (fine-tuning, resuming) as to a fresh model.
-TRAINING_SWITCHES = ("ddl_rebuild_states",)
+TRAINING_SWITCHES = ("ddl_rebuild_states", "ddl_autocast_state")
 
 
 def variant_arguments():

@@ -16,7 +16,8 @@ Parts (the first call; docs/gpu.md says what each measures):
              compilation: identical layers compile once, which fits the part's limit; the whole model is the second
              call's); compile seconds, graph breaks, graphs compiled during the timed steps (recompiles)
   decode     (d) eager `generate` and compiled static-cache `generate` (CUDA graphs on CUDA) at batch 1 and 8
-and with --second: autocast (16 x 1024 under bf16 autocast with fp32 weights, train.py's regime through accelerate)
+and with --second: autocast (16 x 1024 under bf16 autocast with fp32 weights, train.py's regime through accelerate;
+CC+EC also with its state in bf16, `ddl_autocast_state`)
 and compile_full (the whole model compiled at 32 x 1024, TC+EC first after Llama).
 
 Models: Llama, DDL d_v=1, CC+EC, TC+EC from bench.py's builders at its `small` size (the paper's 12 x 768), one GPU.
@@ -49,7 +50,10 @@ sys.path.insert(0, ROOT)
 from ddl_tools.outputs import die_with_parent, first_line, write_json, write_text  # noqa: E402  (torch only)
 
 VARIANTS = ["llama", "ddl-dv1", "ddl-cc", "ddl-tc"]
-LABELS = {"llama": "Llama", "ddl-dv1": "d_v=1", "ddl-cc": "CC+EC", "ddl-tc": "TC+EC"}
+LABELS = {"llama": "Llama", "ddl-dv1": "d_v=1", "ddl-cc": "CC+EC", "ddl-tc": "TC+EC",
+          "ddl-cc-bf16-state": "CC+EC, bf16 state"}
+# under autocast, beside CC+EC: its state in autocast's dtype (`ddl_autocast_state`, the authors' regime)
+BF16_STATE = "ddl-cc-bf16-state"
 
 # name: (title, limit on CUDA, limit in the CPU dry run), in seconds. The first call's limits add up to the issue's 8
 # minutes; a part may also use what the earlier ones left unused of theirs (`Check.run_part`), none the BUDGET's end.
@@ -354,6 +358,9 @@ class Worker:
         """Eager training: per regime (a batch size), each model warmed up, one profiled micro-step and optimizer
         step, its peak memory, then the timed repeats; the models built once for all regimes."""
         runners = [self.runner(v, dtype, autocast=autocast) for v in self.config["variants"]]
+        if autocast and "ddl-cc" in self.config["variants"]:
+            runners.append(self.runner("ddl-cc", dtype, autocast=True))
+            runners[-1].name, runners[-1].model.config.ddl_autocast_state = BF16_STATE, True
         for regime in regimes:
             batch_size, ready = self.config["batches"][regime], []
 
@@ -956,7 +963,7 @@ def details(report, config):
                 "| model | tok/s (micro-steps) | ratio | step ms | host ms | GPU-busy ms | kernels | host µs/kernel "
                 "| optimizer ms | optimizer kernels | peak MB (ratio) | compile s | graphs, breaks |",
                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for variant in VARIANTS:
+        for variant in [*VARIANTS, BF16_STATE]:
             if variant not in f["samples"] and variant not in f["facts"]:
                 continue
             facts = f["facts"].get(variant, {})

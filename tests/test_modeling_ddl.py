@@ -190,6 +190,37 @@ def test_batch_1_generation_under_cpu_autocast(overrides):
         torch.testing.assert_close(fused, reference, rtol=0.05, atol=0.05)
 
 
+@pytest.mark.parametrize("overrides", [{"ddl_value_channels": 1}, {}, {"ddl_compressor": "tc"}],
+                         ids=["dv1", "cc-ec", "tc-ec"])
+def test_ddl_autocast_state_keeps_the_state_in_autocasts_dtype(overrides):
+    """`ddl_autocast_state`: under bf16 autocast every state is bf16 (the authors' regime; fp32 without the option),
+    the loss and its gradients follow the fp32 state's within bf16's rounding, cached decoding follows the full
+    forward; without autocast the option changes nothing."""
+    ids = _ids(2, 9)
+    models = {flag: _model(ddl_autocast_state=flag, **overrides).train() for flag in (False, True)}
+    with torch.no_grad():
+        assert torch.equal(models[True](ids).logits, models[False](ids).logits)
+    losses, grads = {}, {}
+    for flag, model in models.items():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            states = model.model(ids, output_expanded_states=True).expanded_states
+            assert {s.dtype for s in states} == {torch.bfloat16 if flag else torch.float32}
+            losses[flag] = model(ids, labels=ids).loss
+        losses[flag].backward()
+        grads[flag] = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert abs(losses[True].item() - losses[False].item()) < 0.01  # (bf16 keeps 8 bits: ~0.4% a rounding)
+    assert (grads[True] - grads[False]).norm() < 0.05 * grads[False].norm()
+    model = models[True].eval()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        full = model(ids).logits
+        out = model(ids[:, :5], use_cache=True)
+        pieces = [out.logits]
+        for t in range(5, 9):
+            out = model(ids[:, t : t + 1], cache=out.cache, use_cache=True)
+            pieces.append(out.logits)
+    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=0, atol=0.01)
+
+
 @pytest.mark.parametrize("overrides", [{}, {"ddl_compressor": "tc"}, {"ddl_residual": "write_only"}],
                          ids=["cc-ec", "tc-ec", "write-only"])
 def test_backward_inside_cpu_autocast_equals_backward_after_it(overrides, cpu_kernel_on_or_off):
