@@ -63,8 +63,8 @@ class BatchPlan:
     def readout_weight(self, compressor):
         """`compressor.derived_weight`, made once per block (each block's call and a checkpoint's recompute make their
         own) or generate call, but for a compressor whose pre-hooks may remake its weights."""
-        weights = {} if compressor._forward_pre_hooks else self.weights if self.call_weights is None else (
-            self.call_weights)
+        kept = self.weights if self.call_weights is None else self.call_weights
+        weights = {} if compressor._forward_pre_hooks else kept
         if compressor not in weights:
             weights[compressor] = compressor.derived_weight(self.implementation)
         return weights[compressor]
@@ -571,8 +571,8 @@ class DDLModel(DDLPreTrainedModel):
         """The initial state X_0: the embeddings (d_v = 1), EC of them, or them repeated over the d_v channels; in
         autocast's dtype under autocast with `ddl_autocast_state`."""
         d_v, device = self.config.ddl_value_channels, embeds.device.type
-        state = self.embed_conv(embeds, plan) if self.config.ddl_embed_conv else embeds if d_v == 1 else (
-            embeds.unsqueeze(-2).expand(*embeds.shape[:2], d_v, embeds.shape[-1]))
+        repeated = embeds if d_v == 1 else embeds.unsqueeze(-2).expand(*embeds.shape[:2], d_v, embeds.shape[-1])
+        state = self.embed_conv(embeds, plan) if self.config.ddl_embed_conv else repeated
         autocast = self.config.ddl_autocast_state and torch.is_autocast_enabled(device)
         return state.to(torch.get_autocast_dtype(device)) if autocast else state
 
@@ -695,8 +695,8 @@ class DDLForCausalLM(DDLPreTrainedModel, GenerationMixin):
                 inputs_embeds=None, labels=None, use_cache: bool | None = None, logits_to_keep: int | torch.Tensor = 0,
                 ddl_readout_weights: dict | None = None, **kwargs) -> CausalLMOutputWithPast:
         """Causal LM forward. `labels` are the input ids (shifted inside; -100 is ignored); extra loss kwargs such
-        as `num_items_in_batch` (passed by `Trainer`) go to the loss. `ddl_readout_weights`: generate's, a dict per call
-        in which its steps share the compressors' readout weights (unused with autograd)."""
+        as `num_items_in_batch` (passed by `Trainer`) go to the loss. `ddl_readout_weights`: generate's, a new dict per
+        call in which its steps share the compressors' readout weights (unused with autograd; kept, it goes stale)."""
         outputs: BaseModelOutputWithPast = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
             inputs_embeds=inputs_embeds, use_cache=use_cache, ddl_readout_weights=ddl_readout_weights, **kwargs)
@@ -727,7 +727,9 @@ class DDLForCausalLM(DDLPreTrainedModel, GenerationMixin):
             raise ValueError("Assisted or prompt-lookup decoding cannot roll back a static cache that also holds "
                              "token windows (DDL's EC, TC): use the default dynamic cache (drop "
                              "cache_implementation='static').")
-        return super().generate(*args, **{"ddl_readout_weights": {}, **kwargs})  # (dropped with the call)
+        if kwargs.get("assistant_model") is None:  # (an assistant is given generate's kwargs: a Llama would refuse it)
+            kwargs = {"ddl_readout_weights": {}, **kwargs}  # (dropped with the call)
+        return super().generate(*args, **kwargs)
 
     def generate_batch(self, *args, **kwargs):
         if conv_state_slots(self.config):  # (EC or TC)

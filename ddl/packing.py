@@ -48,9 +48,7 @@ class Documents:
 
     def convolve(self, conv, x, kernel):
         """`conv(x)` for a causal convolution of `kernel` taps over x's token axis, restarted at every document."""
-        if kernel == 1:
-            return conv(x)
-        return self.gather(conv(self.spread(x, kernel)), kernel)
+        return conv(x) if kernel == 1 else self.gather(conv(self.spread(x, kernel)), kernel)
 
     def last_document(self, x):
         """x `(B, C, T)` (time last, as the cache keeps conv inputs) with every token before its row's last

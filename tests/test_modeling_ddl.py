@@ -320,6 +320,10 @@ def test_generation_modes(overrides):
     assistant = _model(seed=5, **overrides)
     assisted = model.generate(repetitive, max_new_tokens=8, do_sample=False, pad_token_id=0, assistant_model=assistant)
     assert torch.equal(assisted, reference)
+    torch.manual_seed(6)  # a Llama assistant (a DDL model converted from Llama shares its tokenizer) is given
+    llama = LlamaForCausalLM(LlamaConfig(**TINY)).eval()  # generate's kwargs too: none of DDL's may reach it
+    assisted = model.generate(repetitive, max_new_tokens=8, do_sample=False, pad_token_id=0, assistant_model=llama)
+    assert torch.equal(assisted, reference)
     torch.manual_seed(0)
     sampled = model.generate(ids, max_new_tokens=8, do_sample=True, top_k=5, pad_token_id=0)
     assert sampled.shape == (1, 14)
