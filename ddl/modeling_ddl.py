@@ -133,7 +133,7 @@ def convolve_tokens(op, x, weight, plan, layer_idx=0, slot=None):
     window = cached_window(x, kernel, cache, layer_idx, slot, documents)
     history = window_history(window, x)
     if documents is not None:
-        return documents.convolve(lambda wide: op(wide, weight, history, implementation), x, kernel)
+        return documents.convolve(op, x, weight, history, implementation)
     return op(x, weight, history, implementation)
 
 
@@ -311,9 +311,8 @@ class DDLCompressor(nn.Module):
 
     def __init__(self, config: DDLConfig, layer_idx: int):
         super().__init__()
-        self.config = config
+        self.config, self.layer_idx = config, layer_idx
         self.kind = config.ddl_compressor if config.ddl_compressor == "tc" else f"cc_{config.ddl_cc_form}"
-        self.layer_idx = layer_idx
         d, dv = config.hidden_size, config.ddl_value_channels
         if self.kind == "cc_matrix":
             self.weight = nn.Parameter(torch.empty(d, dv))
@@ -325,11 +324,10 @@ class DDLCompressor(nn.Module):
     def derived_weight(self, implementation):
         """The readout's weight `(K, d, d_v)`, with autograd: CC's (K = 1: the matrix, or the conv and read vector
         folded, `ops.folded_conv_read` run by `implementation`), or TC's taps times the read vector."""
-        if self.kind == "cc_matrix":
-            return self.weight.unsqueeze(0)
         if self.kind == "tc":
             return self.conv_weight * self.read
-        return folded_conv_read(self.conv_weight, self.read, implementation).unsqueeze(0)
+        cc = self.weight if self.kind == "cc_matrix" else folded_conv_read(self.conv_weight, self.read, implementation)
+        return cc.unsqueeze(0)
 
     def forward(self, state, plan=None, slot=None):
         """x_in `(B, T, d)`: the readout of the state (TC: over the tokens, with the cache's window in `slot`)."""
@@ -346,8 +344,7 @@ class DDLEmbedConv(nn.Module):
 
     def __init__(self, config: DDLConfig, cache_slot: int | None):
         super().__init__()
-        self.config = config
-        self.cache_slot = cache_slot
+        self.config, self.cache_slot = config, cache_slot
         self.weight = nn.Parameter(torch.empty(config.ddl_embed_kernel_size, config.hidden_size,
                                                config.ddl_value_channels))
 

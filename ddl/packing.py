@@ -20,15 +20,13 @@ class Documents:
     0 for the row's first one. Built by `find_documents`."""
 
     def __init__(self, index):
-        self.index = index
-        self.count = int(index[:, -1].max()) + 1  # documents in the fullest row (one sync, packed batches only)
-        self._positions = {}
+        self.index, self._positions = index, {}
 
     def _wide_positions(self, gap):
         """Each token's place in the wide layout, flattened over rows, and the wide row's length."""
         if gap not in self._positions:
             batch, seq_len = self.index.shape
-            width = seq_len + gap * (self.count - 1)
+            width = seq_len + gap * int(self.index[:, -1].max())  # (documents in the fullest row, less one: a sync)
             place = torch.arange(seq_len, device=self.index.device) + gap * self.index
             place = place + width * torch.arange(batch, device=self.index.device).unsqueeze(1)
             self._positions[gap] = (place.flatten(), width)
@@ -36,8 +34,7 @@ class Documents:
 
     def spread(self, x, kernel):
         """x `(B, T, ...)` laid out with `kernel - 1` zeros before each document but the first of its row."""
-        place, width = self._wide_positions(kernel - 1)
-        rest = x.shape[2:]
+        (place, width), rest = self._wide_positions(kernel - 1), x.shape[2:]
         wide = x.new_zeros(x.shape[0] * width, *rest).index_copy(0, place, x.reshape(-1, *rest))
         return wide.view(x.shape[0], width, *rest)
 
@@ -46,9 +43,21 @@ class Documents:
         place, _ = self._wide_positions(kernel - 1)
         return y.reshape(-1, *y.shape[2:]).index_select(0, place).view(*self.index.shape, *y.shape[2:])
 
-    def convolve(self, conv, x, kernel):
-        """`conv(x)` for a causal convolution of `kernel` taps over x's token axis, restarted at every document."""
-        return conv(x) if kernel == 1 else self.gather(conv(self.spread(x, kernel)), kernel)
+    def convolve(self, op, x, weight, history, implementation):
+        """`op(x, weight, history, implementation)`, a causal convolution over x's tokens restarted at every document
+        (the row's first continues `history`): the documents spread apart by K-1 zeros, convolved and gathered back;
+        while tracing (no shape may follow the data), one tap at a time, its inputs masked to its token's document."""
+        kernel, length = weight.shape[0], x.shape[1]
+        if kernel == 1:
+            return op(x, weight, history, implementation)
+        if not is_tracing(x):
+            return self.gather(op(self.spread(x, kernel), weight, history, implementation), kernel)
+        past = history if history is not None else x.new_zeros(x.shape[0], kernel - 1, *x.shape[2:])
+        full, index, out = torch.cat([past, x], dim=1), F.pad(self.index, (kernel - 1, 0)), 0
+        for s in range(kernel):
+            same = (index[:, s : s + length] == self.index).view(*self.index.shape, *[1] * (x.dim() - 2))
+            out = out + op(full[:, s : s + length] * same.to(x.dtype), weight[s : s + 1], None, implementation)
+        return out
 
     def last_document(self, x):
         """x `(B, C, T)` (time last, as the cache keeps conv inputs) with every token before its row's last
@@ -77,21 +86,19 @@ def find_documents(batch, seq_len, position_ids=None, cu_seq_lens_q=None, cache=
         starts = starts.view(batch, seq_len)
         starts[:, 0] = 0  # each row's first token continues the row's own history
         index = starts.cumsum(-1)
-    elif position_ids is not None and (cache is None or not is_tracing(position_ids)):
+    elif position_ids is not None:
         index = find_packed_sequence_indices(position_ids.expand(batch, -1))
     else:
         return None
-    if index is None or not bool(index[:, -1].any()):  # every row one document (cu_seq_lens, or while tracing)
+    if index is None or not is_tracing(index) and not bool(index[:, -1].any()):  # (traced: no branch on the data)
         return None
     return Documents(index)
 
 
 def check_documents_start(position_ids):
     """Raises when a document begins at a position > 0 (position ids restart at each): it continues unseen tokens."""
-    if is_tracing(position_ids):
-        return
     first = F.pad(position_ids[..., 1:] != position_ids[..., :-1] + 1, (1, 0), value=True)
-    if bool((first & (position_ids > 0)).any()):
+    if not is_tracing(position_ids) and bool((first & (position_ids > 0)).any()):
         raise ValueError("DDL: position ids that do not start at 0 continue a sequence whose last inputs this "
                          "variant's token convolutions (EC/TC) read from the cache: pass the cache that saw them (as "
                          "generate() does), or feed each sequence from its first token.")
@@ -103,9 +110,7 @@ class Padding:
     `Padding.of`, once per forward."""
 
     def __init__(self, mask, compacts):
-        self.mask = mask
-        self.compacts = compacts
-        self._orders = {}
+        self.mask, self.compacts, self._orders = mask, compacts, {}
 
     @classmethod
     def of(cls, pad_mask, dtype, cache=None):
@@ -152,10 +157,8 @@ class Padding:
         batch, seq_len = x.shape[:2]
         flat = x.reshape(batch, seq_len, -1).transpose(1, 2)  # (B, C, T)
         had_past = cache is not None and cache.has_previous_state(layer_idx, slot)
-        if had_past:
-            history = cache.layers[layer_idx].conv_states[slot][..., -(kernel - 1) :]
-        else:
-            history = flat.new_zeros(batch, flat.shape[1], kernel - 1)
+        history = cache.layers[layer_idx].conv_states[slot][..., -(kernel - 1) :] if had_past else (
+            flat.new_zeros(batch, flat.shape[1], kernel - 1))
         order, _ = self._order(kernel)
         window = torch.cat([history.to(flat.dtype), flat], -1)
         window = window.gather(-1, order.unsqueeze(1).expand_as(window))  # (B, C, K-1+T)
