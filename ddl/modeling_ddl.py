@@ -390,8 +390,7 @@ class DDLDecoderLayer(GradientCheckpointingLayer):
 
     def __init__(self, config: DDLConfig, layer_idx: int):
         super().__init__()
-        self.config = config
-        self.hidden_size = config.hidden_size
+        self.config, self.hidden_size = config, config.hidden_size
         attention_class = DDLQKNormAttention if config.qk_norm else LlamaAttention
         self.self_attn = attention_class(config=config, layer_idx=layer_idx)
         self.mlp = LlamaMLP(config)

@@ -56,8 +56,9 @@ class Documents:
         full, index, out = torch.cat([past, x], dim=1), F.pad(self.index, (kernel - 1, 0)), 0
         for s in range(kernel):
             same = (index[:, s : s + length] == self.index).view(*self.index.shape, *[1] * (x.dim() - 2))
-            out = out + op(full[:, s : s + length] * same.to(x.dtype), weight[s : s + 1], None, implementation)
-        return out
+            tap = op(full[:, s : s + length] * same.to(x.dtype), weight[s : s + 1], None, implementation)
+            out = out + tap.to(torch.promote_types(tap.dtype, torch.float32))  # (summed in at least fp32, as eager)
+        return out.to(tap.dtype)
 
     def last_document(self, x):
         """x `(B, C, T)` (time last, as the cache keeps conv inputs) with every token before its row's last
