@@ -276,8 +276,6 @@ class _TritonTokenWindow(torch.autograd.Function):
         grad = grad.contiguous()
         grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
         grad_taps = _taps_layout(taps) if ctx.needs_input_grad[1] else None
-        if grad_x is None and grad_taps is None:
-            return None, None, None, None
         (batch, l_src), (kernel_size, dv, d) = x.shape[:2], taps.shape
         n_chunks = triton.cdiv(max(l_src, ctx.t_out), _CHUNK)
         feature_blocks, tile = _tiles(d, dv)
