@@ -90,14 +90,15 @@ def cached_window(x, kernel_size, cache, layer_idx, slot, documents=None):
 
 
 def _cached_window_of_documents(flat, kernel_size, cache, layer_idx, slot, had_past, documents):
-    """`cached_window` of a packed batch: the cache gets the last document after K-1 zeros, the window is the
-    cache's earlier inputs (the row's first document continues them), then `flat`."""
-    stored = F.pad(documents.last_document(flat), (kernel_size - 1, 0))
-    full = cache.update_conv_state(stored, layer_idx, state_idx=slot, conv_kernel_size=kernel_size - 1)
-    if not had_past:
-        return None
-    past = full[..., : full.shape[-1] - stored.shape[-1]][..., -(kernel_size - 1) :]
-    return torch.cat([F.pad(past, (kernel_size - 1 - past.shape[-1], 0)), flat], dim=-1)
+    """`cached_window` of a packed batch: the window is the cache's earlier inputs (the row's first document continues
+    them), then `flat`; the cache keeps its last inputs of each row's last document (zeros before it)."""
+    batch, channels, seq_len = flat.shape
+    past = cache.layers[layer_idx].conv_states[slot][..., -(kernel_size - 1) :] if had_past else None
+    window = torch.cat([flat.new_zeros(batch, channels, kernel_size - 1) if past is None else past.to(flat.dtype),
+                        flat], dim=-1)
+    cache.update_conv_state(documents.last_document(window)[..., -max(seq_len, kernel_size - 1) :], layer_idx,
+                            state_idx=slot, conv_kernel_size=kernel_size - 1)
+    return window if had_past else None
 
 
 def steppable_window(cache, layer_idx, slot, kernel_size):

@@ -60,10 +60,12 @@ class Documents:
             out = out + tap.to(torch.promote_types(tap.dtype, torch.float32))  # (summed in at least fp32, as eager)
         return out.to(tap.dtype)
 
-    def last_document(self, x):
-        """x `(B, C, T)` (time last, as the cache keeps conv inputs) with every token before its row's last
-        document zeroed: what a cache may keep, so that decoding continues the last document alone."""
-        return x * (self.index == self.index[:, -1:]).unsqueeze(1).to(x.dtype)
+    def last_document(self, window):
+        """A window `(B, C, W)` (time last, as the cache keeps conv inputs) ending with this batch's tokens, the
+        earlier inputs of each row's first document before them, with every input before its row's last document
+        zeroed: what a cache may keep, so that decoding continues the last document alone."""
+        index = F.pad(self.index, (window.shape[-1] - self.index.shape[1], 0))
+        return window * (index == self.index[:, -1:]).unsqueeze(1).to(window.dtype)
 
     def attention_mask_function(self, past_length=0):
         """transformers' mask function that keeps the documents apart in attention (a cache's `past_length` earlier

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import seeded, tiny_config
+from conftest import seeded, tiny_config, trained_looking
 from ddl import DDLForCausalLM
 
 
@@ -57,6 +57,25 @@ def test_compiled_training_on_packed_batches_equals_eager():
         for got, expected in zip(grads, torch.autograd.grad(reference, list(model.parameters()))):
             torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
     assert counters["stats"]["unique_graphs"] == graphs + 1
+
+
+def test_a_compiled_prefill_in_chunks_shorter_than_the_window_equals_the_full_forward():
+    """Chunks of 2 tokens (TC's and EC's windows keep K-1 = 3) with their position ids, traced by dynamo (what
+    matters here; Inductor adds nothing): a trace cannot tell a packed chunk from a plain one, so the cache keeps each
+    row's last document with the inputs it continues (it kept zeros in their place: the logits moved by 0.06)."""
+    from transformers import DynamicCache
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = trained_looking(DDLForCausalLM(tiny_config(ddl_compressor="tc", num_hidden_layers=1))).eval()
+    ids = torch.randint(3, 99, (2, 6), generator=seeded(1))
+    compiled, cache, logits = torch.compile(model, backend="eager", fullgraph=True), DynamicCache(config=model.config), []
+    with torch.no_grad():
+        for start in range(0, 6, 2):
+            positions = torch.arange(start, start + 2).expand(2, -1)
+            logits.append(compiled(ids[:, start : start + 2], cache=cache, position_ids=positions).logits)
+        full = model(ids).logits
+    torch.testing.assert_close(torch.cat(logits, 1), full, rtol=1e-5, atol=1e-5)
 
 
 def test_a_compiled_static_cache_step_with_a_mask_and_no_position_ids():
