@@ -92,11 +92,9 @@ def cached_window(x, kernel_size, cache, layer_idx, slot, documents=None):
 def _cached_window_of_documents(flat, kernel_size, cache, layer_idx, slot, had_past, documents):
     """`cached_window` of a packed batch: the window is the cache's earlier inputs (the row's first document continues
     them), then `flat`; the cache keeps its last inputs of each row's last document (zeros before it)."""
-    batch, channels, seq_len = flat.shape
-    past = cache.layers[layer_idx].conv_states[slot][..., -(kernel_size - 1) :] if had_past else None
-    window = torch.cat([flat.new_zeros(batch, channels, kernel_size - 1) if past is None else past.to(flat.dtype),
-                        flat], dim=-1)
-    cache.update_conv_state(documents.last_document(window)[..., -max(seq_len, kernel_size - 1) :], layer_idx,
+    window = F.pad(flat, (kernel_size - 1, 0)) if not had_past else torch.cat(
+        [cache.layers[layer_idx].conv_states[slot][..., -(kernel_size - 1) :].to(flat.dtype), flat], dim=-1)
+    cache.update_conv_state(documents.last_document(window)[..., -max(flat.shape[-1], kernel_size - 1) :], layer_idx,
                             state_idx=slot, conv_kernel_size=kernel_size - 1)
     return window if had_past else None
 
@@ -581,8 +579,7 @@ class DDLModel(DDLPreTrainedModel):
     def _rebuilds(self, state, kwargs):
         """Whether backward rebuilds the expanded states instead of keeping them (`StateRebuild`): in training, fp32 or
         fp64, with `ddl_rebuild_states`, where no block is recomputed (gradient checkpointing) or traced, no state is
-        handed out (`output_expanded_states`) and no user code sees one (a forward hook on a layer, a seam, a
-        compressor or the readouts)."""
+        handed out (`output_expanded_states`) and no user code sees one (a forward hook on a block or DDL's modules)."""
         if not (self.config.ddl_rebuild_states and state.dim() == 4 and torch.is_grad_enabled()
                 and state.dtype in (torch.float32, torch.float64) and not self.gradient_checkpointing
                 and not torch.compiler.is_compiling()
@@ -598,10 +595,12 @@ class DDLModel(DDLPreTrainedModel):
         """A padded row's positions count its real tokens (as generate's: QK-norm after RoPE is not shift-invariant); an
         unpadded batch (no pad_mask) shares one row, as Llama's; a decoding step counts: one token per row is cheap."""
         seen, length = (cache.get_seq_length() if cache is not None else 0), embeds.shape[1]
-        if (pad_mask is not None or length == 1) and getattr(attention_mask, "ndim", 0) == 2 and (length == 1 if (
-                not isinstance(seen, int)) else attention_mask.shape[1] == seen + length):  # (static: a 0-d count)
-            return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)[:, -length:]
-        return (torch.arange(length, device=embeds.device) + seen).unsqueeze(0)
+        plain = lambda: (torch.arange(length, device=embeds.device) + seen).unsqueeze(0)  # noqa: E731
+        if (pad_mask is None and length > 1) or getattr(attention_mask, "ndim", 0) != 2:
+            return plain()
+        counted = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)[:, -length:]
+        spans = attention_mask.shape[1] == seen + length  # (the mask covers the cache's tokens and these)
+        return torch.where(spans, counted, plain()) if torch.is_tensor(spans) else counted if spans else plain()
 
     @staticmethod
     def _find_documents(inputs_embeds, attention_mask, pad_mask, position_ids, cache, cu_seq_lens_q):
@@ -643,8 +642,8 @@ class DDLModel(DDLPreTrainedModel):
         if not isinstance(attention_mask, dict):
             documents, packed_attention = self._find_documents(
                 inputs_embeds, attention_mask, pad_mask, position_ids, cache, kwargs.get("cu_seq_lens_q"))
-            if position_ids is not None and pad_mask is None and self.keeps_token_histories and (
-                    cache is None or cache.get_seq_length() == 0):
+            if position_ids is not None and pad_mask is None and self.keeps_token_histories and (  # (a static cache's
+                    cache is None or torch.compiler.is_compiling() or cache.get_seq_length() == 0):  # count: a tensor)
                 check_documents_start(position_ids)
             causal_mask = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds,
                                              attention_mask=attention_mask, cache=cache, position_ids=positions,

@@ -61,9 +61,8 @@ class Documents:
         return out.to(tap.dtype)
 
     def last_document(self, window):
-        """A window `(B, C, W)` (time last, as the cache keeps conv inputs) ending with this batch's tokens, the
-        earlier inputs of each row's first document before them, with every input before its row's last document
-        zeroed: what a cache may keep, so that decoding continues the last document alone."""
+        """A window `(B, C, W)` ending with this batch's tokens (time last, as the cache keeps conv inputs; before them
+        the inputs the row's first document continues) with every input before its row's last document zeroed."""
         index = F.pad(self.index, (window.shape[-1] - self.index.shape[1], 0))
         return window * (index == self.index[:, -1:]).unsqueeze(1).to(window.dtype)
 
@@ -108,9 +107,8 @@ def check_documents_start(position_ids):
 
 
 class Padding:
-    """The padding of a batch over this forward's tokens, for the token convolutions: `mask` `(B, T)` (1 = a real
-    token) in the model dtype, and whether the rows must be compacted (`compacts`; see the module docstring). Built by
-    `Padding.of`, once per forward."""
+    """The padding of a batch over this forward's tokens, for the token convolutions (`Padding.of`, once a forward):
+    `mask` `(B, T)` (1 = a real token) in the model dtype, and whether the rows must be compacted (`compacts`)."""
 
     def __init__(self, mask, compacts):
         self.mask, self.compacts, self._orders = mask, compacts, {}

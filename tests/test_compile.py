@@ -59,17 +59,20 @@ def test_compiled_training_on_packed_batches_equals_eager():
     assert counters["stats"]["unique_graphs"] == graphs + 1
 
 
-def test_a_compiled_prefill_in_chunks_shorter_than_the_window_equals_the_full_forward():
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_a_compiled_prefill_in_chunks_shorter_than_the_window_equals_the_full_forward(static):
     """Chunks of 2 tokens (TC's and EC's windows keep K-1 = 3) with their position ids, traced by dynamo (what
     matters here; Inductor adds nothing): a trace cannot tell a packed chunk from a plain one, so the cache keeps each
-    row's last document with the inputs it continues (it kept zeros in their place: the logits moved by 0.06)."""
-    from transformers import DynamicCache
+    row's last document with the inputs it continues (it kept zeros in their place: the logits moved by 0.06); over a
+    static cache, whose count of tokens is a tensor, the second chunk's trace broke on a branch on it."""
+    from transformers import DynamicCache, StaticCache
 
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = trained_looking(DDLForCausalLM(tiny_config(ddl_compressor="tc", num_hidden_layers=1))).eval()
     ids = torch.randint(3, 99, (2, 6), generator=seeded(1))
-    compiled, cache, logits = torch.compile(model, backend="eager", fullgraph=True), DynamicCache(config=model.config), []
+    cache = StaticCache(config=model.config, max_cache_len=8) if static else DynamicCache(config=model.config)
+    compiled, logits = torch.compile(model, backend="eager", fullgraph=True), []
     with torch.no_grad():
         for start in range(0, 6, 2):
             positions = torch.arange(start, start + 2).expand(2, -1)

@@ -822,6 +822,24 @@ def test_a_decoding_loop_over_a_static_cache_counts_a_padded_rows_positions(vari
             torch.testing.assert_close(step, full, atol=1e-5, rtol=1e-5)
 
 
+def test_a_chunked_prefill_over_a_static_cache_counts_a_padded_rows_positions():
+    """Chunks of 3 tokens (mask, no position ids) over a StaticCache, whose count of tokens is a tensor: the chunks
+    after the first were placed at the batch's positions, not the padded row's own (the full forward counts its own),
+    so that row's logits were off by ~0.08."""
+    from transformers import StaticCache
+
+    torch.manual_seed(0)
+    model = trained_looking(DDLForCausalLM(tiny_config(ddl_value_channels=1, qk_norm=True))).eval()
+    ids = torch.randint(3, 99, (2, 9), generator=seeded(1))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    with torch.no_grad():
+        chunks = [model(ids[:, s : s + 3], attention_mask=mask[:, : s + 3], cache=cache).logits for s in (0, 3, 6)]
+        full = model(ids, attention_mask=mask).logits
+    torch.testing.assert_close(torch.cat(chunks, 1)[mask.bool()], full[mask.bool()], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("variant", ["cc-ec", "tc-ec"])
 def test_assisted_decoding_with_a_static_cache_of_token_windows_is_one_error(variant):
     """transformers' static cache layer for token windows rolls back the windows but not the keys: assisted and
