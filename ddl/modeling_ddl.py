@@ -251,26 +251,28 @@ class DDLDeltaResidual(nn.Module):
             self.value_weight = nn.Parameter(torch.empty(dv, d))
             self.value_bias = nn.Parameter(torch.empty(dv))
 
-    def forward(self, state, h, context, x_in, plan, read_next=None, slot=None):
-        """(X_next, the next sublayer's input) for the state X, the sublayer output h, its normalised input c
-        (`context`) and its input x_in: the next input is `read_next`'s readout of X_next (its cache `slot`), made in
-        the update's own pass where a kernel can (`ops.delta_residual`), or X_next itself without `read_next`."""
+    def forward(self, state, h, context, x_in, plan, read_next=None, slot=None, norm=None):
+        """(X_next, the next sublayer's input[, its `norm`]) for the state X, the sublayer output h, its normalised
+        input c (`context`) and its input x_in: the next input is `read_next`'s readout of X_next (its cache `slot`)
+        or X_next; a kernel makes it (and a hook-free norm) in the update's pass where it can (`ops.delta_residual`)."""
         readout = plan.readout_weight(read_next) if read_next is not None and self._reads_ahead(
             read_next, state, plan, slot) else None
+        fuse = readout is not None and type(norm) is LlamaRMSNorm and not (
+            norm._forward_hooks or norm._forward_pre_hooks)
         weights = [getattr(self, name, None) for name in ("beta_weight", "beta_bias", "value_weight", "value_bias")]
         with plan.saving():
             out = delta_residual(state, h, context, x_in if self.value_from_state else context, *weights,
                                  v_scale=self.v_scale, k_eps=self.k_eps, mode=self.mode,
                                  gate_hidden=self._gate_hidden(), v_constant=self.v_constant, readout=readout,
+                                 norm=(norm.weight, norm.variance_epsilon) if fuse else None,
                                  implementation=plan.implementation)
-        out, made = out if readout is not None else (out, None)
+        out, made, normed = (out, None, None) if readout is None else out if fuse else (*out, None)
         if made is not None and read_next.kind == "tc":  # (the window it read from zeros, for the next tokens)
             cached_window(out, read_next.conv_weight.shape[0], plan.cache, read_next.layer_idx, slot)
         if plan.rebuild is not None:
             plan.rebuild.push(state, out, h)
-        if read_next is None:
-            return out, out
-        return out, made if made is not None else read_next(out, plan, slot)
+        following = out if read_next is None else made if made is not None else read_next(out, plan, slot)
+        return (out, following) if norm is None else (out, following, normed if normed is not None else norm(following))
 
     def _reads_ahead(self, compressor, state, plan, slot):
         """Whether a kernel may make `compressor`'s readout of X_next in this seam's pass: only where no code outside
@@ -424,10 +426,9 @@ class DDLDecoderLayer(GradientCheckpointingLayer):
         context = self.input_layernorm(x_in)
         h, _ = self.self_attn(hidden_states=context, attention_mask=attention_mask, position_ids=position_ids,
                               cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
-        hidden_states, x_in = self.attn_delta(hidden_states, h, context, x_in, plan, read_mlp, self.cache_slots["mlp"])
-
-        # Fully Connected
-        context = self.post_attention_layernorm(x_in)
+        hidden_states, x_in, context = self.attn_delta(hidden_states, h, context, x_in, plan, read_mlp,
+                                                       self.cache_slots["mlp"], self.post_attention_layernorm)
+        # Fully Connected (on the next input and its RMSNorm: post_attention_layernorm's, made by the seam where it can)
         hidden_states, _ = self.mlp_delta(hidden_states, self.mlp(context), context, x_in, plan)
         return hidden_states
 
@@ -610,7 +611,7 @@ class DDLModel(DDLPreTrainedModel):
         if (position_ids is None and cu_seq_lens_q is None) or pad_mask is not None or (
                 attention_mask is not None and attention_mask.dim() != 2):
             return None, None
-        documents = find_documents(*inputs_embeds.shape[:2], position_ids, cu_seq_lens_q, cache)
+        documents = find_documents(*inputs_embeds.shape[:2], position_ids, cu_seq_lens_q)
         if documents is None or getattr(cache, "is_compileable", False) or (  # (a static cache's masks span it all)
                 attention_mask is None and cache is None and position_ids is not None):
             return documents, None

@@ -6,9 +6,8 @@ of `DDLConfig.ddl_implementation` runs:
     "triton"     also ddl_kernels' Triton on CUDA (not yet run through its tests on a GPU: docs/gpu.md)
     "torch", "reference"   the specifications everywhere (PyTorch; two names for one path)
 
-The process default is "auto", or the environment's `DDL_IMPLEMENTATION`. A kernel never runs inside a trace
-(torch.compile fuses the specification itself). Every kernel is tested against the specification on outputs and
-gradients (tests/test_cpu_kernel.py, tests/test_kernels.py).
+The process default is "auto", or the environment's `DDL_IMPLEMENTATION`. No kernel runs inside a trace (torch.compile
+fuses the specification itself); each is tested against it on outputs and gradients (tests/test_*kernel*.py).
 """
 
 import os
@@ -68,18 +67,20 @@ def _fast(op, implementation, device, *args):
 
 
 def delta_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, *, v_scale, k_eps, mode,
-                   gate_hidden=None, v_constant=None, readout=None, implementation="auto"):
+                   gate_hidden=None, v_constant=None, readout=None, norm=None, implementation="auto"):
     r"""One sublayer's residual seam (`reference.delta_residual`). With `readout`, the next compressor's weight
-    `(K, d, d_v)`: (X_next, y), y its readout of X_next (no history) if a kernel made it in the same pass, else None."""
+    `(K, d, d_v)`: (X_next, y), y its readout of X_next (no history) if a kernel made it in the same pass, else None;
+    with `norm` too, the next sublayer's RMSNorm `(gain, eps)`: (X_next, y, its RMSNorm or None, as y)."""
     fast = gate_hidden is None and v_constant is None and mode != "additive"  # (what the kernels implement)
+    args = (x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, mode, readout)
+    if (out := _fast("delta_residual_readout_norm", implementation, x.device, *args, *norm) if fast and norm else None):
+        return out
     op = "delta_residual" if readout is None else "delta_residual_readout"
-    out = _fast(op, implementation, x.device, x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale,
-                k_eps, mode, readout) if fast else None
+    out = _fast(op, implementation, x.device, *args) if fast else None
     if out is None:
-        out = reference.delta_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps,
-                                       mode, gate_hidden, v_constant)
-        return out if readout is None else (out, None)
-    return out
+        out = reference.delta_residual(*args[:-1], gate_hidden, v_constant)
+        out = out if readout is None else (out, None)
+    return out if norm is None else (*out, None)
 
 
 def token_readout(x, weight, history=None, implementation="auto"):

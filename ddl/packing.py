@@ -16,8 +16,7 @@ from transformers.utils.import_utils import is_tracing
 
 
 class Documents:
-    """Where the documents of a packed batch lie: `index` `(B, T)` numbers each token's document within its row,
-    0 for the row's first one. Built by `find_documents`."""
+    """A packed batch's documents (`find_documents`): `index` `(B, T)` numbers each token's in its row (0: first)."""
 
     def __init__(self, index):
         self.index, self._positions = index, {}
@@ -75,10 +74,9 @@ class Documents:
         return packed_sequence_mask_function(index)
 
 
-def find_documents(batch, seq_len, position_ids=None, cu_seq_lens_q=None, cache=None):
-    """The documents of a packed batch (no padding), or None when every row holds one: from `cu_seq_lens_q` (flash
-    attention's cumulative lengths), else from position ids restarting inside a row (transformers'
-    `find_packed_sequence_indices`; while tracing, only without a cache, as transformers does for attention)."""
+def find_documents(batch, seq_len, position_ids=None, cu_seq_lens_q=None):
+    """The documents of a packed batch (no padding), or None when every row holds one (traced: never None), from
+    `cu_seq_lens_q` (flash attention's), else position ids restarting in a row (`find_packed_sequence_indices`)."""
     if seq_len < 2:
         return None
     if cu_seq_lens_q is not None:

@@ -6,7 +6,7 @@ dispatcher (`ddl.ops`) expects, the dispatcher runs the implementation listed he
 serves them. One folder per operation:
 
     residual/   the residual seam (gate, value and delta update, and optionally the next compressor's readout of the
-                new state): C++ for CPU, Triton for CUDA
+                new state, and in Triton that readout's RMSNorm): C++ for CPU, Triton for CUDA
     readout/    the TC readout of the expanded state (CC: one tap) and a decoding step's window step: C++; Triton
                 (and CC's folded readout matrix: Triton)
     conv/       EC, the embedding convolution, and a decoding step's EC from the cached window: C++; Triton
@@ -31,6 +31,8 @@ import torch.utils.checkpoint
 #   window_step(past, x, weight) / conv_step(past, x, weight) -> one decoding step's output; `past` advanced in place
 #   folded_conv_read(conv_weight, read) -> CC's readout matrix `(d, d_v)` (an operation added without a new version:
 #       a dispatcher that does not ask for it runs as before, and one that finds none runs its specification)
+#   delta_residual_readout_norm(..., readout, gain, norm_eps) -> (X_next, y, RMSNorm(y)) with the next sublayer's
+#       RMSNorm (LlamaRMSNorm's) of y made in the same pass, or None where it is not (added as folded_conv_read was)
 INTERFACE_VERSION = 3
 
 
@@ -57,6 +59,7 @@ def implementations():
 
         found["delta_residual"]["cuda"] = residual_triton.RUN
         found["delta_residual_readout"]["cuda"] = residual_triton.RUN
+        found["delta_residual_readout_norm"] = {"cuda": residual_triton.RUN}
         found["token_readout"]["cuda"] = readout_triton.RUN
         found["window_step"]["cuda"] = readout_triton.STEP
         found["token_conv"]["cuda"] = conv_triton.RUN

@@ -67,6 +67,7 @@ def triton_table():
 
     serves = lambda *args: args[0].dtype != torch.float64  # noqa: E731
     runs = {"delta_residual": residual.run, "delta_residual_readout": residual.run,
+            "delta_residual_readout_norm": residual.run,
             "token_readout": lambda x, taps: readout.token_window(x, taps, read=True),
             "token_conv": lambda x, taps: readout.token_window(x, taps, read=False),
             "window_step": readout.window_step, "conv_step": readout.conv_step, "folded_conv_read": readout.fold}

@@ -25,6 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def variants(d, dv):
     """(kernel, pointer dtype, fp32 pointers, constexprs, launch options) for each compiled variant."""
+    import triton
+
     from ddl_kernels.readout import triton as readout
     from ddl_kernels.residual import triton as residual
 
@@ -32,14 +34,17 @@ def variants(d, dv):
     warps, scalar_warps = {"num_warps": blocks.pop("num_warps")}, {"num_warps": scalar.pop("num_warps")}
     back_warps = {"num_warps": residual._blocks(d, dv, backward=True)["num_warps"]}
     window = readout._tiles(d, dv)[1]
+    norm_d = triton.next_power_of_2(d)
+    norm_warps = {"num_warps": min(16, max(4, norm_d // 256))}  # (as residual._norm_gradients launches it)
     fp32_out = {"gz_ptr", "gy_ptr", "write_ptr", "part_ptr"}
     return [
-        (residual._seam_fwd_kernel, "bf16", set(), dict(ERASE=True, U_IS_C=False, SIGMOID=True, READ=False, **blocks),
-         warps),
-        (residual._seam_fwd_kernel, "fp32", set(), dict(ERASE=True, U_IS_C=False, SIGMOID=True, READ=True, **blocks),
-         warps),
-        (residual._seam_fwd_kernel, "bf16", set(), dict(ERASE=False, U_IS_C=True, SIGMOID=False, READ=True, **blocks),
-         warps),
+        (residual._seam_fwd_kernel, "bf16", set(), dict(ERASE=True, U_IS_C=False, SIGMOID=True, READ=False, NORM=False,
+                                                          **blocks), warps),
+        *[(residual._seam_fwd_kernel, dtype, set(), dict(ERASE=True, U_IS_C=False, SIGMOID=True, READ=True, NORM=norm,
+                                                         **blocks), warps)
+          for dtype in ("fp32", "bf16") for norm in (False, True)],
+        (residual._seam_fwd_kernel, "bf16", set(), dict(ERASE=False, U_IS_C=True, SIGMOID=False, READ=True, NORM=False,
+                                                        **blocks), warps),
         *[(residual._seam_bwd_kernel, "bf16", fp32_out,
            dict(ERASE=True, U_KIND=kind, SIGMOID=True, READ=read, WEIGHT_GRADS=True, **blocks), back_warps)
           for kind, read in ((0, False), (0, True), (1, False))],
@@ -48,6 +53,8 @@ def variants(d, dv):
          dict(ERASE=True, U_KIND=2, SIGMOID=True, READ=False, WEIGHT_GRADS=True, **scalar), scalar_warps),
         (residual._seam_bwd_kernel, "fp32", fp32_out,
          dict(ERASE=False, U_KIND=2, SIGMOID=False, READ=False, WEIGHT_GRADS=False, **scalar), scalar_warps),
+        *[(residual._norm_bwd_kernel, "bf16", {"out_ptr", "part_ptr"}, dict(ADD=True, GAIN_GRAD=gain, BLOCK_D=norm_d),
+           norm_warps) for gain in (True, False)],
         (readout._sum_parts_kernel, "bf16", {"part_ptr"}, dict(BLOCK=1024), {}),
         (readout._fold_kernel, "bf16", set(), dict(K=4, PAD=1, BLOCK_D=readout._FOLD_BLOCK, BLOCK_V=4), {}),
         (readout._fold_grads_kernel, "bf16", set(), dict(K=4, PAD=1, BLOCK_D=readout._FOLD_BLOCK, BLOCK_V=4), {}),
@@ -67,7 +74,7 @@ def compile_for_sm90(kernel, dtype, fp32_pointers, constexprs, options):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    scalars = {name: "fp32" for name in ("k_eps_sq", "v_scale")}  # (the rest: i32 sizes, offsets and strides)
+    scalars = {name: "fp32" for name in ("k_eps_sq", "v_scale", "norm_eps")}  # (the rest: i32 sizes, offsets and strides)
     signature = {name: "constexpr" if name in constexprs else
                  ("*fp32" if name in fp32_pointers else f"*{dtype}") if name.endswith("_ptr") else
                  scalars.get(name, "i32") for name in kernel.arg_names}

@@ -454,6 +454,87 @@ def test_triton_seam_with_the_next_readout_matches_reference(programs, dv, dtype
         assert y is None and out.shape == x.shape
 
 
+_NORM_SEAM_CASES = [  # (programs, dtype, tolerance, frozen inputs): trained weights, then a frozen gain or seam
+    *[pytest.param(programs, dtype, tol, (), id=f"{programs}-programs-{name}") for programs in (3, 8)
+      for dtype, tol, name in ((torch.float32, 1e-5, "fp32"), (torch.bfloat16, 3e-2, "bf16"))],
+    pytest.param(3, torch.float32, 1e-5, (9,), id="gain-frozen"),
+    pytest.param(3, torch.float32, 1e-5, (4, 5, 6, 7, 8), id="seam-and-readout-frozen")]
+
+
+@pytest.mark.parametrize("programs, dtype, tol, frozen", _NORM_SEAM_CASES)
+def test_triton_seam_with_the_next_readout_and_its_rmsnorm_matches_reference(programs, dtype, tol, frozen,
+                                                                             monkeypatch):
+    """Given the next sublayer's RMSNorm too, the seam with CC's readout also gives that norm of the readout as stored
+    (transformers' LlamaRMSNorm, whose input it is in the decoder layer): X_next, y, the normed y and every gradient
+    (the state's through all three, y's through its own use and the norm, the gain's) equal the specification's in
+    fp64; a frozen input gets none. Where the seam reads nothing ahead (u = c) it declines, for the dispatcher to run
+    the seam without the norm."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    residual = _triton("residual")
+    monkeypatch.setattr(residual, "_programs", lambda tokens, device: min(tokens, programs))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = seeded(programs)
+    inputs = [torch.randn(2, 11, 4, 40, generator=g)] + [torch.randn(2, 11, 40, generator=g) for _ in range(3)]
+    inputs += [0.1 * torch.randn(40, generator=g), torch.randn(1, generator=g), 0.1 * torch.randn(4, 40, generator=g),
+               torch.randn(4, generator=g), torch.randn(1, 40, 4, generator=g), 1 + 0.3 * torch.randn(40, generator=g)]
+    upstream = [torch.randn(2, 11, 4, 40, generator=g, dtype=torch.float64)] + [
+        torch.randn(2, 11, 40, generator=g, dtype=torch.float64) for _ in range(2)]
+
+    def spec(*args):
+        out = delta_residual(*args[:-2], 4.0, 1e-5, "delta")
+        y = causal_token_readout(out, args[-2])
+        norm = LlamaRMSNorm(40, eps=1e-6).to(device=device, dtype=args[-1].dtype)
+        norm.weight = torch.nn.Parameter(args[-1], requires_grad=args[-1].requires_grad)
+        return out, y, norm(y), norm.weight
+
+    def fast(*args):
+        out, y, normed = residual.run(*args[:-2], 4.0, 1e-5, "delta", args[-2], args[-1], 1e-6)
+        return out, y, normed, args[-1]
+
+    results = []
+    for run, cast in ((spec, torch.float64), (fast, dtype)):
+        leaves = [t.to(device=device, dtype=cast).requires_grad_(i not in frozen) for i, t in enumerate(inputs)]
+        x, h, c, u = leaves[:4]
+        out, y, normed, gain = run(x, h, c, u, *leaves[4:-1], leaves[-1])
+        assert out.dtype == y.dtype == normed.dtype == cast
+        (sum((t.double() * up.to(device)).sum() for t, up in zip((out, y, normed), upstream))).backward()
+        results.append([out, y, normed, *(t.grad for t in leaves[:-1]), gain.grad])
+    for i, (exact, fast_) in enumerate(zip(*results)):
+        if exact is None:
+            assert fast_ is None, i
+            continue
+        torch.testing.assert_close(fast_.double(), exact, rtol=tol, atol=tol * max(1.0, exact.abs().max().item()),
+                                   msg=str(i))
+    x, h, c, u, *weights = (t.to(device=device, dtype=dtype) for t in inputs[:8])
+    taps, gain = (t.to(device=device, dtype=dtype) for t in inputs[8:])
+    assert residual.run(x, h, c, c, *weights, 4.0, 1e-5, "delta", taps, gain, 1e-6) is None
+
+
+def test_the_rmsnorm_after_a_seam_is_made_by_the_seam_unless_a_hook_is_on_it(monkeypatch):
+    """In a model under "triton" (through the interpreter), each block's attention seam, which reads the MLP's input
+    ahead (CC), also makes post_attention_layernorm's output; a forward hook on that norm (user code that must see its
+    input and output) makes the seam leave the norm to the module, with the same loss."""
+    import ddl_kernels
+
+    monkeypatch.setattr(ddl_kernels, "_failed", set())
+    residual = _triton("residual")
+    normed, run = [], residual.run
+    monkeypatch.setattr(residual, "run", lambda *args: normed.append(len(args) > 12) or run(*args))
+    triton_on_cpu(monkeypatch)
+    torch.manual_seed(0)
+    model = trained_looking(DDLForCausalLM(tiny_config(ddl_implementation="triton")))
+    ids = torch.randint(3, 99, (2, 8), generator=seeded(1))
+    fused = model(ids, labels=ids).loss
+    assert normed.count(True) == model.config.num_hidden_layers
+    seen, normed[:] = [], []
+    for layer in model.model.layers:
+        layer.post_attention_layernorm.register_forward_hook(lambda module, args, out: seen.append(out))
+    hooked = model(ids, labels=ids).loss
+    assert not any(normed) and len(seen) == model.config.num_hidden_layers
+    torch.testing.assert_close(hooked, fused, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("checkpointing, failing_backward", [(False, False), (True, False), (True, True)],
                          ids=["plain", "checkpointed", "checkpointed-failing-backward"])
 def test_triton_seam_in_a_model_matches_reference(checkpointing, failing_backward, monkeypatch, caplog):
@@ -466,9 +547,16 @@ def test_triton_seam_in_a_model_matches_reference(checkpointing, failing_backwar
     import ddl_kernels
 
     residual = _triton("residual")
-    calls = []
-    run = residual.run
-    monkeypatch.setattr(residual, "run", lambda *args: calls.append(1) or run(*args))
+    calls, run = [], residual.run
+
+    def counted(*args):  # (a call that declines, as the seam with the next RMSNorm does where u = c, is not counted)
+        calls.append(1)
+        out = run(*args)
+        if out is None:
+            calls.pop()
+        return out
+
+    monkeypatch.setattr(residual, "run", counted)
     monkeypatch.setattr(ddl_kernels, "_failed", set())
     monkeypatch.setattr(residual, "_compiled", set())
     triton_on_cpu(monkeypatch, operations=("delta_residual",))

@@ -192,8 +192,8 @@ def test_a_hook_that_replaces_a_blocks_output_stops_the_chain(variant):
 
 
 def _steer(module, args, out):
-    state, read = out  # (a seam gives the new state and the next sublayer's input)
-    return state + 0.1 * torch.arange(state.shape[-1], dtype=state.dtype), read
+    state, *rest = out  # (a seam gives the new state, the next sublayer's input and, the attention's, its norm)
+    return state + 0.1 * torch.arange(state.shape[-1], dtype=state.dtype), *rest
 
 
 def _double_h(module, args):

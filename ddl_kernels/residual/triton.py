@@ -4,7 +4,12 @@ Each program loads h (d), the state X (d_v x d, stored column after column) and 
 X_next; the backward recomputes k, k^T X, beta, v and the coefficient from the same inputs, so nothing else is
 stored. The same kernels serve d_v = 1 and every d_v > 1. Given the next compressor's one-tap weight (CC), the forward
 also writes that compressor's readout of X_next, the next sublayer's input, and the backward takes its gradient
-(`run`): the seam returns the state and the next input, as the C++ seam does.
+(`run`): the seam returns the state and the next input, as the C++ seam does. Given the next sublayer's RMSNorm too
+(its gain; `delta_residual_readout_norm`), the forward also writes that norm of the readout, the input the sublayer
+itself reads, in LlamaRMSNorm's roundings; in backward `_norm_bwd_kernel` turns the normed output's gradient into the
+readout's (added to the readout's own) and sums the gain's, before the seam's backward takes it: the norm's
+launches each way, and autograd's addition of the readout's two gradients, become those two (as fla's and mamba's
+fused add-norm return the normed input beside the residual).
 
 Per token, with the gate and value of `reference.delta_residual` (all in fp32, whatever the storage dtype):
     beta = 2 sigmoid(w . c + b),   v_j = s_v sigmoid(W_v[j] . u + b_v[j])  (or W_v[j] . u + b_v[j] when s_v = None)
@@ -92,13 +97,14 @@ def _gate_and_value(
 
 @triton.jit
 def _seam_fwd_kernel(
-    x_ptr, h_ptr, c_ptr, u_ptr, w_ptr, b_ptr, wv_ptr, bv_ptr, taps_ptr, out_ptr, y_ptr, d, dv, k_eps_sq, v_scale,
-    tap_stride_d, tap_stride_v,
-    ERASE: tl.constexpr, U_IS_C: tl.constexpr, SIGMOID: tl.constexpr, READ: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    x_ptr, h_ptr, c_ptr, u_ptr, w_ptr, b_ptr, wv_ptr, bv_ptr, taps_ptr, out_ptr, y_ptr, gain_ptr, normed_ptr, d, dv,
+    k_eps_sq, v_scale, norm_eps, tap_stride_d, tap_stride_v,
+    ERASE: tl.constexpr, U_IS_C: tl.constexpr, SIGMOID: tl.constexpr, READ: tl.constexpr, NORM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """X_next = X + h (x) w with w = s beta t `(d_v,)`; READ: also the next compressor's readout of X_next as stored,
-    y[i] = sum_j taps[i, j] X_next[j, i] (fp32 sums), taps `(d, d_v)` read at their strides."""
+    y[i] = sum_j taps[i, j] X_next[j, i] (fp32 sums), taps `(d, d_v)` read at their strides; NORM: also the next
+    sublayer's RMSNorm of y as stored, gain * (y / sqrt(mean(y^2) + eps)) (LlamaRMSNorm's roundings)."""
     token = tl.program_id(0).to(tl.int64)
     rows, row_ok, cols, col_ok, tile, tile_ok, x, k, inv_norm, h = _token_state(
         x_ptr, h_ptr, token, d, dv, k_eps_sq, BLOCK_D, BLOCK_V
@@ -114,8 +120,13 @@ def _seam_fwd_kernel(
     if READ:
         taps = tl.load(taps_ptr + rows[:, None] * tap_stride_d + cols[None, :] * tap_stride_v, mask=tile_ok,
                        other=0.0).to(tl.float32)
-        y = tl.sum(out.to(tl.float32) * taps, axis=1)
-        tl.store(y_ptr + token * d + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
+        y = tl.sum(out.to(tl.float32) * taps, axis=1).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + token * d + rows, y, mask=row_ok)
+        if NORM:
+            y = y.to(tl.float32)
+            normal = (y * tl.rsqrt(tl.sum(y * y, axis=0) / d + norm_eps)).to(y_ptr.dtype.element_ty).to(tl.float32)
+            gain = tl.load(gain_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+            tl.store(normed_ptr + token * d + rows, (gain * normal).to(normed_ptr.dtype.element_ty), mask=row_ok)
 
 @triton.jit(do_not_specialize=["tokens", "per_program"])  # (the probe's one token must not compile its own variant)
 def _seam_bwd_kernel(
@@ -215,6 +226,35 @@ def _seam_bwd_kernel(
             tl.store(part + d + d * dv + dv + 1 + cols[None, :] * d + rows[:, None], sum_taps,
                      mask=row_ok[:, None] & col_ok[None, :])
 
+@triton.jit(do_not_specialize=["tokens", "per_program"])
+def _norm_bwd_kernel(
+    y_ptr, gain_ptr, grad_normed_ptr, grad_y_ptr, out_ptr, part_ptr, tokens, per_program, d, norm_eps,
+    ADD: tl.constexpr, GAIN_GRAD: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """The RMSNorm's backward for `per_program` consecutive tokens, in fp32: with n = y r, r = 1/sqrt(mean(y^2) + eps)
+    and dn = gain dL/dnormed, dL/dy = r (dn - n mean(dn n)), plus (ADD) y's gradient from its other readers; and
+    (GAIN_GRAD) this program's row of dL/dgain = sum over its tokens of dL/dnormed n (n as the forward rounded it)."""
+    first = tl.program_id(0).to(tl.int64) * per_program
+    count = tl.minimum(per_program, tokens - first).to(tl.int32)
+    rows = tl.arange(0, BLOCK_D)
+    row_ok = rows < d
+    gain = tl.load(gain_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    total = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for token in range(count):
+        at = (first + token) * d + rows
+        y = tl.load(y_ptr + at, mask=row_ok, other=0.0).to(tl.float32)
+        inv = tl.rsqrt(tl.sum(y * y, axis=0) / d + norm_eps)
+        grad_normed = tl.load(grad_normed_ptr + at, mask=row_ok, other=0.0).to(tl.float32)
+        dn = grad_normed * gain
+        grad = inv * (dn - y * inv * (tl.sum(dn * y, axis=0) * inv / d))
+        if ADD:
+            grad += tl.load(grad_y_ptr + at, mask=row_ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + at, grad, mask=row_ok)
+        if GAIN_GRAD:
+            total += grad_normed * (y * inv).to(y_ptr.dtype.element_ty).to(tl.float32)
+    if GAIN_GRAD:
+        tl.store(part_ptr + tl.program_id(0).to(tl.int64) * d + rows, total, mask=row_ok)
+
 def _blocks(d, dv, backward=False):
     """A token's tile (BLOCK_D, BLOCK_V) and the warps for it: enough that a program's few fp32 tiles stay in
     registers. Compiled for sm_90 (scripts/triton_sm90.py): the forward with 4 warps keeps d = 1,024 x 4 channels
@@ -231,24 +271,51 @@ _SEAM = "Triton residual seam"
 
 class _TritonSeam(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, taps, v_scale, k_eps, erase, u_kind):
+    def forward(ctx, x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, taps, gain, v_scale, k_eps, norm_eps,
+                erase, u_kind):
         d, dv = h.shape[-1], value_weight.shape[0]
         out = torch.empty_like(x)
         y = None if taps is None else h.new_empty(h.shape, dtype=torch.promote_types(x.dtype, taps.dtype))
-        ctx.v_scale, ctx.k_eps, ctx.erase, ctx.u_kind = v_scale, k_eps, erase, u_kind
+        normed = None if gain is None else h.new_empty(h.shape, dtype=torch.promote_types(y.dtype, gain.dtype))
+        ctx.v_scale, ctx.k_eps, ctx.norm_eps, ctx.erase, ctx.u_kind = v_scale, k_eps, norm_eps, erase, u_kind
         with torch.cuda.device_of(x):
             _seam_fwd_kernel[(h.numel() // d,)](
                 x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, x if taps is None else taps, out,
-                out if y is None else y, d, dv, k_eps**2, **_tap_strides(taps), ERASE=erase, U_IS_C=u_kind == 1,
-                READ=taps is not None, **_value(v_scale), **_blocks(d, dv),
+                out if y is None else y, x if gain is None else gain, out if normed is None else normed, d, dv,
+                k_eps**2, norm_eps=norm_eps, **_tap_strides(taps), ERASE=erase, U_IS_C=u_kind == 1,
+                READ=taps is not None, NORM=gain is not None, **_value(v_scale), **_blocks(d, dv),
             )
-        ctx.save_for_backward(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, taps)
-        return out if y is None else (out, y)
+        ctx.save_for_backward(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, taps, gain,
+                              None if gain is None else y)
+        return out if y is None else (out, y) if normed is None else (out, y, normed)
 
     @staticmethod
-    def backward(ctx, grad_out, grad_read=None):
+    def backward(ctx, grad_out, grad_read=None, grad_normed=None):
         refuse_second_derivative("the Triton residual seam")  # (its gradients are computed outside autograd)
-        return _seam_gradients(ctx, ctx.saved_tensors, grad_out, grad_read)
+        *saved, gain, y = ctx.saved_tensors
+        grad_gain = None
+        if gain is not None:  # (the RMSNorm's gradient joins y's before the seam's backward reads it)
+            grad_read, grad_gain = _norm_gradients(y, gain, ctx.norm_eps, grad_normed, grad_read,
+                                                   ctx.needs_input_grad[9])
+        grads = _seam_gradients(ctx, saved, grad_out, grad_read)
+        return *grads[:9], grad_gain, *grads[9:], None
+
+
+def _norm_gradients(y, gain, norm_eps, grad_normed, grad_y, gain_grad):
+    """dL/dy (fp32: the normed output's share added to `grad_y`, None: none) and dL/dgain (where `gain_grad`, else
+    None) of the RMSNorm the seam applied to y: two launches, the backward and the sum of its partial rows."""
+    d, tokens = y.shape[-1], y.numel() // y.shape[-1]
+    per_program = triton.cdiv(tokens, _programs(tokens, y.device))
+    programs = triton.cdiv(tokens, per_program)
+    grad = torch.empty(y.shape, dtype=torch.float32, device=y.device)
+    parts = torch.empty(programs, d, dtype=torch.float32, device=y.device) if gain_grad else grad
+    with torch.cuda.device_of(y):
+        _norm_bwd_kernel[(programs,)](
+            y, gain, grad_normed.contiguous(), grad if grad_y is None else grad_y.contiguous(), grad, parts, tokens,
+            per_program, d, norm_eps, ADD=grad_y is not None, GAIN_GRAD=gain_grad,
+            BLOCK_D=triton.next_power_of_2(d), num_warps=min(16, max(4, triton.next_power_of_2(d) // 256)),
+        )
+    return grad, sum_parts(parts, gain.dtype) if gain_grad else None
 
 
 def _value(v_scale):
@@ -319,7 +386,7 @@ def _seam_gradients(ctx, saved, grad_out, grad_read=None):
 _compiled = set()  # the kernels' variants whose backward compiled here
 
 
-def _backward_compiles(x, h, c, u, weights, taps, v_scale, k_eps, erase, u_kind):
+def _backward_compiles(x, h, c, u, weights, taps, gain, v_scale, k_eps, erase, u_kind):
     """This variant's backward kernels compiled and launched (else raises), tried once (on one token) before its forward
     first serves: a backward that failed only after the forward ran could give no gradient for that step, while a
     seam that does not serve leaves forward and backward to the specification. None without autograd (a decoding
@@ -329,7 +396,8 @@ def _backward_compiles(x, h, c, u, weights, taps, v_scale, k_eps, erase, u_kind)
     trained = (*weights, taps) if taps is not None else weights
     weight_grads = any(w.requires_grad for w in trained)
     key = (x.dtype, h.dtype, c.dtype, u.dtype, *(w.dtype for w in weights), x.device, h.shape[-1], weights[2].shape[0],
-           v_scale is None, erase, u_kind, weight_grads, None if taps is None else taps.dtype)
+           v_scale is None, erase, u_kind, weight_grads, None if taps is None else taps.dtype,
+           None if gain is None else (gain.dtype, gain.requires_grad))
     if key not in _compiled:
         class Probe:
             needs_input_grad = (False,) * 4 + (weight_grads,) * 5 + (False,) * 4
@@ -340,28 +408,39 @@ def _backward_compiles(x, h, c, u, weights, taps, v_scale, k_eps, erase, u_kind)
         kept = (*(w.detach() for w in weights), None if taps is None else taps.detach())
         read = None if taps is None else one[1].new_zeros(one[1].shape, dtype=torch.promote_types(x.dtype, taps.dtype))
         _seam_gradients(probe, (*one, *kept), torch.zeros_like(one[0]), read)  # (read: as y's gradient will be)
+        if gain is not None:
+            _norm_gradients(read, gain.detach(), 1e-6, torch.zeros_like(read), read, gain.requires_grad)
         _compiled.add(key)
 
 
-def serves(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, mode, readout=None):
+def serves(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, mode, readout=None, gain=None,
+           norm_eps=None):
     """Delta or write-only; every tensor on CUDA and none fp64; `eager`."""
-    tensors = (x, h, c, u, gate_weight, gate_bias, value_weight, value_bias) + (() if readout is None else (readout,))
+    tensors = (x, h, c, u, gate_weight, gate_bias, value_weight, value_bias) + tuple(
+        t for t in (readout, gain) if t is not None)
     return mode != "additive" and eager() and all(t.is_cuda and t.dtype != torch.float64 for t in tensors)
 
 
-def run(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, mode, readout=None):
+def run(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, mode, readout=None, gain=None,
+        norm_eps=None):
     """`reference.delta_residual` through the seam's kernels, with autograd: X_next; with the next compressor's
     `readout` weight `(K, d, d_v)`, (X_next, y), y its readout of X_next made in the same pass where it has one tap
     (CC) and u is not c, else None (TC's reads earlier tokens' states, which other programs write; with u = c the
-    backward spilled registers when compiled for sm_90 at d = 768, scripts/triton_sm90.py, where the others do not)."""
+    backward spilled registers when compiled for sm_90 at d = 768, scripts/triton_sm90.py, where the others do not);
+    with the next sublayer's RMSNorm too (its `gain` and `norm_eps`), (X_next, y, RMSNorm(y)) where y is made here,
+    else None (the dispatcher then runs the seam without it)."""
     u_kind = value_input_kind(x, h, c, u)
     x, h, c = x.contiguous(), h.contiguous(), c.contiguous()
     u = c if u_kind == 1 else (x if u_kind == 2 else u.contiguous())
     weights = (gate_weight.contiguous(), gate_bias.contiguous(), value_weight.contiguous(), value_bias.contiguous())
     taps = readout if readout is not None and readout.shape[0] == 1 and u_kind != 1 else None  # (1, d, d_v)
+    if gain is not None and taps is None:
+        return None
+    gain = None if gain is None else gain.contiguous()
     v_scale, erase = None if v_scale is None else float(v_scale), mode == "delta"
-    _backward_compiles(x, h, c, u, weights, taps, v_scale, float(k_eps), erase, u_kind)
-    out = _TritonSeam.apply(x, h, c, u, *weights, taps, v_scale, float(k_eps), erase, u_kind)
+    _backward_compiles(x, h, c, u, weights, taps, gain, v_scale, float(k_eps), erase, u_kind)
+    out = _TritonSeam.apply(x, h, c, u, *weights, taps, gain, v_scale, float(k_eps),
+                            0.0 if norm_eps is None else float(norm_eps), erase, u_kind)
     return out if readout is None or taps is not None else (out, None)
 
 
