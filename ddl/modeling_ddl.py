@@ -94,7 +94,8 @@ def _cached_window_of_documents(flat, kernel_size, cache, layer_idx, slot, had_p
     them), then `flat`; the cache keeps its last inputs of each row's last document (zeros before it)."""
     window = F.pad(flat, (kernel_size - 1, 0)) if not had_past else torch.cat(
         [cache.layers[layer_idx].conv_states[slot][..., -(kernel_size - 1) :].to(flat.dtype), flat], dim=-1)
-    cache.update_conv_state(documents.last_document(window)[..., -max(flat.shape[-1], kernel_size - 1) :], layer_idx,
+    recorded = had_past and getattr(cache.layers[layer_idx], "record_past", False)  # (to crop: one input a token)
+    cache.update_conv_state(documents.last_document(window)[..., kernel_size - 1 if recorded else 0 :], layer_idx,
                             state_idx=slot, conv_kernel_size=kernel_size - 1)
     return window if had_past else None
 
@@ -104,8 +105,7 @@ def steppable_window(cache, layer_idx, slot, kernel_size):
     (`ops.window_step`, `ops.conv_step`) to advance in place; None where it keeps none or all (assisted decoding)."""
     if cache is None or kernel_size == 1 or not cache.has_previous_state(layer_idx, slot):
         return None
-    layer = cache.layers[layer_idx]
-    past = None if getattr(layer, "record_past", True) else layer.conv_states[slot]
+    past = None if getattr(cache.layers[layer_idx], "record_past", True) else cache.layers[layer_idx].conv_states[slot]
     return past if past is not None and past.shape[-1] == kernel_size - 1 and past.is_contiguous() else None
 
 
@@ -252,13 +252,13 @@ class DDLDeltaResidual(nn.Module):
             self.value_bias = nn.Parameter(torch.empty(dv))
 
     def forward(self, state, h, context, x_in, plan, read_next=None, slot=None, norm=None):
-        """(X_next, the next sublayer's input[, its `norm`]) for the state X, the sublayer output h, its normalised
-        input c (`context`) and its input x_in: the next input is `read_next`'s readout of X_next (its cache `slot`)
-        or X_next; a kernel makes it (and a hook-free norm) in the update's pass where it can (`ops.delta_residual`)."""
+        """(X_next, the next sublayer's input[, its `norm` or None]) for the state X, the sublayer output h, its
+        normalised input c (`context`) and input x_in: the next input is `read_next`'s readout of X_next (its cache
+        `slot`) or X_next; a kernel makes it (and a hook-free norm) in the update's pass where it can (`ops`)."""
         readout = plan.readout_weight(read_next) if read_next is not None and self._reads_ahead(
             read_next, state, plan, slot) else None
-        fuse = readout is not None and type(norm) is LlamaRMSNorm and not (
-            norm._forward_hooks or norm._forward_pre_hooks)
+        fuse = readout is not None and type(norm) is LlamaRMSNorm and norm.weight.device == state.device and not (
+            norm._forward_hooks or norm._forward_pre_hooks or norm._backward_hooks or norm._backward_pre_hooks)
         weights = [getattr(self, name, None) for name in ("beta_weight", "beta_bias", "value_weight", "value_bias")]
         with plan.saving():
             out = delta_residual(state, h, context, x_in if self.value_from_state else context, *weights,
@@ -272,7 +272,7 @@ class DDLDeltaResidual(nn.Module):
         if plan.rebuild is not None:
             plan.rebuild.push(state, out, h)
         following = out if read_next is None else made if made is not None else read_next(out, plan, slot)
-        return (out, following) if norm is None else (out, following, normed if normed is not None else norm(following))
+        return (out, following) if norm is None else (out, following, normed)
 
     def _reads_ahead(self, compressor, state, plan, slot):
         """Whether a kernel may make `compressor`'s readout of X_next in this seam's pass: only where no code outside
@@ -428,7 +428,7 @@ class DDLDecoderLayer(GradientCheckpointingLayer):
                               cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
         hidden_states, x_in, context = self.attn_delta(hidden_states, h, context, x_in, plan, read_mlp,
                                                        self.cache_slots["mlp"], self.post_attention_layernorm)
-        # Fully Connected (on the next input and its RMSNorm: post_attention_layernorm's, made by the seam where it can)
+        context = self.post_attention_layernorm(x_in) if context is None else context  # (or the seam made it)
         hidden_states, _ = self.mlp_delta(hidden_states, self.mlp(context), context, x_in, plan)
         return hidden_states
 

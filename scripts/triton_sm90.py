@@ -48,6 +48,9 @@ def variants(d, dv):
         *[(residual._seam_bwd_kernel, "bf16", fp32_out,
            dict(ERASE=True, U_KIND=kind, SIGMOID=True, READ=read, WEIGHT_GRADS=True, **blocks), back_warps)
           for kind, read in ((0, False), (0, True), (1, False))],
+        # after the next RMSNorm's backward (residual._norm_gradients), the readout's gradient comes in fp32
+        (residual._seam_bwd_kernel, "bf16", fp32_out | {"grad_read_ptr"},
+         dict(ERASE=True, U_KIND=0, SIGMOID=True, READ=True, WEIGHT_GRADS=True, **blocks), back_warps),
         # u is the state only where d_v = 1: its own tile, no readout
         (residual._seam_bwd_kernel, "bf16", fp32_out,
          dict(ERASE=True, U_KIND=2, SIGMOID=True, READ=False, WEIGHT_GRADS=True, **scalar), scalar_warps),
@@ -55,6 +58,9 @@ def variants(d, dv):
          dict(ERASE=False, U_KIND=2, SIGMOID=False, READ=False, WEIGHT_GRADS=False, **scalar), scalar_warps),
         *[(residual._norm_bwd_kernel, "bf16", {"out_ptr", "part_ptr"}, dict(ADD=True, GAIN_GRAD=gain, BLOCK_D=norm_d),
            norm_warps) for gain in (True, False)],
+        # an fp32 gain with a bf16 readout (the normed output, and its gradient, in fp32)
+        (residual._norm_bwd_kernel, "bf16", {"gain_ptr", "grad_normed_ptr", "out_ptr", "part_ptr"},
+         dict(ADD=True, GAIN_GRAD=True, BLOCK_D=norm_d), norm_warps),
         (readout._sum_parts_kernel, "bf16", {"part_ptr"}, dict(BLOCK=1024), {}),
         (readout._fold_kernel, "bf16", set(), dict(K=4, PAD=1, BLOCK_D=readout._FOLD_BLOCK, BLOCK_V=4), {}),
         (readout._fold_grads_kernel, "bf16", set(), dict(K=4, PAD=1, BLOCK_D=readout._FOLD_BLOCK, BLOCK_V=4), {}),

@@ -511,10 +511,11 @@ def test_triton_seam_with_the_next_readout_and_its_rmsnorm_matches_reference(pro
     assert residual.run(x, h, c, c, *weights, 4.0, 1e-5, "delta", taps, gain, 1e-6) is None
 
 
-def test_the_rmsnorm_after_a_seam_is_made_by_the_seam_unless_a_hook_is_on_it(monkeypatch):
+@pytest.mark.parametrize("hook", ["forward", "backward"])
+def test_the_rmsnorm_after_a_seam_is_made_by_the_seam_unless_a_hook_is_on_it(hook, monkeypatch):
     """In a model under "triton" (through the interpreter), each block's attention seam, which reads the MLP's input
-    ahead (CC), also makes post_attention_layernorm's output; a forward hook on that norm (user code that must see its
-    input and output) makes the seam leave the norm to the module, with the same loss."""
+    ahead (CC), also makes post_attention_layernorm's output; a forward or backward hook on that norm (user code that
+    must see it run) makes the seam leave the norm to the module, with the same loss and gradients."""
     import ddl_kernels
 
     monkeypatch.setattr(ddl_kernels, "_failed", set())
@@ -525,14 +526,26 @@ def test_the_rmsnorm_after_a_seam_is_made_by_the_seam_unless_a_hook_is_on_it(mon
     torch.manual_seed(0)
     model = trained_looking(DDLForCausalLM(tiny_config(ddl_implementation="triton")))
     ids = torch.randint(3, 99, (2, 8), generator=seeded(1))
-    fused = model(ids, labels=ids).loss
+
+    def loss_and_gradients():
+        model.zero_grad()
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        return [loss] + [p.grad.clone() for p in model.parameters()]
+
+    fused = loss_and_gradients()
     assert normed.count(True) == model.config.num_hidden_layers
     seen, normed[:] = [], []
     for layer in model.model.layers:
-        layer.post_attention_layernorm.register_forward_hook(lambda module, args, out: seen.append(out))
-    hooked = model(ids, labels=ids).loss
+        norm = layer.post_attention_layernorm
+        if hook == "forward":
+            norm.register_forward_hook(lambda module, args, out: seen.append(out))
+        else:
+            norm.register_full_backward_hook(lambda module, grad_in, grad_out: seen.append(grad_out))
+    hooked = loss_and_gradients()
     assert not any(normed) and len(seen) == model.config.num_hidden_layers
-    torch.testing.assert_close(hooked, fused, rtol=1e-6, atol=1e-6)
+    for got, expected in zip(hooked, fused):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("checkpointing, failing_backward", [(False, False), (True, False), (True, True)],

@@ -822,6 +822,23 @@ def test_a_decoding_loop_over_a_static_cache_counts_a_padded_rows_positions(vari
             torch.testing.assert_close(step, full, atol=1e-5, rtol=1e-5)
 
 
+def test_a_hook_on_the_attention_seam_that_edits_the_next_input_reaches_the_mlp():
+    """A forward hook on a block's attention seam sees (state, next input, its norm or None) and may replace the next
+    input: post_attention_layernorm then reads the edited input and the MLP its output (while the seam made the norm
+    itself, it did so before the hook: the edit reached the value input only)."""
+    torch.manual_seed(0)
+    model = trained_looking(DDLForCausalLM(tiny_config())).eval()
+    layer, steer, seen = model.model.layers[0], 0.5 * torch.linspace(-1, 1, TINY["hidden_size"]), {}
+    layer.attn_delta.register_forward_hook(lambda module, args, out: seen.update(made=out[1]) or (
+        out[0], out[1] + steer, *out[2:]))
+    layer.post_attention_layernorm.register_forward_hook(lambda module, args, out: seen.update(norm=(args[0], out)))
+    layer.mlp.register_forward_pre_hook(lambda module, args: seen.update(mlp=args[0]))
+    with torch.no_grad():
+        model(torch.randint(3, 99, (2, 5), generator=seeded(1)))
+    torch.testing.assert_close(seen["norm"][0], seen["made"] + steer)
+    assert seen["mlp"] is seen["norm"][1]
+
+
 def test_a_chunked_prefill_over_a_static_cache_counts_a_padded_rows_positions():
     """Chunks of 3 tokens (mask, no position ids) over a StaticCache, whose count of tokens is a tensor: the chunks
     after the first were placed at the batch's positions, not the padded row's own (the full forward counts its own),

@@ -169,3 +169,31 @@ def test_a_packed_chunk_after_a_cache_continues_its_first_document_and_starts_th
     torch.testing.assert_close(chunk.logits[:, :4], a_alone[:, 5:], rtol=0, atol=1e-5)
     torch.testing.assert_close(chunk.logits[:, 4:], b_alone, rtol=0, atol=1e-5)
     torch.testing.assert_close(step.logits[:, -1], b_step, rtol=0, atol=1e-5)
+
+
+def test_a_cache_that_records_the_past_keeps_one_input_a_token_through_the_documents_path():
+    """Assisted decoding's cache records every input, to crop the rejected tokens' away: a forward through the
+    documents path (a packed batch, or any traced forward with position ids) with fewer tokens than the window keeps
+    (here 1 and 2 against K-1 = 3) recorded some inputs twice, so a crop rolled back to the wrong window (1.35 off);
+    its windows now equal the plain path's through prefill, steps, a crop and the step after it."""
+    from transformers import DynamicCache
+
+    from ddl.modeling_ddl import cached_window
+    from ddl.packing import Documents
+
+    tokens = torch.randn(1, 8, 5, generator=torch.Generator().manual_seed(0))
+
+    def windows(documents):
+        cache, out, start = DynamicCache(config=tiny_config(ddl_compressor="tc")), [], 0
+        cache.layers[0].activate_past_recording()
+        for n in (4, 1, 2, 1):
+            documents_ = Documents(torch.zeros(1, n, dtype=torch.long)) if documents else None  # (the row's first)
+            out.append(cached_window(tokens[:, start : start + n], 4, cache, 0, 0, documents_))
+            start += n
+            if n == 2:  # (the last token rejected: the layer's crop(-1), for the one window in use)
+                cache.layers[0].conv_states[0], start = cache.layers[0].conv_states[0][..., -4:-1], start - 1
+        return out
+
+    for plain, packed in zip(windows(False), windows(True)):
+        assert plain is packed is None or torch.equal(plain, packed)
+

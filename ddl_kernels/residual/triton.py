@@ -407,9 +407,10 @@ def _backward_compiles(x, h, c, u, weights, taps, gain, v_scale, k_eps, erase, u
         one = [t.reshape(-1, *t.shape[2:])[:1].contiguous() for t in (x, h, c, u)]
         kept = (*(w.detach() for w in weights), None if taps is None else taps.detach())
         read = None if taps is None else one[1].new_zeros(one[1].shape, dtype=torch.promote_types(x.dtype, taps.dtype))
+        if gain is not None:  # (as backward runs them: the norm's first, whose fp32 gradient the seam's then reads)
+            normed = read.new_zeros(read.shape, dtype=torch.promote_types(read.dtype, gain.dtype))
+            read = _norm_gradients(read, gain.detach(), 1e-6, normed, read, gain.requires_grad)[0]
         _seam_gradients(probe, (*one, *kept), torch.zeros_like(one[0]), read)  # (read: as y's gradient will be)
-        if gain is not None:
-            _norm_gradients(read, gain.detach(), 1e-6, torch.zeros_like(read), read, gain.requires_grad)
         _compiled.add(key)
 
 
