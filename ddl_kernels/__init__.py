@@ -32,7 +32,8 @@ import torch.utils.checkpoint
 #   folded_conv_read(conv_weight, read) -> CC's readout matrix `(d, d_v)` (an operation added without a new version:
 #       a dispatcher that does not ask for it runs as before, and one that finds none runs its specification)
 #   delta_residual_readout_norm(..., readout, gain, norm_eps) -> (X_next, y, RMSNorm(y)) with the next sublayer's
-#       RMSNorm (LlamaRMSNorm's) of y made in the same pass, or None where it is not (added as folded_conv_read was)
+#       RMSNorm (LlamaRMSNorm's) of y made in the same pass, or both None where y is not (added as folded_conv_read
+#       was)
 INTERFACE_VERSION = 3
 
 

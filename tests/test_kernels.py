@@ -467,8 +467,8 @@ def test_triton_seam_with_the_next_readout_and_its_rmsnorm_matches_reference(pro
     """Given the next sublayer's RMSNorm too, the seam with CC's readout also gives that norm of the readout as stored
     (transformers' LlamaRMSNorm, whose input it is in the decoder layer): X_next, y, the normed y and every gradient
     (the state's through all three, y's through its own use and the norm, the gain's) equal the specification's in
-    fp64; a frozen input gets none. Where the seam reads nothing ahead (u = c) it declines, for the dispatcher to run
-    the seam without the norm."""
+    fp64; a frozen input gets none. Where the seam reads nothing ahead (u = c, TC's taps) it gives X_next alone, for
+    the caller to read and normalise."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     residual = _triton("residual")
@@ -508,7 +508,10 @@ def test_triton_seam_with_the_next_readout_and_its_rmsnorm_matches_reference(pro
                                    msg=str(i))
     x, h, c, u, *weights = (t.to(device=device, dtype=dtype) for t in inputs[:8])
     taps, gain = (t.to(device=device, dtype=dtype) for t in inputs[8:])
-    assert residual.run(x, h, c, c, *weights, 4.0, 1e-5, "delta", taps, gain, 1e-6) is None
+    tc_taps = torch.randn(4, 40, 4, generator=g).to(device=device, dtype=dtype)
+    for value_input, readout in ((c, taps), (u, tc_taps)):
+        out, y, normed = residual.run(x, h, c, value_input, *weights, 4.0, 1e-5, "delta", readout, gain, 1e-6)
+        assert y is None and normed is None and out.shape == x.shape
 
 
 @pytest.mark.parametrize("hook", ["forward", "backward"])
@@ -560,16 +563,9 @@ def test_triton_seam_in_a_model_matches_reference(checkpointing, failing_backwar
     import ddl_kernels
 
     residual = _triton("residual")
-    calls, run = [], residual.run
-
-    def counted(*args):  # (a call that declines, as the seam with the next RMSNorm does where u = c, is not counted)
-        calls.append(1)
-        out = run(*args)
-        if out is None:
-            calls.pop()
-        return out
-
-    monkeypatch.setattr(residual, "run", counted)
+    calls = []
+    run = residual.run
+    monkeypatch.setattr(residual, "run", lambda *args: calls.append(1) or run(*args))
     monkeypatch.setattr(ddl_kernels, "_failed", set())
     monkeypatch.setattr(residual, "_compiled", set())
     triton_on_cpu(monkeypatch, operations=("delta_residual",))

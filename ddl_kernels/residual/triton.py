@@ -429,20 +429,21 @@ def run(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k
     (CC) and u is not c, else None (TC's reads earlier tokens' states, which other programs write; with u = c the
     backward spilled registers when compiled for sm_90 at d = 768, scripts/triton_sm90.py, where the others do not);
     with the next sublayer's RMSNorm too (its `gain` and `norm_eps`), (X_next, y, RMSNorm(y)) where y is made here,
-    else None (the dispatcher then runs the seam without it)."""
+    else (X_next, None, None) (the caller then reads and normalises X_next itself)."""
     u_kind = value_input_kind(x, h, c, u)
     x, h, c = x.contiguous(), h.contiguous(), c.contiguous()
     u = c if u_kind == 1 else (x if u_kind == 2 else u.contiguous())
     weights = (gate_weight.contiguous(), gate_bias.contiguous(), value_weight.contiguous(), value_bias.contiguous())
     taps = readout if readout is not None and readout.shape[0] == 1 and u_kind != 1 else None  # (1, d, d_v)
-    if gain is not None and taps is None:
-        return None
-    gain = None if gain is None else gain.contiguous()
+    norm = None if gain is None or taps is None else gain.contiguous()
     v_scale, erase = None if v_scale is None else float(v_scale), mode == "delta"
-    _backward_compiles(x, h, c, u, weights, taps, gain, v_scale, float(k_eps), erase, u_kind)
-    out = _TritonSeam.apply(x, h, c, u, *weights, taps, gain, v_scale, float(k_eps),
+    _backward_compiles(x, h, c, u, weights, taps, norm, v_scale, float(k_eps), erase, u_kind)
+    out = _TritonSeam.apply(x, h, c, u, *weights, taps, norm, v_scale, float(k_eps),
                             0.0 if norm_eps is None else float(norm_eps), erase, u_kind)
-    return out if readout is None or taps is not None else (out, None)
+    if readout is None:
+        return out
+    out = out if taps is not None else (out, None)
+    return out if gain is None or norm is not None else (*out, None)
 
 
 RUN = serving(serves, fallible(_SEAM, run))
