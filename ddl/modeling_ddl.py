@@ -90,8 +90,7 @@ def cached_window(x, kernel_size, cache, layer_idx, slot, documents=None):
 
 
 def _cached_window_of_documents(flat, kernel_size, cache, layer_idx, slot, had_past, documents):
-    """`cached_window` of a packed batch: the window is the cache's earlier inputs (the row's first document continues
-    them), then `flat`; the cache keeps its last inputs of each row's last document (zeros before it)."""
+    """`cached_window` of a packed batch: the cache keeps each row's last document (zeros before it)."""
     window = F.pad(flat, (kernel_size - 1, 0)) if not had_past else torch.cat(
         [cache.layers[layer_idx].conv_states[slot][..., -(kernel_size - 1) :].to(flat.dtype), flat], dim=-1)
     recorded = had_past and getattr(cache.layers[layer_idx], "record_past", False)  # (to crop: one input a token)
@@ -257,8 +256,7 @@ class DDLDeltaResidual(nn.Module):
         `slot`) or X_next; a kernel makes it (and a hook-free norm) in the update's pass where it can (`ops`)."""
         readout = plan.readout_weight(read_next) if read_next is not None and self._reads_ahead(
             read_next, state, plan, slot) else None
-        fuse = readout is not None and type(norm) is LlamaRMSNorm and norm.weight.device == state.device and not (
-            norm._forward_hooks or norm._forward_pre_hooks or norm._backward_hooks or norm._backward_pre_hooks)
+        fuse = readout is not None and type(norm) is LlamaRMSNorm and self._unseen(norm, state.device)
         weights = [getattr(self, name, None) for name in ("beta_weight", "beta_bias", "value_weight", "value_bias")]
         with plan.saving():
             out = delta_residual(state, h, context, x_in if self.value_from_state else context, *weights,
@@ -274,15 +272,18 @@ class DDLDeltaResidual(nn.Module):
         following = out if read_next is None else made if made is not None else read_next(out, plan, slot)
         return (out, following) if norm is None else (out, following, normed)
 
+    @staticmethod
+    def _unseen(module, device):
+        """No hook of any kind on `module` (user code's, DeepSpeed's gathering) and its weights on `device` (here)."""
+        hooks = module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks
+        return not any(hooks) and all(p.device == device for p in module.parameters())
+
     def _reads_ahead(self, compressor, state, plan, slot):
-        """Whether a kernel may make `compressor`'s readout of X_next in this seam's pass: only where no code outside
-        ddl sees the state between them (no user hook here; no hook at all on the compressor, whose hooks must run:
-        DeepSpeed gathers its weights in one), its weights are here (not offloaded), and, TC, no tokens come before
-        (no padding or packed documents; nothing in the cache's window `slot`)."""
-        return (plan.reads_ahead and self.mode != "additive"
+        """Whether a kernel may make `compressor`'s readout of X_next in this seam's pass: no user hook here, the
+        compressor `_unseen`, and, TC, no tokens before (no padding or packed documents; nothing in window `slot`)."""
+        return (plan.reads_ahead and self.mode != "additive" and not user_hooks(self)
                 and kernel("delta_residual_readout", plan.implementation, state.device) is not None
-                and not (compressor._forward_hooks or compressor._forward_pre_hooks) and not user_hooks(self)
-                and all(p.device == state.device for p in compressor.parameters())
+                and self._unseen(compressor, state.device)
                 and (compressor.kind != "tc" or plan.padding is plan.documents is None and (
                     plan.cache is None or not plan.cache.has_previous_state(compressor.layer_idx, slot))))
 

@@ -156,10 +156,9 @@ class Padding:
         batch, seq_len = x.shape[:2]
         flat = x.reshape(batch, seq_len, -1).transpose(1, 2)  # (B, C, T)
         had_past = cache is not None and cache.has_previous_state(layer_idx, slot)
-        history = cache.layers[layer_idx].conv_states[slot][..., -(kernel - 1) :] if had_past else (
-            flat.new_zeros(batch, flat.shape[1], kernel - 1))
+        window = F.pad(flat, (kernel - 1, 0)) if not had_past else torch.cat(
+            [cache.layers[layer_idx].conv_states[slot][..., -(kernel - 1) :].to(flat.dtype), flat], dim=-1)
         order, _ = self._order(kernel)
-        window = torch.cat([history.to(flat.dtype), flat], -1)
         window = window.gather(-1, order.unsqueeze(1).expand_as(window))  # (B, C, K-1+T)
         if cache is not None:  # (at least K-1 inputs: what the cache keeps is the compacted window's last K-1)
             cache.update_conv_state(window[..., -max(seq_len, kernel - 1) :], layer_idx, state_idx=slot,

@@ -839,6 +839,24 @@ def test_a_hook_on_the_attention_seam_that_edits_the_next_input_reaches_the_mlp(
     assert seen["mlp"] is seen["norm"][1]
 
 
+@pytest.mark.parametrize("module", ["compress", "post_attention_layernorm"])
+def test_a_backward_hook_on_a_module_a_seam_could_do_the_work_of_runs_on_every_path(module):
+    """A full backward hook on a block's compressor (whose readout the seam's kernel makes ahead, the C++ one on the
+    CPU by default) or its post-attention norm fires as often under "auto" as under "reference": a hooked module is
+    left to run (the compressor's hook fired 2 times where the specification's fired 4)."""
+    calls = {}
+    for implementation in ("reference", "auto"):
+        torch.manual_seed(0)
+        model = trained_looking(DDLForCausalLM(tiny_config(ddl_implementation=implementation)))
+        calls[implementation] = []
+        for layer in model.model.layers:
+            getattr(layer, module).register_full_backward_hook(lambda m, gi, go, c=calls[implementation]: c.append(1))
+        ids = torch.randint(3, 99, (2, 8), generator=seeded(1))
+        model(ids, labels=ids).loss.backward()
+    assert len(calls["auto"]) == len(calls["reference"]) == 2 * model.config.num_hidden_layers // (
+        2 if module == "post_attention_layernorm" else 1)
+
+
 def test_a_chunked_prefill_over_a_static_cache_counts_a_padded_rows_positions():
     """Chunks of 3 tokens (mask, no position ids) over a StaticCache, whose count of tokens is a tensor: the chunks
     after the first were placed at the batch's positions, not the padded row's own (the full forward counts its own),
