@@ -25,8 +25,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def variants(d, dv):
     """(kernel, pointer dtype, fp32 pointers, constexprs, launch options) for each compiled variant."""
-    import triton
-
     from ddl_kernels.readout import triton as readout
     from ddl_kernels.residual import triton as residual
 
@@ -34,8 +32,8 @@ def variants(d, dv):
     warps, scalar_warps = {"num_warps": blocks.pop("num_warps")}, {"num_warps": scalar.pop("num_warps")}
     back_warps = {"num_warps": residual._blocks(d, dv, backward=True)["num_warps"]}
     window = readout._tiles(d, dv)[1]
-    norm_d = triton.next_power_of_2(d)
-    norm_warps = {"num_warps": min(16, max(4, norm_d // 256))}  # (as residual._norm_gradients launches it)
+    norm = residual._norm_blocks(d)
+    norm_warps = {"num_warps": norm.pop("num_warps")}
     fp32_out = {"gz_ptr", "gy_ptr", "write_ptr", "part_ptr"}
     return [
         (residual._seam_fwd_kernel, "bf16", set(), dict(ERASE=True, U_IS_C=False, SIGMOID=True, READ=False, NORM=False,
@@ -56,11 +54,11 @@ def variants(d, dv):
          dict(ERASE=True, U_KIND=2, SIGMOID=True, READ=False, WEIGHT_GRADS=True, **scalar), scalar_warps),
         (residual._seam_bwd_kernel, "fp32", fp32_out,
          dict(ERASE=False, U_KIND=2, SIGMOID=False, READ=False, WEIGHT_GRADS=False, **scalar), scalar_warps),
-        *[(residual._norm_bwd_kernel, "bf16", {"out_ptr", "part_ptr"}, dict(ADD=True, GAIN_GRAD=gain, BLOCK_D=norm_d),
-           norm_warps) for gain in (True, False)],
+        *[(residual._norm_bwd_kernel, "bf16", {"out_ptr", "part_ptr"}, dict(GAIN_GRAD=gain, **norm), norm_warps)
+          for gain in (True, False)],
         # an fp32 gain with a bf16 readout (the normed output, and its gradient, in fp32)
         (residual._norm_bwd_kernel, "bf16", {"gain_ptr", "grad_normed_ptr", "out_ptr", "part_ptr"},
-         dict(ADD=True, GAIN_GRAD=True, BLOCK_D=norm_d), norm_warps),
+         dict(GAIN_GRAD=True, **norm), norm_warps),
         (readout._sum_parts_kernel, "bf16", {"part_ptr"}, dict(BLOCK=1024), {}),
         (readout._fold_kernel, "bf16", set(), dict(K=4, PAD=1, BLOCK_D=readout._FOLD_BLOCK, BLOCK_V=4), {}),
         (readout._fold_grads_kernel, "bf16", set(), dict(K=4, PAD=1, BLOCK_D=readout._FOLD_BLOCK, BLOCK_V=4), {}),

@@ -409,15 +409,23 @@ _READOUT_SEAM_CASES = [  # (programs, d_v, dtype, tolerance, frozen inputs): tra
     *[pytest.param(programs, dv, dtype, tol, (), id=f"{programs}-programs-dv{dv}-{name}") for programs in (3, 8)
       for dv in (4, 3) for dtype, tol, name in ((torch.float32, 1e-5, "fp32"), (torch.bfloat16, 3e-2, "bf16"))],
     *[pytest.param(3, 4, torch.float32, 1e-5, frozen, id=name) for frozen, name in (
-        ((4, 5, 6, 7), "seam-weights-frozen"), ((8,), "readout-frozen"), ((4, 5, 6, 7, 8), "all-frozen"))]]
+        ((4, 5, 6, 7), "seam-weights-frozen"), ((8,), "readout-frozen"), ((4, 5, 6, 7, 8), "all-frozen"),
+        ((9,), "gain-frozen"))]]
 
 
+@pytest.mark.parametrize("norm", [False, True], ids=["readout", "readout-and-rmsnorm"])
 @pytest.mark.parametrize("programs, dv, dtype, tol, frozen", _READOUT_SEAM_CASES)
-def test_triton_seam_with_the_next_readout_matches_reference(programs, dv, dtype, tol, frozen, monkeypatch):
+def test_triton_seam_with_the_next_readout_matches_reference(programs, dv, dtype, tol, frozen, norm, monkeypatch):
     """With a one-tap readout weight (CC's), the seam also gives the next compressor's readout of X_next as stored,
-    made in the same pass: X_next, y and every gradient (the state's, through both, and the readout weight's) equal
-    the specification's (the seam, then `causal_token_readout`) in fp64, and a frozen weight (LoRA's case) gets none;
-    with K > 1 taps (TC), or u = c, it gives X_next and None."""
+    made in the same pass, and, given the next sublayer's RMSNorm (its gain), that norm of the readout (transformers'
+    LlamaRMSNorm, whose input it is in the decoder layer): X_next, y, the normed y and every gradient (the state's
+    through all of them, y's through its own use and the norm, the readout weight's and the gain's) equal the
+    specification's (the seam, then `causal_token_readout`, then LlamaRMSNorm) in fp64, and a frozen weight (LoRA's
+    case) gets none; with K > 1 taps (TC), or u = c, it gives X_next and None (and None for the norm)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    if 9 in frozen and not norm:
+        pytest.skip("no gain without the norm")
     residual = _triton("residual")
     monkeypatch.setattr(residual, "_programs", lambda tokens, device: min(tokens, programs))
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -425,81 +433,31 @@ def test_triton_seam_with_the_next_readout_matches_reference(programs, dv, dtype
     inputs = [torch.randn(2, 11, dv, 40, generator=g)] + [torch.randn(2, 11, 40, generator=g) for _ in range(3)]
     inputs += [0.1 * torch.randn(40, generator=g), torch.randn(1, generator=g), 0.1 * torch.randn(dv, 40, generator=g),
                torch.randn(dv, generator=g), torch.randn(1, 40, dv, generator=g)]
-    upstream = [torch.randn(2, 11, dv, 40, generator=g, dtype=torch.float64),
-                torch.randn(2, 11, 40, generator=g, dtype=torch.float64)]
+    inputs += [1 + 0.3 * torch.randn(40, generator=g)] if norm else []
+    upstream = [torch.randn(2, 11, dv, 40, generator=g, dtype=torch.float64)] + [
+        torch.randn(2, 11, 40, generator=g, dtype=torch.float64) for _ in range(2 if norm else 1)]
 
-    def spec(*args):
-        out = delta_residual(*args[:-1], 4.0, 1e-5, "delta")
-        return out, causal_token_readout(out, args[-1])
+    def spec(x, h, c, u, *weights):
+        out = delta_residual(x, h, c, u, *weights[:4], 4.0, 1e-5, "delta")
+        y = causal_token_readout(out, weights[4])
+        if not norm:
+            return out, y
+        rms = LlamaRMSNorm(40, eps=1e-6).to(device=device, dtype=weights[5].dtype)
+        rms.weight = weights[5]  # (the leaf itself: its gradient is the one compared)
+        return out, y, rms(y)
 
-    results = []
-    for run, cast in ((spec, torch.float64), (lambda *args: residual.run(*args[:-1], 4.0, 1e-5, "delta", args[-1]),
-                                              dtype)):
-        leaves = [t.to(device=device, dtype=cast).requires_grad_(i not in frozen) for i, t in enumerate(inputs)]
-        x, h, c, u = leaves[:4]
-        out, y = run(x, h, c, u, *leaves[4:])
-        assert out.dtype == y.dtype == cast
-        (sum((t.double() * up.to(device)).sum() for t, up in zip((out, y), upstream))).backward()
-        results.append([out, y, *(t.grad for t in leaves)])
-    for i, (exact, fast) in enumerate(zip(*results)):
-        if exact is None:
-            assert fast is None, i
-            continue
-        torch.testing.assert_close(fast.double(), exact, rtol=tol, atol=tol * max(1.0, exact.abs().max().item()),
-                                   msg=str(i))
-    x, h, c, u, *weights = (t.to(device=device, dtype=dtype) for t in inputs[:8])
-    for value_input, readout in ((u, torch.randn(4, 40, dv, generator=g).to(device=device, dtype=dtype)),
-                                 (c, inputs[8].to(device=device, dtype=dtype))):
-        out, y = residual.run(x, h, c, value_input, *weights, 4.0, 1e-5, "delta", readout)
-        assert y is None and out.shape == x.shape
-
-
-_NORM_SEAM_CASES = [  # (programs, dtype, tolerance, frozen inputs): trained weights, then a frozen gain or seam
-    *[pytest.param(programs, dtype, tol, (), id=f"{programs}-programs-{name}") for programs in (3, 8)
-      for dtype, tol, name in ((torch.float32, 1e-5, "fp32"), (torch.bfloat16, 3e-2, "bf16"))],
-    pytest.param(3, torch.float32, 1e-5, (9,), id="gain-frozen"),
-    pytest.param(3, torch.float32, 1e-5, (4, 5, 6, 7, 8), id="seam-and-readout-frozen")]
-
-
-@pytest.mark.parametrize("programs, dtype, tol, frozen", _NORM_SEAM_CASES)
-def test_triton_seam_with_the_next_readout_and_its_rmsnorm_matches_reference(programs, dtype, tol, frozen,
-                                                                             monkeypatch):
-    """Given the next sublayer's RMSNorm too, the seam with CC's readout also gives that norm of the readout as stored
-    (transformers' LlamaRMSNorm, whose input it is in the decoder layer): X_next, y, the normed y and every gradient
-    (the state's through all three, y's through its own use and the norm, the gain's) equal the specification's in
-    fp64; a frozen input gets none. Where the seam reads nothing ahead (u = c, TC's taps) it gives X_next alone, for
-    the caller to read and normalise."""
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-    residual = _triton("residual")
-    monkeypatch.setattr(residual, "_programs", lambda tokens, device: min(tokens, programs))
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    g = seeded(programs)
-    inputs = [torch.randn(2, 11, 4, 40, generator=g)] + [torch.randn(2, 11, 40, generator=g) for _ in range(3)]
-    inputs += [0.1 * torch.randn(40, generator=g), torch.randn(1, generator=g), 0.1 * torch.randn(4, 40, generator=g),
-               torch.randn(4, generator=g), torch.randn(1, 40, 4, generator=g), 1 + 0.3 * torch.randn(40, generator=g)]
-    upstream = [torch.randn(2, 11, 4, 40, generator=g, dtype=torch.float64)] + [
-        torch.randn(2, 11, 40, generator=g, dtype=torch.float64) for _ in range(2)]
-
-    def spec(*args):
-        out = delta_residual(*args[:-2], 4.0, 1e-5, "delta")
-        y = causal_token_readout(out, args[-2])
-        norm = LlamaRMSNorm(40, eps=1e-6).to(device=device, dtype=args[-1].dtype)
-        norm.weight = torch.nn.Parameter(args[-1], requires_grad=args[-1].requires_grad)
-        return out, y, norm(y), norm.weight
-
-    def fast(*args):
-        out, y, normed = residual.run(*args[:-2], 4.0, 1e-5, "delta", args[-2], args[-1], 1e-6)
-        return out, y, normed, args[-1]
+    def fast(x, h, c, u, *weights):
+        return residual.run(x, h, c, u, *weights[:4], 4.0, 1e-5, "delta", *weights[4:], *([1e-6] if norm else []))
 
     results = []
     for run, cast in ((spec, torch.float64), (fast, dtype)):
         leaves = [t.to(device=device, dtype=cast).requires_grad_(i not in frozen) for i, t in enumerate(inputs)]
-        x, h, c, u = leaves[:4]
-        out, y, normed, gain = run(x, h, c, u, *leaves[4:-1], leaves[-1])
-        assert out.dtype == y.dtype == normed.dtype == cast
-        (sum((t.double() * up.to(device)).sum() for t, up in zip((out, y, normed), upstream))).backward()
-        results.append([out, y, normed, *(t.grad for t in leaves[:-1]), gain.grad])
+        if norm:
+            leaves[9] = torch.nn.Parameter(leaves[9], requires_grad=9 not in frozen)
+        outs = run(*leaves)
+        assert all(t.dtype == cast for t in outs)
+        (sum((t.double() * up.to(device)).sum() for t, up in zip(outs, upstream))).backward()
+        results.append([*outs, *(t.grad for t in leaves)])
     for i, (exact, fast_) in enumerate(zip(*results)):
         if exact is None:
             assert fast_ is None, i
@@ -507,11 +465,11 @@ def test_triton_seam_with_the_next_readout_and_its_rmsnorm_matches_reference(pro
         torch.testing.assert_close(fast_.double(), exact, rtol=tol, atol=tol * max(1.0, exact.abs().max().item()),
                                    msg=str(i))
     x, h, c, u, *weights = (t.to(device=device, dtype=dtype) for t in inputs[:8])
-    taps, gain = (t.to(device=device, dtype=dtype) for t in inputs[8:])
-    tc_taps = torch.randn(4, 40, 4, generator=g).to(device=device, dtype=dtype)
-    for value_input, readout in ((c, taps), (u, tc_taps)):
-        out, y, normed = residual.run(x, h, c, value_input, *weights, 4.0, 1e-5, "delta", readout, gain, 1e-6)
-        assert y is None and normed is None and out.shape == x.shape
+    extra = [inputs[9].to(device=device, dtype=dtype), 1e-6] if norm else []
+    for value_input, readout in ((u, torch.randn(4, 40, dv, generator=g).to(device=device, dtype=dtype)),
+                                 (c, inputs[8].to(device=device, dtype=dtype))):
+        out, y, *normed = residual.run(x, h, c, value_input, *weights, 4.0, 1e-5, "delta", readout, *extra)
+        assert y is None and normed == ([None] if norm else []) and out.shape == x.shape
 
 
 @pytest.mark.parametrize("hook", ["forward", "backward"])

@@ -229,10 +229,10 @@ def _seam_bwd_kernel(
 @triton.jit(do_not_specialize=["tokens", "per_program"])
 def _norm_bwd_kernel(
     y_ptr, gain_ptr, grad_normed_ptr, grad_y_ptr, out_ptr, part_ptr, tokens, per_program, d, norm_eps,
-    ADD: tl.constexpr, GAIN_GRAD: tl.constexpr, BLOCK_D: tl.constexpr,
+    GAIN_GRAD: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """The RMSNorm's backward for `per_program` consecutive tokens, in fp32: with n = y r, r = 1/sqrt(mean(y^2) + eps)
-    and dn = gain dL/dnormed, dL/dy = r (dn - n mean(dn n)), plus (ADD) y's gradient from its other readers; and
+    and dn = gain dL/dnormed, dL/dy = r (dn - n mean(dn n)), plus y's gradient from its other readers; and
     (GAIN_GRAD) this program's row of dL/dgain = sum over its tokens of dL/dnormed n (n as the forward rounded it)."""
     first = tl.program_id(0).to(tl.int64) * per_program
     count = tl.minimum(per_program, tokens - first).to(tl.int32)
@@ -247,8 +247,7 @@ def _norm_bwd_kernel(
         grad_normed = tl.load(grad_normed_ptr + at, mask=row_ok, other=0.0).to(tl.float32)
         dn = grad_normed * gain
         grad = inv * (dn - y * inv * (tl.sum(dn * y, axis=0) * inv / d))
-        if ADD:
-            grad += tl.load(grad_y_ptr + at, mask=row_ok, other=0.0).to(tl.float32)
+        grad += tl.load(grad_y_ptr + at, mask=row_ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + at, grad, mask=row_ok)
         if GAIN_GRAD:
             total += grad_normed * (y * inv).to(y_ptr.dtype.element_ty).to(tl.float32)
@@ -302,20 +301,24 @@ class _TritonSeam(torch.autograd.Function):
 
 
 def _norm_gradients(y, gain, norm_eps, grad_normed, grad_y, gain_grad):
-    """dL/dy (fp32: the normed output's share added to `grad_y`, None: none) and dL/dgain (where `gain_grad`, else
-    None) of the RMSNorm the seam applied to y: two launches, the backward and the sum of its partial rows."""
+    """dL/dy (fp32: the normed output's share added to y's own, `grad_y`) and dL/dgain (where `gain_grad`, else None)
+    of the RMSNorm the seam applied to y: two launches, the backward and the sum of its partial rows."""
     d, tokens = y.shape[-1], y.numel() // y.shape[-1]
-    per_program = triton.cdiv(tokens, _programs(tokens, y.device))
-    programs = triton.cdiv(tokens, per_program)
+    programs, per_program = _runs(tokens, y.device)
     grad = torch.empty(y.shape, dtype=torch.float32, device=y.device)
     parts = torch.empty(programs, d, dtype=torch.float32, device=y.device) if gain_grad else grad
     with torch.cuda.device_of(y):
         _norm_bwd_kernel[(programs,)](
-            y, gain, grad_normed.contiguous(), grad if grad_y is None else grad_y.contiguous(), grad, parts, tokens,
-            per_program, d, norm_eps, ADD=grad_y is not None, GAIN_GRAD=gain_grad,
-            BLOCK_D=triton.next_power_of_2(d), num_warps=min(16, max(4, triton.next_power_of_2(d) // 256)),
+            y, gain, grad_normed.contiguous(), grad_y.contiguous(), grad, parts, tokens, per_program, d, norm_eps,
+            GAIN_GRAD=gain_grad, **_norm_blocks(d),
         )
     return grad, sum_parts(parts, gain.dtype) if gain_grad else None
+
+
+def _norm_blocks(d):
+    """The norm's backward: a token's row in one block, and warps enough that it stays in registers."""
+    block = triton.next_power_of_2(d)
+    return dict(BLOCK_D=block, num_warps=min(16, max(4, block // 256)))
 
 
 def _value(v_scale):
@@ -331,6 +334,12 @@ def _aligned(n):
 def _tap_strides(taps):
     """The readout taps' `(1, d, d_v)` strides along d and d_v, as the kernels take them (0 without a readout)."""
     return dict(zip(("tap_stride_d", "tap_stride_v"), (0, 0) if taps is None else taps.stride()[1:]))
+
+
+def _runs(tokens, device):
+    """(programs, tokens per program) of a backward over runs of consecutive tokens (`_programs` of them at most)."""
+    per_program = triton.cdiv(tokens, _programs(tokens, device))
+    return triton.cdiv(tokens, per_program), per_program
 
 
 def _programs(tokens, device):
@@ -351,9 +360,7 @@ def _seam_gradients(ctx, saved, grad_out, grad_read=None):
     grad_u = torch.empty_like(u) if ctx.u_kind == 0 else grad_c  # (not written otherwise)
     weights = (gate_weight, gate_bias, value_weight, value_bias) + ((taps,) if read else ())
     needs = ctx.needs_input_grad[4 : 4 + len(weights)]
-    programs = _programs(tokens, x.device)
-    per_program = triton.cdiv(tokens, programs)
-    programs = triton.cdiv(tokens, per_program)
+    programs, per_program = _runs(tokens, x.device)
     width = d + d * dv + dv + 1 + (d * dv if read else 0)  # [w | W_v | b_v | b | taps]
     if any(needs):  # (one allocation, fp32: dz `(N,)`, dy `(N, d_v)`, the write `(N, d_v)`, the partial rows; each
         # part 64-byte aligned, as a tensor of its own would be, so that any token count compiles one variant)
