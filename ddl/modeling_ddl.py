@@ -281,9 +281,9 @@ class DDLDeltaResidual(nn.Module):
     def _reads_ahead(self, compressor, state, plan, slot):
         """Whether a kernel may make `compressor`'s readout of X_next in this seam's pass: no user hook here, the
         compressor `_unseen`, and, TC, no tokens before (no padding or packed documents; nothing in window `slot`)."""
-        return (plan.reads_ahead and self.mode != "additive" and not user_hooks(self)
+        return (plan.reads_ahead and self.mode != "additive"
                 and kernel("delta_residual_readout", plan.implementation, state.device) is not None
-                and self._unseen(compressor, state.device)
+                and not user_hooks(self) and self._unseen(compressor, state.device)
                 and (compressor.kind != "tc" or plan.padding is plan.documents is None and (
                     plan.cache is None or not plan.cache.has_previous_state(compressor.layer_idx, slot))))
 
