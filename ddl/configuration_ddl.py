@@ -129,8 +129,7 @@ class DDLConfig(LlamaConfig):
             `"triton"`, `"torch"` or `"reference"` (`ddl.ops` says what each runs); None = `ddl.ops`' default.
 
     Read from these (properties, never stale): `layer_types` marks the layers whose cache also holds token-conv
-    histories (`"hybrid"`), `number_of_conv_states` how many, for `generate()`'s cache.
-    """
+    histories (`"hybrid"`), `number_of_conv_states` how many, for `generate()`'s cache."""
 
     model_type = "ddl"
     keys_to_ignore_at_inference = ["cache"]

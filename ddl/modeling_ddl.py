@@ -1,8 +1,7 @@
 """Deep Delta Learning (DDL) language model (Zhang, Liu, Wang, Gu, 2026, arXiv 2601.00417): Llama's architecture
 with each residual addition of a decoder layer a delta update of the residual state. Attention, MLP, RMSNorm and
 rotary embeddings are transformers' Llama modules (Llama's parameter names, attention backends and caches); the
-defaults are the authors' (docs/faithfulness.md). The operations are specified in `ddl.reference` and run by
-`ddl.ops`; the cache windows come first, then Llama's order."""
+defaults are the authors' (docs/faithfulness.md). Operations: specified in `ddl.reference`, run by `ddl.ops`."""
 
 import math
 import weakref
@@ -24,7 +23,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
-from transformers.utils import can_return_tuple, logging
+from transformers.utils import can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
@@ -35,17 +34,14 @@ from .packing import Documents, Padding, check_documents_start, find_documents
 from .reference import constant_value, delta_gate, delta_value
 
 
-logger = logging.get_logger(__name__)
-
 # beta = 2 sigmoid(b) can only reach 0 or 2 in the limit; the bias for beta_init in {0, 2} is clamped to this logit.
 _MAX_GATE_LOGIT = 9.21
 
 
 @dataclass
 class BatchPlan:
-    """What one forward's DDL operations need beside their tensors, made once by `DDLModel.forward`: the generation
-    cache (token windows), the batch's padding and packed documents (`packing`), the implementation that runs
-    (`ops`), the state rebuild (or None), and whether a seam may make the next sublayer's input itself."""
+    """What one forward's DDL operations need beside their tensors, made once by `DDLModel.forward`: the cache (token
+    windows), padding, packed documents (`packing`), implementation (`ops`), state rebuild, whether kernels may fuse."""
 
     implementation: str
     cache: Cache | None = None
@@ -220,6 +216,13 @@ def user_hooks(module):
     return any(not getattr(hook, "__module__", "").startswith(_LIBRARIES) for hook in hooks)
 
 
+def unseen(module, device):
+    """A kernel may do `module`'s work in another's pass: no hook of any kind on it (DeepSpeed's gathering too) or on
+    every module, and its weights on `device`."""
+    hooks = module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks
+    return not any(hooks) and not user_hooks(module) and all(p.device == device for p in module.parameters())
+
+
 class DDLDeltaResidual(nn.Module):
     r"""One sublayer's residual seam: the gate beta, the target v, and the delta update (`reference.delta_residual`).
 
@@ -228,13 +231,11 @@ class DDLDeltaResidual(nn.Module):
                                                      constant ddl_v_constant, with no value projection)
         X   <- X + beta k (v^T - k^T X),  k = h / sqrt(|h|^2 + eps^2)
 
-    c is the normalised sublayer input, u the value input (`ddl_value_input`: x_in or c); `additive` computes X + h.
-    """
+    c is the normalised sublayer input, u the value input (`ddl_value_input`: x_in or c); `additive` computes X + h."""
 
     def __init__(self, config: DDLConfig):
         super().__init__()
-        self.config = config
-        self.mode = config.ddl_residual
+        self.config, self.mode = config, config.ddl_residual
         self.value_from_state = config.ddl_value_input == "state"
         self.v_scale, self.k_eps, self.v_constant = config.ddl_v_sigmoid_scale, config.ddl_k_eps, config.ddl_v_constant
         d, dv, hb = config.hidden_size, config.ddl_value_channels, config.ddl_beta_hidden_size
@@ -254,9 +255,9 @@ class DDLDeltaResidual(nn.Module):
         """(X_next, the next sublayer's input[, its `norm` or None]) for the state X, the sublayer output h, its
         normalised input c (`context`) and input x_in: the next input is `read_next`'s readout of X_next (its cache
         `slot`) or X_next; a kernel makes it (and a hook-free norm) in the update's pass where it can (`ops`)."""
-        readout = plan.readout_weight(read_next) if read_next is not None and self._reads_ahead(
-            read_next, state, plan, slot) else None
-        fuse = readout is not None and type(norm) is LlamaRMSNorm and self._unseen(norm, state.device)
+        readout = plan.readout_weight(read_next) if read_next is not None and self.mode != "additive" and (
+            read_next.fusable("delta_residual_readout", plan, slot, state.device) and not user_hooks(self)) else None
+        fuse = readout is not None and type(norm) is LlamaRMSNorm and unseen(norm, state.device)  # (not a subclass)
         weights = [getattr(self, name, None) for name in ("beta_weight", "beta_bias", "value_weight", "value_bias")]
         with plan.saving():
             out = delta_residual(state, h, context, x_in if self.value_from_state else context, *weights,
@@ -265,27 +266,13 @@ class DDLDeltaResidual(nn.Module):
                                  norm=(norm.weight, norm.variance_epsilon) if fuse else None,
                                  implementation=plan.implementation)
         out, made, normed = (out, None, None) if readout is None else out if fuse else (*out, None)
-        if made is not None and read_next.kind == "tc":  # (the window it read from zeros, for the next tokens)
-            cached_window(out, read_next.conv_weight.shape[0], plan.cache, read_next.layer_idx, slot)
+        if made is not None:  # (TC's window, read from zeros, for the next tokens; CC has none)
+            cached_window(out, readout.shape[0], plan.cache, read_next.layer_idx, slot)
         if plan.rebuild is not None:
             plan.rebuild.push(state, out, h)
-        following = out if read_next is None else made if made is not None else read_next(out, plan, slot)
-        return (out, following) if norm is None else (out, following, normed)
-
-    @staticmethod
-    def _unseen(module, device):
-        """No hook of any kind on `module` (user code's, DeepSpeed's gathering) and its weights on `device` (here)."""
-        hooks = module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks
-        return not any(hooks) and all(p.device == device for p in module.parameters())
-
-    def _reads_ahead(self, compressor, state, plan, slot):
-        """Whether a kernel may make `compressor`'s readout of X_next in this seam's pass: no user hook here, the
-        compressor `_unseen`, and, TC, no tokens before (no padding or packed documents; nothing in window `slot`)."""
-        return (plan.reads_ahead and self.mode != "additive"
-                and kernel("delta_residual_readout", plan.implementation, state.device) is not None
-                and not user_hooks(self) and self._unseen(compressor, state.device)
-                and (compressor.kind != "tc" or plan.padding is plan.documents is None and (
-                    plan.cache is None or not plan.cache.has_previous_state(compressor.layer_idx, slot))))
+        if read_next is not None and made is None:  # (TC, or no kernel: the compressor reads, with the norm if it may)
+            made, normed = read_next.read_normed(out, plan, slot, norm if fuse else None)
+        return (out, out if read_next is None else made) + (() if norm is None else (normed,))
 
     def _gate_hidden(self):
         return (self.beta_hidden_weight, self.beta_hidden_bias) if self.gate_is_mlp else None
@@ -330,6 +317,25 @@ class DDLCompressor(nn.Module):
             return self.conv_weight * self.read
         cc = self.weight if self.kind == "cc_matrix" else folded_conv_read(self.conv_weight, self.read, implementation)
         return cc.unsqueeze(0)
+
+    def fusable(self, op, plan, slot, device):
+        """Whether kernel `op` (the seam's, or the readout's with the norm) may make this readout: it is there, this is
+        `unseen`, no hook on DDLModel, no token before (CC; TC without padding, documents or `slot`'s cached window)."""
+        return (plan.reads_ahead and kernel(op, plan.implementation, device) is not None and unseen(self, device) and (
+            self.kind != "tc" or plan.padding is plan.documents is None and (
+                plan.cache is None or not plan.cache.has_previous_state(self.layer_idx, slot))))
+
+    def read_normed(self, state, plan, slot, norm=None):
+        """(x_in, `norm`(x_in)) where one kernel makes both (`fusable`, a LlamaRMSNorm `unseen`), else (x_in, None)."""
+        if type(norm) is LlamaRMSNorm and self.fusable("token_readout_norm", plan, slot, state.device) and unseen(
+                norm, state.device):
+            with plan.saving():
+                made = token_readout(state, weight := plan.readout_weight(self), implementation=plan.implementation,
+                                     norm=(norm.weight, norm.variance_epsilon))
+            if made is not None:  # (TC: the window it read from zeros, kept for the next tokens)
+                cached_window(state, weight.shape[0], plan.cache, self.layer_idx, slot)
+                return made
+        return self(state, plan, slot), None
 
     def forward(self, state, plan=None, slot=None):
         """x_in `(B, T, d)`: the readout of the state (TC: over the tokens, with the cache's window in `slot`)."""
@@ -423,8 +429,9 @@ class DDLDecoderLayer(GradientCheckpointingLayer):
             choose(self.config.ddl_implementation), cache)
         read_attn, read_mlp = self.compressor("attn"), self.compressor("mlp")
         # Self Attention: on the state's readout x_in (the state itself at d_v = 1)
-        x_in = hidden_states if read_attn is None else read_attn(hidden_states, plan, self.cache_slots["attn"])
-        context = self.input_layernorm(x_in)
+        x_in, context = (hidden_states, None) if read_attn is None else read_attn.read_normed(
+            hidden_states, plan, self.cache_slots["attn"], self.input_layernorm)
+        context = self.input_layernorm(x_in) if context is None else context  # (or the readout's kernel made it)
         h, _ = self.self_attn(hidden_states=context, attention_mask=attention_mask, position_ids=position_ids,
                               cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
         hidden_states, x_in, context = self.attn_delta(hidden_states, h, context, x_in, plan, read_mlp,
@@ -447,8 +454,7 @@ class DDLModelOutputWithPast(BaseModelOutputWithPast):
     r"""
     expanded_states (`tuple(torch.FloatTensor)`, *optional*, returned when `output_expanded_states=True`):
         The full DDL state after every block, unread, `(B, T, d_v, d)` (`(B, T, d)` when d_v = 1), from `DDLModel`
-        (`model.model(...)` under a head); `hidden_states` holds their `(B, T, d)` readouts.
-    """
+        (`model.model(...)` under a head); `hidden_states` holds their `(B, T, d)` readouts."""
 
     expanded_states: tuple[torch.FloatTensor, ...] | None = None
 
@@ -666,11 +672,11 @@ class DDLModel(DDLPreTrainedModel):
                                           cache=cache, use_cache=use_cache, plan=plan, **kwargs)
             if record:
                 self.state_readout(inputs_embeds if i == 0 else None, hidden_states, readout, plan)
-        if readout is not None:
-            hidden_states = readout(hidden_states, plan, self.readout_slot)  # (B, T, d)
+        hidden_states, normed = (hidden_states, None) if readout is None else readout.read_normed(  # (B, T, d)
+            hidden_states, plan, self.readout_slot, self.norm)
         if plan.rebuild is not None:
             plan.rebuild.end()
-        hidden_states = self.norm(hidden_states)
+        hidden_states = self.norm(hidden_states) if normed is None else normed
         return DDLModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
 
 

@@ -7,8 +7,7 @@ of `DDLConfig.ddl_implementation` runs:
     "torch", "reference"   the specifications everywhere (PyTorch; two names for one path)
 
 The process default is "auto", or the environment's `DDL_IMPLEMENTATION`. No kernel runs inside a trace (torch.compile
-fuses the specification itself); each is tested against it on outputs and gradients (tests/test_*kernel*.py).
-"""
+fuses the specification itself); each is tested against it on outputs and gradients (tests/test_*kernel*.py)."""
 
 import os
 
@@ -83,9 +82,12 @@ def delta_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias,
     return out if norm is None else (*out, None)
 
 
-def token_readout(x, weight, history=None, implementation="auto"):
+def token_readout(x, weight, history=None, implementation="auto", norm=None):
     r"""A compressor's readout `(B, T, d)` (`reference.causal_token_readout`; CC: one tap) of the state x
-    `(B, T, d_v, d)` by weight `(K, d, d_v)`, after history `(B, K-1, d_v, d)` or None (zeros)."""
+    `(B, T, d_v, d)` by weight `(K, d, d_v)`, after history `(B, K-1, d_v, d)` or None (zeros); with the next
+    LlamaRMSNorm's `norm` (gain, eps) and no history, (y, its norm) where a kernel makes both in one pass, else None."""
+    if norm is not None:
+        return _fast("token_readout_norm", implementation, x.device, x, weight.transpose(1, 2), *norm)
     return _convolve("token_readout", reference.causal_token_readout, x, weight, history, implementation)
 
 

@@ -6,8 +6,7 @@ r"""Packed and padded batches: where DDL's token convolutions (EC, TC) restart (
 
 **Padded batches** (`Padding`): left padding (`generate`'s) is zeroed, the zeros a sequence starts from; padding
 elsewhere is compacted (real tokens moved together after the history, convolved, read back; the cache keeps the
-row's last real inputs, so decoding continues them).
-"""
+row's last real inputs, so decoding continues them)."""
 
 import torch
 import torch.nn.functional as F

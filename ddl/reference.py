@@ -7,8 +7,7 @@ faster path (ddl_kernels' C++ and Triton, chosen in `ddl.ops`) is tested against
 - `causal_token_conv` (EC), `causal_token_readout` (TC; CC its one-tap case): the expanded state's token convolutions.
 - `folded_conv_read`: CC's conv and read vector as the one matrix its readout applies.
 
-The state X is `(B, T, d)` for d_v = 1 and `(B, T, d_v, d)` (d_v rows of contiguous d) for the expanded state.
-"""
+The state X is `(B, T, d)` for d_v = 1 and `(B, T, d_v, d)` (d_v rows of contiguous d) for the expanded state."""
 
 import torch
 import torch.nn.functional as F
@@ -32,8 +31,7 @@ def delta_update(x, h, v=None, beta=None, mode="delta", k_eps=1e-5):
         v: `(B, T, d_v)`, the target value (unused by `additive`).
         beta: `(B, T, 1)`, the gate in [0, 2] (unused by `additive`).
     Returns X_next like `x`. k, k^T X and beta (v - k^T X) are in fp32 (as the authors' code, for bf16/fp16); the
-    state and the rank-1 write stay in the model dtype.
-    """
+    state and the rank-1 write stay in the model dtype."""
     scalar_state = x.dim() == h.dim()
     if mode == "additive":
         return x + (h if scalar_state else h.unsqueeze(-2))
@@ -57,8 +55,7 @@ def delta_gate(c, weight, bias, hidden_weight=None, hidden_bias=None):
 
     With `hidden_weight` `(H, d)` and `hidden_bias` `(H,)` (or None: no hidden bias, as the authors' gate), the
     two-layer gate 2 sigmoid(w . tanh(W_1 c + b_1) + b).
-    c: `(B, T, d)`, the normalised sublayer input; weight: `(d,)` (or `(H,)`); bias: `(1,)`.
-    """
+    c: `(B, T, d)`, the normalised sublayer input; weight: `(d,)` (or `(H,)`); bias: `(1,)`."""
     acc = torch.promote_types(c.dtype, torch.float32)  # fp32 at least (fp64 stays fp64)
     c = c.to(acc)
     if hidden_weight is not None:
@@ -69,8 +66,7 @@ def delta_gate(c, weight, bias, hidden_weight=None, hidden_bias=None):
 def delta_value(u, weight, bias, scale=4.0):
     r"""The target v = scale sigmoid(W_v u + b_v) in (0, scale), or W_v u + b_v when `scale` is None: `(B, T, d_v)`.
 
-    u: `(B, T, d)`, the value input; weight: `(d_v, d)`; bias: `(d_v,)`.
-    """
+    u: `(B, T, d)`, the value input; weight: `(d_v, d)`; bias: `(d_v,)`."""
     v = _project(u, weight, bias)
     return v if scale is None else scale * torch.sigmoid(v)
 
@@ -103,8 +99,7 @@ def delta_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias,
 
     x: the state X; h: the sublayer output; c: the normalised sublayer input; u: the value input (c, or the
     un-normalised sublayer input x_in); `gate_hidden`: `(W_1, b_1)` of a two-layer gate (b_1 may be None), or None;
-    `v_constant`: a fixed target instead of `delta_value` (then `value_weight`/`value_bias` are None).
-    """
+    `v_constant`: a fixed target instead of `delta_value` (then `value_weight`/`value_bias` are None)."""
     if mode == "additive":
         return delta_update(x, h, mode=mode)
     beta = delta_gate(c, gate_weight, gate_bias, *(gate_hidden or ()))
@@ -138,8 +133,7 @@ def causal_token_conv(x, weight, history=None):
         y[t, j, i] = sum_s weight[s, i, j] * x[t - (K - 1) + s, i]
 
     x: `(B, T, d)`; weight: `(K, d, d_v)`, tap K-1 is the current token; history: `(B, K-1, d)`, the inputs
-    before x (zeros at the start of a sequence). Returns the state layout `(B, T, d_v, d)`.
-    """
+    before x (zeros at the start of a sequence). Returns the state layout `(B, T, d_v, d)`."""
     kernel, seq_len = weight.shape[0], x.shape[1]
     full = _causal_window(x, kernel, history).unsqueeze(-2)  # (B, K-1+T, 1, d)
     weight = weight.transpose(1, 2).contiguous()  # (K, d_v, d): a tiny copy, so every product runs along d
@@ -155,8 +149,7 @@ def causal_token_readout(x, weight, history=None):
         y[t, i] = sum_j sum_s weight[s, i, j] * x[t - (K - 1) + s, j, i]      (weight = conv taps c * read r)
 
     x: `(B, T, d_v, d)`; weight: `(K, d, d_v)`; history: `(B, K-1, d_v, d)` or None (zeros). Returns `(B, T, d)`.
-    CC is the one-tap case (K = 1, weight = w). Products and sums in at least fp32.
-    """
+    CC is the one-tap case (K = 1, weight = w). Products and sums in at least fp32."""
     kernel, seq_len = weight.shape[0], x.shape[1]
     full = x if history is None else torch.cat([history, x], dim=1)  # (B, H+T, d_v, d), H = 0 or K-1
     length, weight = full.shape[1], weight.transpose(1, 2).contiguous()  # (K, d_v, d), like the state

@@ -8,7 +8,7 @@ serves them. One folder per operation:
     residual/   the residual seam (gate, value and delta update, and optionally the next compressor's readout of the
                 new state, and in Triton that readout's RMSNorm): C++ for CPU, Triton for CUDA
     readout/    the TC readout of the expanded state (CC: one tap) and a decoding step's window step: C++; Triton
-                (and CC's folded readout matrix: Triton)
+                (and CC's folded readout matrix, and the readout with the next RMSNorm: Triton)
     conv/       EC, the embedding convolution, and a decoding step's EC from the cached window: C++; Triton
     build.py    loading the C++ kernels the install built (`python -m ddl_kernels.build` builds them again)
 
@@ -34,6 +34,8 @@ import torch.utils.checkpoint
 #   delta_residual_readout_norm(..., readout, gain, norm_eps) -> (X_next, y, RMSNorm(y)) with the next sublayer's
 #       RMSNorm (LlamaRMSNorm's) of y made in the same pass, or both None where y is not (added as folded_conv_read
 #       was)
+#   token_readout_norm(x, taps, gain, norm_eps) -> (y, RMSNorm(y)): token_readout, and the next sublayer's RMSNorm
+#       (LlamaRMSNorm's) of y made in the same pass (added as folded_conv_read was)
 INTERFACE_VERSION = 3
 
 
@@ -62,6 +64,7 @@ def implementations():
         found["delta_residual_readout"]["cuda"] = residual_triton.RUN
         found["delta_residual_readout_norm"] = {"cuda": residual_triton.RUN}
         found["token_readout"]["cuda"] = readout_triton.RUN
+        found["token_readout_norm"] = {"cuda": readout_triton.NORM}
         found["window_step"]["cuda"] = readout_triton.STEP
         found["token_conv"]["cuda"] = conv_triton.RUN
         found["conv_step"]["cuda"] = conv_triton.STEP

@@ -32,7 +32,8 @@ def variants(d, dv):
     warps, scalar_warps = {"num_warps": blocks.pop("num_warps")}, {"num_warps": scalar.pop("num_warps")}
     back_warps = {"num_warps": residual._blocks(d, dv, backward=True)["num_warps"]}
     window = readout._tiles(d, dv)[1]
-    norm = residual._norm_blocks(d)
+    norm, row = readout._norm_blocks(d), readout.row_tile(d, dv, more=2)
+    row_warps = {"num_warps": row.pop("num_warps")}
     norm_warps = {"num_warps": norm.pop("num_warps")}
     fp32_out = {"gz_ptr", "gy_ptr", "write_ptr", "part_ptr"}
     return [
@@ -46,7 +47,7 @@ def variants(d, dv):
         *[(residual._seam_bwd_kernel, "bf16", fp32_out,
            dict(ERASE=True, U_KIND=kind, SIGMOID=True, READ=read, WEIGHT_GRADS=True, **blocks), back_warps)
           for kind, read in ((0, False), (0, True), (1, False))],
-        # after the next RMSNorm's backward (residual._norm_gradients), the readout's gradient comes in fp32
+        # after the next RMSNorm's backward (readout._norm_gradients), the readout's gradient comes in fp32
         (residual._seam_bwd_kernel, "bf16", fp32_out | {"grad_read_ptr"},
          dict(ERASE=True, U_KIND=0, SIGMOID=True, READ=True, WEIGHT_GRADS=True, **blocks), back_warps),
         # u is the state only where d_v = 1: its own tile, no readout
@@ -54,16 +55,20 @@ def variants(d, dv):
          dict(ERASE=True, U_KIND=2, SIGMOID=True, READ=False, WEIGHT_GRADS=True, **scalar), scalar_warps),
         (residual._seam_bwd_kernel, "fp32", fp32_out,
          dict(ERASE=False, U_KIND=2, SIGMOID=False, READ=False, WEIGHT_GRADS=False, **scalar), scalar_warps),
-        *[(residual._norm_bwd_kernel, "bf16", {"out_ptr", "part_ptr"}, dict(GAIN_GRAD=gain, **norm), norm_warps)
+        *[(readout._norm_bwd_kernel, "bf16", {"out_ptr", "part_ptr"}, dict(GAIN_GRAD=gain, **norm), norm_warps)
           for gain in (True, False)],
         # an fp32 gain with a bf16 readout (the normed output, and its gradient, in fp32)
-        (residual._norm_bwd_kernel, "bf16", {"gain_ptr", "grad_normed_ptr", "out_ptr", "part_ptr"},
+        (readout._norm_bwd_kernel, "bf16", {"gain_ptr", "grad_normed_ptr", "out_ptr", "part_ptr"},
          dict(GAIN_GRAD=True, **norm), norm_warps),
         (readout._sum_parts_kernel, "bf16", {"part_ptr"}, dict(BLOCK=1024), {}),
         (readout._fold_kernel, "bf16", set(), dict(K=4, PAD=1, BLOCK_D=readout._FOLD_BLOCK, BLOCK_V=4), {}),
         (readout._fold_grads_kernel, "bf16", set(), dict(K=4, PAD=1, BLOCK_D=readout._FOLD_BLOCK, BLOCK_V=4), {}),
-        (readout._window_kernel, "bf16", set(), dict(READ=True, K=4, **window), {}),
-        (readout._window_kernel, "bf16", set(), dict(READ=False, K=4, **window), {}),
+        (readout._window_kernel, "bf16", set(), dict(READ=True, NORM=False, K=4, **window), {}),
+        (readout._window_kernel, "bf16", set(), dict(READ=False, NORM=False, K=4, **window), {}),
+        # the readout with the next RMSNorm: a token's whole row a program (TC's 4 taps, CC's 1), and an fp32 gain
+        *[(readout._window_kernel, dtype, set(), dict(READ=True, NORM=True, K=k, **row), row_warps)
+          for dtype, k in (("bf16", 4), ("bf16", 1), ("fp32", 4))],
+        (readout._window_kernel, "bf16", {"gain_ptr", "normed_ptr"}, dict(READ=True, NORM=True, K=4, **row), row_warps),
         (readout._step_kernel, "bf16", set(), dict(READ=True, K=4, **window), {}),
         (readout._step_kernel, "bf16", set(), dict(READ=False, K=4, **window), {}),
         *[(readout._window_grads_kernel, "bf16", {"part_ptr"}, dict(READ=read, GRAD_X=True, GRAD_TAPS=True, K=4,

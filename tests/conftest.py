@@ -158,19 +158,21 @@ def triton_on_cpu(monkeypatch, operations=("delta_residual", "token_readout", "t
     pytest.importorskip("triton")
     from ddl import ops
     from ddl_kernels import fallible, serving
-    from ddl_kernels.readout.triton import fold, token_window
+    from ddl_kernels.readout.triton import fold, readout_and_norm, token_window
     from ddl_kernels.residual import triton as residual
 
     runs = {"delta_residual": ("Triton residual seam", residual.run),
             "delta_residual_readout": ("Triton residual seam", residual.run),
             "delta_residual_readout_norm": ("Triton residual seam", residual.run),
             "token_readout": ("Triton readout", lambda x, taps: token_window(x, taps, read=True)),
+            "token_readout_norm": ("Triton readout and RMSNorm", readout_and_norm),
             "token_conv": ("Triton EC", lambda x, taps: token_window(x, taps, read=False)),
             "folded_conv_read": ("Triton CC fold", fold)}
     ops.kernel("delta_residual", "auto", torch.device("cpu"))  # (fills ops' table of installed kernels)
-    for op in runs:  # (the C++ kernels' place, where there is one: these, or none; the seam with its readout too)
+    for op in runs:  # (the C++ kernels' place, where there is one: these, or none; each with its readout or norm too)
         name, run = runs[op]
-        served = op in operations or op.startswith("delta_residual_readout") and "delta_residual" in operations
+        served = op in operations or any(op.startswith(f"{base}_") and base in operations
+                                         for base in ("delta_residual", "token_readout"))
         cpu = serving(lambda *args: args[0].dtype != torch.float64, fallible(name, run)) if served else (
             lambda *args: None)
         monkeypatch.setitem(ops._installed, op, {**ops._installed.get(op, {}), "cpu": cpu})

@@ -384,7 +384,7 @@ def test_triton_seam_backward_in_runs_of_tokens(programs, dv, value_input, monke
     rows are added: with 22 tokens in 1 run, in 3 (8, 8 and a shorter last) or in 8, every gradient is the
     specification's."""
     residual = _triton("residual")
-    monkeypatch.setattr(residual, "_programs", lambda tokens, device: min(tokens, programs))
+    monkeypatch.setattr(_triton("readout"), "_programs", lambda tokens, device: min(tokens, programs))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = seeded(11)
     shape = (2, 11) + ((dv,) if dv > 1 else ()) + (40,)
@@ -427,7 +427,7 @@ def test_triton_seam_with_the_next_readout_matches_reference(programs, dv, dtype
     if 9 in frozen and not norm:
         pytest.skip("no gain without the norm")
     residual = _triton("residual")
-    monkeypatch.setattr(residual, "_programs", lambda tokens, device: min(tokens, programs))
+    monkeypatch.setattr(_triton("readout"), "_programs", lambda tokens, device: min(tokens, programs))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = seeded(dv + programs)
     inputs = [torch.randn(2, 11, dv, 40, generator=g)] + [torch.randn(2, 11, 40, generator=g) for _ in range(3)]
@@ -507,6 +507,40 @@ def test_the_rmsnorm_after_a_seam_is_made_by_the_seam_unless_a_hook_is_on_it(hoo
     assert not any(normed) and len(seen) == model.config.num_hidden_layers
     for got, expected in zip(hooked, fused):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("compressor, hook", [("cc", None), ("tc", None), ("tc", "norm-forward"),
+                                              ("cc", "norm-backward"), ("tc", "compressor")])
+def test_a_readouts_rmsnorm_is_made_by_its_kernel_unless_a_hook_is_on_either(compressor, hook, monkeypatch):
+    """Under "triton" (through the interpreter), a readout no seam made ahead (each block's attention input, TC's MLP
+    input too, the final readout) comes with its sublayer's RMSNorm from one kernel; a forward or backward hook on
+    the norms, or a forward hook on the compressors, leaves the norm to its module (each hook fires once a norm or
+    readout): the loss and every gradient equal the specification's either way."""
+    import ddl_kernels
+
+    monkeypatch.setattr(ddl_kernels, "_failed", set())
+    windows = _triton("readout")
+    fused, readout_and_norm = [], windows.readout_and_norm
+    monkeypatch.setattr(windows, "readout_and_norm", lambda *args: fused.append(1) or readout_and_norm(*args))
+    triton_on_cpu(monkeypatch)
+    models = {}
+    for name, impl in (("reference", "reference"), ("fused", "triton")):
+        torch.manual_seed(0)
+        models[name] = trained_looking(DDLForCausalLM(tiny_config(ddl_implementation=impl,
+                                                                  ddl_compressor=compressor)))
+    model, layers, seen = models["fused"].model, models["fused"].model.layers, []
+    norms = [model.norm] + [layer.input_layernorm for layer in layers] + (
+        [layer.post_attention_layernorm for layer in layers] if compressor == "tc" else [])
+    for module in norms if hook and hook.startswith("norm") else [model.readout, *(
+        layer.compress for layer in layers)] if hook else []:
+        if hook == "norm-backward":
+            module.register_full_backward_hook(lambda module, grad_in, grad_out: seen.append(module))
+        else:
+            module.register_forward_hook(lambda module, args, out: seen.append(module))
+    assert_same_loss_and_gradients(models, torch.randint(3, 99, (2, 8), generator=seeded(1)), grad_atol=1e-5)
+    assert not ddl_kernels._failed
+    assert len(fused) == (0 if hook else len(norms))
+    assert len(seen) == (0 if hook is None else len(norms) if hook.startswith("norm") else 1 + 2 * len(layers))
 
 
 @pytest.mark.parametrize("checkpointing, failing_backward", [(False, False), (True, False), (True, True)],
@@ -696,6 +730,51 @@ def test_triton_token_convolutions_backward_with_either_input_frozen(kind, froze
         assert fast[-1].stride() == taps.stride()
 
 
+@pytest.mark.parametrize("kernel, dv, d, frozen", [
+    (4, 4, 40, ()), (1, 4, 200, ()), (3, 3, 130, ()), (4, 4, 40, (0,)), (4, 4, 40, (1,)), (4, 4, 40, (2,)),
+    (4, 4, 40, (1, 2))], ids=["tc", "cc", "k3-dv3-wide", "state-frozen", "taps-frozen", "gain-frozen", "weights-frozen"])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
+def test_triton_readout_with_the_next_rmsnorm_matches_reference(kernel, dv, d, frozen, dtype, tol, monkeypatch):
+    """The readout without history (TC's K taps, CC's one) and the next sublayer's RMSNorm of it in one launch, a
+    program per token holding the whole row (d up to the next power of 2, masked past d): y, the normed y and every
+    gradient (the state's through y's own use and the norm, the taps', the gain's) equal the specification's
+    (`causal_token_readout`, then transformers' LlamaRMSNorm) in fp64, and a frozen input gets none."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    windows = _triton("readout")
+    monkeypatch.setattr(windows, "_CHUNK", 4)  # (9 tokens: the taps' gradient in 3 chunks, the last partial)
+    monkeypatch.setattr(windows, "_programs", lambda tokens, device: min(tokens, 5))  # (the norm's: runs of 4)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = seeded(kernel * 100 + d)
+    inputs = [torch.randn(2, 9, dv, d, generator=g), torch.randn(kernel, d, dv, generator=g),
+              1 + 0.3 * torch.randn(d, generator=g)]
+    upstream = [torch.randn(2, 9, d, generator=g, dtype=torch.float64) for _ in range(2)]
+
+    def spec(x, weight, gain):
+        rms = LlamaRMSNorm(d, eps=1e-6).to(device=device, dtype=gain.dtype)
+        rms.weight = gain  # (the leaf itself: its gradient is the one compared)
+        y = causal_token_readout(x, weight)
+        return y, rms(y)
+
+    def fast(x, weight, gain):
+        return windows.readout_and_norm(x, weight.transpose(1, 2), gain, 1e-6)  # (a view, as ops gives it)
+
+    results = []
+    for run, cast in ((spec, torch.float64), (fast, dtype)):
+        leaves = [t.to(device=device, dtype=cast).requires_grad_(i not in frozen) for i, t in enumerate(inputs)]
+        leaves[2] = torch.nn.Parameter(leaves[2], requires_grad=2 not in frozen)
+        outs = run(*leaves)
+        assert all(t.dtype == cast and t.shape == (2, 9, d) for t in outs)
+        sum((t.double() * up.to(device)).sum() for t, up in zip(outs, upstream)).backward()
+        results.append([*outs, *(t.grad for t in leaves)])
+    for name, exact, fast_ in zip(("y", "normed", "state", "taps", "gain"), *results):
+        if exact is None:
+            assert fast_ is None, name
+            continue
+        torch.testing.assert_close(fast_.double(), exact, rtol=tol, atol=tol * max(1.0, exact.abs().max().item()),
+                                   msg=name)
+
+
 @pytest.mark.parametrize("d, kernel, dv", [(200, 3, 4), (130, 4, 4), (64, 5, 3), (300, 1, 8), (40, 7, 4)],
                          ids=["k3-dv4", "k4-even", "dv3", "k1", "k7-wider-than-dv"])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
@@ -723,15 +802,16 @@ def test_triton_cc_fold_matches_reference(d, kernel, dv, dtype, tol):
 @pytest.mark.parametrize("overrides", [{}, {"ddl_compressor": "tc"}, {"ddl_cc_kernel_size": 2}],
                          ids=["cc-ec", "tc-ec", "cc-even-kernel"])
 def test_every_triton_kernel_in_a_model_matches_reference(overrides, monkeypatch):
-    """Under "triton" with every Triton kernel serving (the seam, the readouts, EC, CC's fold; through the
-    interpreter), a model's loss and every parameter's gradient equal the specification's; none of them failed (a
-    failing kernel gives way to the specification, which would compare the specification with itself)."""
+    """Under "triton" with every Triton kernel serving (the seam, the readouts and their norms, EC, CC's fold;
+    through the interpreter), a model's loss and every parameter's gradient equal the specification's; none of them
+    failed (a failing kernel gives way to the specification, which would compare the specification with itself)."""
     import ddl_kernels
 
     monkeypatch.setattr(ddl_kernels, "_failed", set())
     residual, windows = _triton("residual"), _triton("readout")
     calls = []
-    for module, name in ((residual, "run"), (windows, "fold"), (windows, "token_window")):
+    for module, name in ((residual, "run"), (windows, "fold"), (windows, "token_window"),
+                         (windows, "readout_and_norm")):
         function = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *args, _f=function, _n=name, **kwargs: calls.append(_n) or _f(
             *args, **kwargs))
@@ -742,7 +822,8 @@ def test_every_triton_kernel_in_a_model_matches_reference(overrides, monkeypatch
         models[name] = trained_looking(DDLForCausalLM(tiny_config(ddl_implementation=impl, **overrides)))
     assert_same_loss_and_gradients(models, torch.randint(3, 99, (2, 8), generator=seeded(1)), grad_atol=1e-5)
     assert not ddl_kernels._failed
-    expected = {"run", "token_window"} | ({"fold"} if overrides.get("ddl_compressor") != "tc" else set())
+    expected = {"run", "token_window", "readout_and_norm"} | (
+        {"fold"} if overrides.get("ddl_compressor") != "tc" else set())
     assert set(calls) == expected, calls
 
 

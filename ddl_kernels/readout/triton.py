@@ -57,21 +57,37 @@ def _window_row(in_ptr, taps, out_ptr, b, t, row, l_src, offset, d, dv, tap_stri
             x = tl.load(in_ptr + (b * l_src + src) * d + cols, mask=(cols < d) & ok, other=0.0)
             acc += w * x.to(tl.float32)[None, :]
     if READ:
-        tl.store(out_ptr + row * d + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=cols < d)
+        out = tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * d + cols, out, mask=cols < d)
     else:
-        tl.store(out_ptr + row * dv * d + tile, acc.to(out_ptr.dtype.element_ty), mask=tile_ok)
+        out = acc.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * dv * d + tile, out, mask=tile_ok)
+    return out
+
+@triton.jit
+def _store_rms_norm(y, gain_ptr, normed_ptr, cols, d, norm_eps):
+    """The RMSNorm of a whole row y (in its storage dtype; 0 past d) as LlamaRMSNorm computes it, gain * (y / sqrt(
+    mean(y^2) + eps)), the normalised row rounded to y's dtype before the gain multiplies it, at normed_ptr + cols."""
+    row = y.to(tl.float32)
+    normal = (row * tl.rsqrt(tl.sum(row * row, axis=0) / d + norm_eps)).to(y.dtype).to(tl.float32)
+    gain = tl.load(gain_ptr + cols, mask=cols < d, other=0.0).to(tl.float32)
+    tl.store(normed_ptr + cols, (gain * normal).to(normed_ptr.dtype.element_ty), mask=cols < d)
 
 @triton.jit
 def _window_kernel(
-    in_ptr, taps_ptr, out_ptr, t_out, l_src, offset, d, dv, tap_stride_k, tap_stride_v, tap_stride_d,
-    READ: tl.constexpr, K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+    in_ptr, taps_ptr, out_ptr, gain_ptr, normed_ptr, t_out, l_src, offset, d, dv, tap_stride_k, tap_stride_v,
+    tap_stride_d, norm_eps, READ: tl.constexpr, NORM: tl.constexpr, K: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
-    """The forward convolution (`_window_row`, causal): one program per output token and block of features."""
+    """The forward convolution (`_window_row`, causal): one program per output token and block of features; NORM (a
+    readout whose block is the whole row): also the next sublayer's RMSNorm of it (`_store_rms_norm`)."""
     row = tl.program_id(0).to(tl.int64)
     cols, tile, tile_ok = _feature_block(d, dv, BLOCK_D, BLOCK_V)
     taps = taps_ptr + tl.arange(0, BLOCK_V)[:, None] * tap_stride_v + cols[None, :] * tap_stride_d
-    _window_row(in_ptr, taps, out_ptr, row // t_out, row % t_out, row, l_src, offset, d, dv, tap_stride_k, cols, tile,
-                tile_ok, READ, K, 1, BLOCK_D, BLOCK_V)
+    out = _window_row(in_ptr, taps, out_ptr, row // t_out, row % t_out, row, l_src, offset, d, dv, tap_stride_k, cols,
+                      tile, tile_ok, READ, K, 1, BLOCK_D, BLOCK_V)
+    if NORM:
+        _store_rms_norm(out, gain_ptr, normed_ptr + row * d, cols, d, norm_eps)
 
 @triton.jit
 def _window_grads_kernel(
@@ -136,6 +152,35 @@ def sum_parts(parts, dtype, out=None):
     with torch.cuda.device_of(parts):
         _sum_parts_kernel[(triton.cdiv(width, 1024),)](parts, out, parts.shape[0], width, BLOCK=1024)
     return out
+
+
+@triton.jit(do_not_specialize=["tokens", "per_program"])
+def _norm_bwd_kernel(
+    y_ptr, gain_ptr, grad_normed_ptr, grad_y_ptr, out_ptr, part_ptr, tokens, per_program, d, norm_eps,
+    GAIN_GRAD: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """The RMSNorm's backward for `per_program` consecutive tokens, in fp32: with n = y r, r = 1/sqrt(mean(y^2) + eps)
+    and dn = gain dL/dnormed, dL/dy = r (dn - n mean(dn n)), plus y's gradient from its other readers; and
+    (GAIN_GRAD) this program's row of dL/dgain = sum over its tokens of dL/dnormed n (n as the forward rounded it)."""
+    first = tl.program_id(0).to(tl.int64) * per_program
+    count = tl.minimum(per_program, tokens - first).to(tl.int32)
+    rows = tl.arange(0, BLOCK_D)
+    row_ok = rows < d
+    gain = tl.load(gain_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    total = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for token in range(count):
+        at = (first + token) * d + rows
+        y = tl.load(y_ptr + at, mask=row_ok, other=0.0).to(tl.float32)
+        inv = tl.rsqrt(tl.sum(y * y, axis=0) / d + norm_eps)
+        grad_normed = tl.load(grad_normed_ptr + at, mask=row_ok, other=0.0).to(tl.float32)
+        dn = grad_normed * gain
+        grad = inv * (dn - y * inv * (tl.sum(dn * y, axis=0) * inv / d))
+        grad += tl.load(grad_y_ptr + at, mask=row_ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + at, grad, mask=row_ok)
+        if GAIN_GRAD:
+            total += grad_normed * (y * inv).to(y_ptr.dtype.element_ty).to(tl.float32)
+    if GAIN_GRAD:
+        tl.store(part_ptr + tl.program_id(0).to(tl.int64) * d + rows, total, mask=row_ok)
 
 
 @triton.jit
@@ -231,16 +276,63 @@ def _tiles(d, dv):
     return triton.cdiv(d, block_d), dict(BLOCK_D=block_d, BLOCK_V=channel_block(dv))
 
 
+def row_tile(d, dv, more=1):
+    """A program's tile that holds a token's whole state (d_v x d) and the warps for it: enough that a program's few
+    fp32 tiles stay in registers, `more` times that for a program that holds more (compiled for sm_90,
+    scripts/triton_sm90.py: the seam's forward with 4 warps keeps d = 1,024 x 4 channels without spilling; the
+    readout with its norm, whose K taps' tiles are loaded at once, spills 56 bytes a thread at d = 768 x 4 with 4
+    warps and none with 8)."""
+    block_d, block_v = triton.next_power_of_2(d), channel_block(dv)
+    return dict(BLOCK_D=block_d, BLOCK_V=block_v, num_warps=min(32, more * min(16, max(4, block_d * block_v // 1024))))
+
+
+def _runs(tokens, device):
+    """(programs, tokens per program) of a backward over runs of consecutive tokens (`_programs` of them at most)."""
+    per_program = triton.cdiv(tokens, _programs(tokens, device))
+    return triton.cdiv(tokens, per_program), per_program
+
+
+def _programs(tokens, device):
+    """How many programs the backward runs (each a run of consecutive tokens, and one row of the weights' partial
+    gradients): a few per multiprocessor on a GPU, so that the partial rows summed after it stay few; 8 elsewhere (the
+    interpreter), so that the tests' few tokens still share programs."""
+    most = torch.cuda.get_device_properties(device).multi_processor_count * 4 if device.type == "cuda" else 8
+    return min(tokens, most)
+
+
+def _norm_gradients(y, gain, norm_eps, grad_normed, grad_y, gain_grad):
+    """dL/dy (fp32: the normed output's share added to y's own, `grad_y`) and dL/dgain (where `gain_grad`, else None)
+    of the RMSNorm a kernel applied to y: two launches, the backward and the sum of its partial rows."""
+    d, tokens = y.shape[-1], y.numel() // y.shape[-1]
+    programs, per_program = _runs(tokens, y.device)
+    grad = torch.empty(y.shape, dtype=torch.float32, device=y.device)
+    parts = torch.empty(programs, d, dtype=torch.float32, device=y.device) if gain_grad else grad
+    with torch.cuda.device_of(y):
+        _norm_bwd_kernel[(programs,)](
+            y, gain, grad_normed.contiguous(), grad_y.contiguous(), grad, parts, tokens, per_program, d, norm_eps,
+            GAIN_GRAD=gain_grad, **_norm_blocks(d),
+        )
+    return grad, sum_parts(parts, gain.dtype) if gain_grad else None
+
+
+def _norm_blocks(d):
+    """The norm's backward: a token's row in one block, and warps enough that it stays in registers."""
+    block = triton.next_power_of_2(d)
+    return dict(BLOCK_D=block, num_warps=min(16, max(4, block // 256)))
+
+
 _CHUNK = 64  # rows per program of the gradients
 
 
-def _window(read, inputs, taps, out, t_out, l_src, offset):
-    """Launch `_window_kernel`: one program per output token and block of features."""
+def _window(read, inputs, taps, out, t_out, l_src, offset, gain=None, normed=None, norm_eps=0.0):
+    """Launch `_window_kernel`: one program per output token and block of features (with a `gain`, a readout's whole
+    row, and its RMSNorm into `normed`)."""
     kernel_size, dv, d = taps.shape
-    feature_blocks, tile = _tiles(d, dv)
+    feature_blocks, tile = (1, row_tile(d, dv, more=2)) if gain is not None else _tiles(d, dv)
     with torch.cuda.device_of(out):
         _window_kernel[(out.shape[0] * t_out, feature_blocks)](
-            inputs, taps, out, t_out, l_src, offset, d, dv, *taps.stride(), READ=read, K=kernel_size, **tile)
+            inputs, taps, out, out if gain is None else gain, out if normed is None else normed, t_out, l_src, offset,
+            d, dv, *taps.stride(), norm_eps, READ=read, NORM=gain is not None, K=kernel_size, **tile)
     return out
 
 
@@ -273,24 +365,52 @@ class _TritonTokenWindow(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, taps = ctx.saved_tensors
-        grad = grad.contiguous()
-        grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
-        grad_taps = _taps_layout(taps) if ctx.needs_input_grad[1] else None
-        (batch, l_src), (kernel_size, dv, d) = x.shape[:2], taps.shape
-        n_chunks = triton.cdiv(max(l_src, ctx.t_out), _CHUNK)
-        feature_blocks, tile = _tiles(d, dv)
-        parts = None if grad_taps is None else torch.empty_strided(
-            (batch * n_chunks, *taps.shape), (kernel_size * dv * d, *grad_taps.stride()), dtype=torch.float32,
-            device=x.device)
-        with torch.cuda.device_of(x):
-            _window_grads_kernel[(batch * n_chunks, feature_blocks)](
-                x, grad, taps, x if grad_x is None else grad_x, x if parts is None else parts, ctx.t_out, l_src,
-                ctx.offset, d, dv, n_chunks, *taps.stride(), *(grad_taps.stride()[1:] if parts is not None else (0, 0)),
-                READ=ctx.read, GRAD_X=grad_x is not None, GRAD_TAPS=parts is not None, K=kernel_size, CHUNK=_CHUNK,
-                **tile)
-        if parts is not None:
-            grad_taps = sum_parts(parts, taps.dtype, out=grad_taps)
-        return grad_x, grad_taps, None, None
+        return *_window_gradients(ctx, x, taps, grad), None, None
+
+
+def _window_gradients(ctx, x, taps, grad):
+    """The gradients of x and the taps (each None where not needed) of a token convolution from its output's, `grad`:
+    two launches, the gradients' kernel and the sum of the taps' partial rows."""
+    grad = grad.contiguous()
+    grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
+    grad_taps = _taps_layout(taps) if ctx.needs_input_grad[1] else None
+    (batch, l_src), (kernel_size, dv, d) = x.shape[:2], taps.shape
+    n_chunks = triton.cdiv(max(l_src, ctx.t_out), _CHUNK)
+    feature_blocks, tile = _tiles(d, dv)
+    parts = None if grad_taps is None else torch.empty_strided(
+        (batch * n_chunks, *taps.shape), (kernel_size * dv * d, *grad_taps.stride()), dtype=torch.float32,
+        device=x.device)
+    with torch.cuda.device_of(x):
+        _window_grads_kernel[(batch * n_chunks, feature_blocks)](
+            x, grad, taps, x if grad_x is None else grad_x, x if parts is None else parts, ctx.t_out, l_src,
+            ctx.offset, d, dv, n_chunks, *taps.stride(), *(grad_taps.stride()[1:] if parts is not None else (0, 0)),
+            READ=ctx.read, GRAD_X=grad_x is not None, GRAD_TAPS=parts is not None, K=kernel_size, CHUNK=_CHUNK,
+            **tile)
+    return grad_x, None if parts is None else sum_parts(parts, taps.dtype, out=grad_taps)
+
+
+class _TritonReadoutNorm(torch.autograd.Function):
+    """A readout without history (`_TritonTokenWindow`'s read) and the next sublayer's RMSNorm of it, `gain` and
+    `norm_eps` (LlamaRMSNorm's), in one launch whose programs each hold a token's whole row: (y, RMSNorm(y)). In
+    backward the norm's gradient joins y's own (`_norm_gradients`, two launches), then the readout's two: the norm's
+    launches each way, and autograd's addition of y's two gradients, become those two (as in the residual seam)."""
+
+    @staticmethod
+    def forward(ctx, x, taps, gain, norm_eps):
+        x = x.contiguous()
+        ctx.t_out, ctx.offset, ctx.read, ctx.norm_eps = x.shape[1], 1 - taps.shape[0], True, norm_eps
+        y = x.new_empty((*x.shape[:2], x.shape[-1]), dtype=torch.promote_types(x.dtype, taps.dtype))
+        normed = torch.empty_like(y, dtype=torch.promote_types(y.dtype, gain.dtype))
+        _window(True, x, taps, y, ctx.t_out, ctx.t_out, ctx.offset, gain.contiguous(), normed, norm_eps)
+        ctx.save_for_backward(x, taps, gain, y)
+        return y, normed
+
+    @staticmethod
+    def backward(ctx, grad_y, grad_normed):
+        refuse_second_derivative("the Triton readout and RMSNorm")  # (its gradients are computed outside autograd)
+        x, taps, gain, y = ctx.saved_tensors
+        grad, grad_gain = _norm_gradients(y, gain, ctx.norm_eps, grad_normed, grad_y, ctx.needs_input_grad[2])
+        return *_window_gradients(ctx, x, taps, grad), grad_gain, None
 
 
 def token_window(x, taps, read):
@@ -301,6 +421,17 @@ def token_window(x, taps, read):
 def serves(x, taps):
     """CUDA, not fp64, `eager`."""
     return x.is_cuda and x.dtype != torch.float64 and eager()
+
+
+def readout_and_norm(x, taps, gain, norm_eps):
+    """`kernels.token_readout_norm`: the readout of x `(B, T, d_v, d)` by taps `(K, d_v, d)`, zeros before the first
+    token, and LlamaRMSNorm (`gain`, `norm_eps`) of it, (y, normed), in one launch each way but the norms'."""
+    return _TritonReadoutNorm.apply(x, taps, gain, float(norm_eps))
+
+
+def norm_serves(x, taps, gain, norm_eps):
+    """As `serves`, the gain on x's device and not fp64 too."""
+    return serves(x, taps) and gain.device == x.device and gain.dtype != torch.float64
 
 
 def _step(read, past, x, weight):
@@ -384,8 +515,10 @@ def fold_serves(conv_weight, read):
 
 
 RUN = serving(serves, fallible("Triton readout", lambda x, taps: token_window(x, taps, read=True)))
+NORM = serving(norm_serves, fallible("Triton readout and RMSNorm", readout_and_norm))
 STEP = serving(step_serves, fallible("Triton window step", window_step))
 FOLD = serving(fold_serves, fallible("Triton CC fold", fold))
 
-__all__ = ["FOLD", "RUN", "STEP", "channel_block", "conv_step", "fold", "fold_serves", "serves", "step_serves",
-           "step_shapes", "sum_parts", "token_window", "window_step"]
+__all__ = ["FOLD", "NORM", "RUN", "STEP", "channel_block", "conv_step", "fold", "fold_serves", "norm_serves",
+           "readout_and_norm", "row_tile", "serves", "step_serves", "step_shapes", "sum_parts", "token_window",
+           "window_step"]

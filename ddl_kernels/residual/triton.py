@@ -6,10 +6,10 @@ stored. The same kernels serve d_v = 1 and every d_v > 1. Given the next compres
 also writes that compressor's readout of X_next, the next sublayer's input, and the backward takes its gradient
 (`run`): the seam returns the state and the next input, as the C++ seam does. Given the next sublayer's RMSNorm too
 (its gain; `delta_residual_readout_norm`), the forward also writes that norm of the readout, the input the sublayer
-itself reads, in LlamaRMSNorm's roundings; in backward `_norm_bwd_kernel` turns the normed output's gradient into the
-readout's (added to the readout's own) and sums the gain's, before the seam's backward takes it: the norm's
-launches each way, and autograd's addition of the readout's two gradients, become those two (as fla's and mamba's
-fused add-norm return the normed input beside the residual).
+itself reads, in LlamaRMSNorm's roundings; in backward the norm's kernel (`readout.triton._norm_gradients`) turns the
+normed output's gradient into the readout's (added to the readout's own) and sums the gain's, before the seam's
+backward takes it: the norm's launches each way, and autograd's addition of the readout's two gradients, become
+those two (as fla's and mamba's fused add-norm return the normed input beside the residual).
 
 Per token, with the gate and value of `reference.delta_residual` (all in fp32, whatever the storage dtype):
     beta = 2 sigmoid(w . c + b),   v_j = s_v sigmoid(W_v[j] . u + b_v[j])  (or W_v[j] . u + b_v[j] when s_v = None)
@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from .. import eager, fallible, refuse_second_derivative, serving
-from ..readout.triton import channel_block, sum_parts
+from ..readout.triton import _norm_gradients, _runs, _store_rms_norm, row_tile, sum_parts
 from . import value_input_kind
 
 
@@ -123,10 +123,7 @@ def _seam_fwd_kernel(
         y = tl.sum(out.to(tl.float32) * taps, axis=1).to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + token * d + rows, y, mask=row_ok)
         if NORM:
-            y = y.to(tl.float32)
-            normal = (y * tl.rsqrt(tl.sum(y * y, axis=0) / d + norm_eps)).to(y_ptr.dtype.element_ty).to(tl.float32)
-            gain = tl.load(gain_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-            tl.store(normed_ptr + token * d + rows, (gain * normal).to(normed_ptr.dtype.element_ty), mask=row_ok)
+            _store_rms_norm(y, gain_ptr, normed_ptr + token * d, rows, d, norm_eps)
 
 @triton.jit(do_not_specialize=["tokens", "per_program"])  # (the probe's one token must not compile its own variant)
 def _seam_bwd_kernel(
@@ -226,43 +223,11 @@ def _seam_bwd_kernel(
             tl.store(part + d + d * dv + dv + 1 + cols[None, :] * d + rows[:, None], sum_taps,
                      mask=row_ok[:, None] & col_ok[None, :])
 
-@triton.jit(do_not_specialize=["tokens", "per_program"])
-def _norm_bwd_kernel(
-    y_ptr, gain_ptr, grad_normed_ptr, grad_y_ptr, out_ptr, part_ptr, tokens, per_program, d, norm_eps,
-    GAIN_GRAD: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """The RMSNorm's backward for `per_program` consecutive tokens, in fp32: with n = y r, r = 1/sqrt(mean(y^2) + eps)
-    and dn = gain dL/dnormed, dL/dy = r (dn - n mean(dn n)), plus y's gradient from its other readers; and
-    (GAIN_GRAD) this program's row of dL/dgain = sum over its tokens of dL/dnormed n (n as the forward rounded it)."""
-    first = tl.program_id(0).to(tl.int64) * per_program
-    count = tl.minimum(per_program, tokens - first).to(tl.int32)
-    rows = tl.arange(0, BLOCK_D)
-    row_ok = rows < d
-    gain = tl.load(gain_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    total = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    for token in range(count):
-        at = (first + token) * d + rows
-        y = tl.load(y_ptr + at, mask=row_ok, other=0.0).to(tl.float32)
-        inv = tl.rsqrt(tl.sum(y * y, axis=0) / d + norm_eps)
-        grad_normed = tl.load(grad_normed_ptr + at, mask=row_ok, other=0.0).to(tl.float32)
-        dn = grad_normed * gain
-        grad = inv * (dn - y * inv * (tl.sum(dn * y, axis=0) * inv / d))
-        grad += tl.load(grad_y_ptr + at, mask=row_ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + at, grad, mask=row_ok)
-        if GAIN_GRAD:
-            total += grad_normed * (y * inv).to(y_ptr.dtype.element_ty).to(tl.float32)
-    if GAIN_GRAD:
-        tl.store(part_ptr + tl.program_id(0).to(tl.int64) * d + rows, total, mask=row_ok)
-
 def _blocks(d, dv, backward=False):
-    """A token's tile (BLOCK_D, BLOCK_V) and the warps for it: enough that a program's few fp32 tiles stay in
-    registers. Compiled for sm_90 (scripts/triton_sm90.py): the forward with 4 warps keeps d = 1,024 x 4 channels
-    without spilling; the backward, whose loop over tokens holds more, needs twice the forward's (d = 768 x 4: 80 bytes
-    spilled per thread with 4 warps, none with 8, with the readout's gradient too; d = 4,096 x 4: 416-472 bytes with
-    32, 792-880 with the readout's)."""
-    block_d, block_v = triton.next_power_of_2(d), channel_block(dv)
-    warps = min(16, max(4, block_d * block_v // 1024))
-    return dict(BLOCK_D=block_d, BLOCK_V=block_v, num_warps=min(32, 2 * warps) if backward else warps)
+    """A token's tile and the warps for it (`row_tile`); the backward, whose loop over tokens holds more, needs twice
+    the forward's (compiled for sm_90, scripts/triton_sm90.py, d = 768 x 4: 80 bytes spilled per thread with 4 warps,
+    none with 8, with the readout's gradient too; d = 4,096 x 4: 416-472 bytes with 32, 792-880 with the readout's)."""
+    return row_tile(d, dv, more=2 if backward else 1)
 
 
 _SEAM = "Triton residual seam"
@@ -300,27 +265,6 @@ class _TritonSeam(torch.autograd.Function):
         return *grads[:9], grad_gain, *grads[9:], None
 
 
-def _norm_gradients(y, gain, norm_eps, grad_normed, grad_y, gain_grad):
-    """dL/dy (fp32: the normed output's share added to y's own, `grad_y`) and dL/dgain (where `gain_grad`, else None)
-    of the RMSNorm the seam applied to y: two launches, the backward and the sum of its partial rows."""
-    d, tokens = y.shape[-1], y.numel() // y.shape[-1]
-    programs, per_program = _runs(tokens, y.device)
-    grad = torch.empty(y.shape, dtype=torch.float32, device=y.device)
-    parts = torch.empty(programs, d, dtype=torch.float32, device=y.device) if gain_grad else grad
-    with torch.cuda.device_of(y):
-        _norm_bwd_kernel[(programs,)](
-            y, gain, grad_normed.contiguous(), grad_y.contiguous(), grad, parts, tokens, per_program, d, norm_eps,
-            GAIN_GRAD=gain_grad, **_norm_blocks(d),
-        )
-    return grad, sum_parts(parts, gain.dtype) if gain_grad else None
-
-
-def _norm_blocks(d):
-    """The norm's backward: a token's row in one block, and warps enough that it stays in registers."""
-    block = triton.next_power_of_2(d)
-    return dict(BLOCK_D=block, num_warps=min(16, max(4, block // 256)))
-
-
 def _value(v_scale):
     """The kernels' v_scale and SIGMOID (v_scale None: the linear value, v = W_v u + b_v)."""
     return dict(v_scale=1.0 if v_scale is None else v_scale, SIGMOID=v_scale is not None)
@@ -334,20 +278,6 @@ def _aligned(n):
 def _tap_strides(taps):
     """The readout taps' `(1, d, d_v)` strides along d and d_v, as the kernels take them (0 without a readout)."""
     return dict(zip(("tap_stride_d", "tap_stride_v"), (0, 0) if taps is None else taps.stride()[1:]))
-
-
-def _runs(tokens, device):
-    """(programs, tokens per program) of a backward over runs of consecutive tokens (`_programs` of them at most)."""
-    per_program = triton.cdiv(tokens, _programs(tokens, device))
-    return triton.cdiv(tokens, per_program), per_program
-
-
-def _programs(tokens, device):
-    """How many programs the backward runs (each a run of consecutive tokens, and one row of the weights' partial
-    gradients): a few per multiprocessor on a GPU, so that the partial rows summed after it stay few; 8 elsewhere (the
-    interpreter), so that the tests' few tokens still share programs."""
-    most = torch.cuda.get_device_properties(device).multi_processor_count * 4 if device.type == "cuda" else 8
-    return min(tokens, most)
 
 
 def _seam_gradients(ctx, saved, grad_out, grad_read=None):
