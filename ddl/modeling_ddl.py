@@ -40,15 +40,14 @@ _MAX_GATE_LOGIT = 9.21
 
 @dataclass
 class BatchPlan:
-    """What one forward's DDL operations need beside their tensors, made once by `DDLModel.forward`: the cache (token
-    windows), padding, packed documents (`packing`), implementation (`ops`), state rebuild, whether kernels may fuse."""
+    """What one forward's DDL operations need beside their tensors, made once by `DDLModel.forward`: the generation
+    cache (token windows), padding and packed documents (`packing`), the implementation (`ops`), the state rebuild."""
 
     implementation: str
     cache: Cache | None = None
     padding: Padding | None = None
     documents: Documents | None = None
     rebuild: "StateRebuild | None" = None
-    reads_ahead: bool = True
     weights: dict = field(default_factory=dict)
     call_weights: dict | None = None  # (one generate call's readout weights: its steps share them)
 
@@ -217,9 +216,10 @@ def user_hooks(module):
 
 
 def unseen(module, device):
-    """A kernel may do `module`'s work in another's pass: no hook of any kind on it (DeepSpeed's gathering too) or on
-    every module, and its weights on `device`."""
-    hooks = module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks
+    """A kernel may do `module`'s work in another's pass: no hook of any kind on it or every module, weights here."""
+    every = torch.nn.modules.module
+    hooks = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks,
+             every._global_backward_hooks, every._global_backward_pre_hooks)
     return not any(hooks) and not user_hooks(module) and all(p.device == device for p in module.parameters())
 
 
@@ -271,7 +271,7 @@ class DDLDeltaResidual(nn.Module):
         if plan.rebuild is not None:
             plan.rebuild.push(state, out, h)
         if read_next is not None and made is None:  # (TC, or no kernel: the compressor reads, with the norm if it may)
-            made, normed = read_next.read_normed(out, plan, slot, norm if fuse else None)
+            made, normed = read_next.read_normed(out, plan, slot, norm, self)
         return (out, out if read_next is None else made) + (() if norm is None else (normed,))
 
     def _gate_hidden(self):
@@ -319,21 +319,26 @@ class DDLCompressor(nn.Module):
         return cc.unsqueeze(0)
 
     def fusable(self, op, plan, slot, device):
-        """Whether kernel `op` (the seam's, or the readout's with the norm) may make this readout: it is there, this is
-        `unseen`, no hook on DDLModel, no token before (CC; TC without padding, documents or `slot`'s cached window)."""
-        return (plan.reads_ahead and kernel(op, plan.implementation, device) is not None and unseen(self, device) and (
-            self.kind != "tc" or plan.padding is plan.documents is None and (
-                plan.cache is None or not plan.cache.has_previous_state(self.layer_idx, slot))))
+        """Whether kernel `op` (the seam's, or one with the norm) may make this readout: it is there, this is `unseen`,
+        no token before (CC; TC without padding, documents or `slot`'s cached window, which a step's kernel reads)."""
+        return (kernel(op, plan.implementation, device) is not None and unseen(self, device) and (
+            self.kind != "tc" or plan.padding is plan.documents is None and (op == "window_step_norm" or (
+                plan.cache is None or not plan.cache.has_previous_state(self.layer_idx, slot)))))
 
-    def read_normed(self, state, plan, slot, norm=None):
-        """(x_in, `norm`(x_in)) where one kernel makes both (`fusable`, a LlamaRMSNorm `unseen`), else (x_in, None)."""
-        if type(norm) is LlamaRMSNorm and self.fusable("token_readout_norm", plan, slot, state.device) and unseen(
-                norm, state.device):
+    def read_normed(self, state, plan, slot, norm=None, seam=None):
+        """(x_in, `norm`(x_in)) where one kernel makes both (`fusable`, a LlamaRMSNorm `unseen`, no user hook on the
+        calling `seam`, which may edit x_in before the norm reads it), else (x_in, None)."""
+        past = steppable_window(plan.cache, self.layer_idx, slot, self.config.ddl_state_kernel_size) if (
+            self.kind == "tc" and state.shape[1] == 1 and not torch.is_grad_enabled()) else None  # (a decoding step's)
+        op = "token_readout_norm" if past is None else "window_step_norm"
+        if type(norm) is LlamaRMSNorm and self.fusable(op, plan, slot, state.device) and unseen(
+                norm, state.device) and (seam is None or not user_hooks(seam)):  # (the weights: after its hooks ran)
+            weight, gain = plan.readout_weight(self), (norm.weight, norm.variance_epsilon)
             with plan.saving():
-                made = token_readout(state, weight := plan.readout_weight(self), implementation=plan.implementation,
-                                     norm=(norm.weight, norm.variance_epsilon))
-            if made is not None:  # (TC: the window it read from zeros, kept for the next tokens)
-                cached_window(state, weight.shape[0], plan.cache, self.layer_idx, slot)
+                made = window_step(past, state, weight, plan.implementation, norm=gain) if past is not None else (
+                    token_readout(state, weight, implementation=plan.implementation, norm=gain))
+            if made is not None:  # (TC, not a step: the window it read from zeros, kept for the next tokens)
+                cached_window(state, weight.shape[0], plan.cache if past is None else None, self.layer_idx, slot)
                 return made
         return self(state, plan, slot), None
 
@@ -417,17 +422,13 @@ class DDLDecoderLayer(GradientCheckpointingLayer):
                 self.attn_compress = DDLCompressor(config, layer_idx)
                 self.mlp_compress = DDLCompressor(config, layer_idx)
 
-    def compressor(self, which):
-        """The compressor that gives sublayer `which` ("attn" or "mlp") its input; None when d_v = 1."""
-        modules = self._modules  # (asked twice per block of every decoding step: no missing-attribute exception)
-        return modules.get("compress") or modules.get(f"{which}_compress")
-
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(self, hidden_states, attention_mask=None, position_ids=None, cache: Cache | None = None,
                 use_cache: bool | None = False, position_embeddings=None, plan: BatchPlan | None = None, **kwargs):
         plan = replace(plan, weights={}) if plan is not None else BatchPlan(  # (weights: this block's, once)
             choose(self.config.ddl_implementation), cache)
-        read_attn, read_mlp = self.compressor("attn"), self.compressor("mlp")
+        modules = self._modules  # (the compressor of each sublayer, None at d_v = 1: no missing-attribute exception)
+        read_attn, read_mlp = (modules.get("compress") or modules.get(f"{which}_compress") for which in ("attn", "mlp"))
         # Self Attention: on the state's readout x_in (the state itself at d_v = 1)
         x_in, context = (hidden_states, None) if read_attn is None else read_attn.read_normed(
             hidden_states, plan, self.cache_slots["attn"], self.input_layernorm)
@@ -658,8 +659,8 @@ class DDLModel(DDLPreTrainedModel):
                                              and_mask_function=packed_attention)
         padding = Padding.of(pad_mask, inputs_embeds.dtype, cache)
         kept = kwargs.pop("ddl_readout_weights", None)  # (generate's; never kept under autograd or in a trace)
-        plan = BatchPlan(choose(self.config.ddl_implementation), cache, padding, documents, reads_ahead=not user_hooks(
-            self), call_weights=None if torch.is_grad_enabled() or torch.compiler.is_compiling() else kept)
+        plan = BatchPlan(choose(self.config.ddl_implementation), cache, padding, documents, call_weights=None if (
+            torch.is_grad_enabled() or torch.compiler.is_compiling()) else kept)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids=positions)
 
         hidden_states = self.expand(inputs_embeds, plan)  # X_0: (B, T, [d_v,] d)

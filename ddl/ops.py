@@ -86,9 +86,8 @@ def token_readout(x, weight, history=None, implementation="auto", norm=None):
     r"""A compressor's readout `(B, T, d)` (`reference.causal_token_readout`; CC: one tap) of the state x
     `(B, T, d_v, d)` by weight `(K, d, d_v)`, after history `(B, K-1, d_v, d)` or None (zeros); with the next
     LlamaRMSNorm's `norm` (gain, eps) and no history, (y, its norm) where a kernel makes both in one pass, else None."""
-    if norm is not None:
-        return _fast("token_readout_norm", implementation, x.device, x, weight.transpose(1, 2), *norm)
-    return _convolve("token_readout", reference.causal_token_readout, x, weight, history, implementation)
+    return _convolve("token_readout", reference.causal_token_readout, x, weight, history, implementation) if (
+        norm is None) else _fast("token_readout_norm", implementation, x.device, x, weight.transpose(1, 2), *norm)
 
 
 def token_conv(x, weight, history=None, implementation="auto"):
@@ -112,11 +111,12 @@ def folded_conv_read(conv_weight, read, implementation="auto"):
     return reference.folded_conv_read(conv_weight, read) if out is None else out
 
 
-def window_step(past, x, weight, implementation="auto"):
+def window_step(past, x, weight, implementation="auto", norm=None):
     r"""A TC decoding step's readout `(B, 1, d)` of its state x `(B, 1, d_v, d)` after the K-1 states before it,
-    `past` `(B, d_v*d, K-1)` as the cache keeps them (channel j*d + i, time last; no autograd), then advanced in place."""
-    out = _fast("window_step", implementation, x.device, past, x, weight)
-    if out is None:
+    `past` `(B, d_v*d, K-1)` as the cache keeps them (channel j*d + i, time last; no autograd), then advanced in place;
+    with `norm`, as `token_readout`'s: (y, its norm) where a kernel makes both (and advances), else None (and not)."""
+    out = _fast("window_step_norm" if norm else "window_step", implementation, x.device, past, x, weight, *(norm or ()))
+    if out is None and norm is None:
         steps = past.transpose(1, 2).unflatten(-1, (weight.shape[2], weight.shape[1]))  # (B, K-1, d_v, d)
         out = reference.causal_token_readout(x, weight, steps.to(x.dtype))
         _advance(past, x)

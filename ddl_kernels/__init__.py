@@ -35,7 +35,8 @@ import torch.utils.checkpoint
 #       RMSNorm (LlamaRMSNorm's) of y made in the same pass, or both None where y is not (added as folded_conv_read
 #       was)
 #   token_readout_norm(x, taps, gain, norm_eps) -> (y, RMSNorm(y)): token_readout, and the next sublayer's RMSNorm
-#       (LlamaRMSNorm's) of y made in the same pass (added as folded_conv_read was)
+#       (LlamaRMSNorm's) of y made in the same pass; window_step_norm(past, x, weight, gain, norm_eps) -> (y, RMSNorm(y))
+#       likewise of window_step (both added as folded_conv_read was)
 INTERFACE_VERSION = 3
 
 
@@ -66,6 +67,7 @@ def implementations():
         found["token_readout"]["cuda"] = readout_triton.RUN
         found["token_readout_norm"] = {"cuda": readout_triton.NORM}
         found["window_step"]["cuda"] = readout_triton.STEP
+        found["window_step_norm"] = {"cuda": readout_triton.STEP_NORM}
         found["token_conv"]["cuda"] = conv_triton.RUN
         found["conv_step"]["cuda"] = conv_triton.STEP
         found["folded_conv_read"] = {"cuda": readout_triton.FOLD}

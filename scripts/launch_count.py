@@ -71,7 +71,8 @@ def triton_table():
             "token_readout": lambda x, taps: readout.token_window(x, taps, read=True),
             "token_readout_norm": readout.readout_and_norm,
             "token_conv": lambda x, taps: readout.token_window(x, taps, read=False),
-            "window_step": readout.window_step, "conv_step": readout.conv_step, "folded_conv_read": readout.fold}
+            "window_step": readout.window_step, "window_step_norm": readout.window_step_norm,
+            "conv_step": readout.conv_step, "folded_conv_read": readout.fold}
     return {op: {"cpu": serving(serves, run)} for op, run in runs.items()}
 
 

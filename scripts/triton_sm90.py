@@ -69,8 +69,11 @@ def variants(d, dv):
         *[(readout._window_kernel, dtype, set(), dict(READ=True, NORM=True, K=k, **row), row_warps)
           for dtype, k in (("bf16", 4), ("bf16", 1), ("fp32", 4))],
         (readout._window_kernel, "bf16", {"gain_ptr", "normed_ptr"}, dict(READ=True, NORM=True, K=4, **row), row_warps),
-        (readout._step_kernel, "bf16", set(), dict(READ=True, K=4, **window), {}),
-        (readout._step_kernel, "bf16", set(), dict(READ=False, K=4, **window), {}),
+        (readout._step_kernel, "bf16", set(), dict(READ=True, NORM=False, K=4, **window), {}),
+        (readout._step_kernel, "bf16", set(), dict(READ=False, NORM=False, K=4, **window), {}),
+        # a decoding step with the next RMSNorm: a sequence's whole row a program; and an fp32 gain
+        (readout._step_kernel, "bf16", set(), dict(READ=True, NORM=True, K=4, **row), row_warps),
+        (readout._step_kernel, "bf16", {"gain_ptr", "normed_ptr"}, dict(READ=True, NORM=True, K=4, **row), row_warps),
         *[(readout._window_grads_kernel, "bf16", {"part_ptr"}, dict(READ=read, GRAD_X=True, GRAD_TAPS=True, K=4,
                                                                     CHUNK=readout._CHUNK, **window), {})
           for read in (True, False)],

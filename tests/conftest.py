@@ -158,7 +158,8 @@ def triton_on_cpu(monkeypatch, operations=("delta_residual", "token_readout", "t
     pytest.importorskip("triton")
     from ddl import ops
     from ddl_kernels import fallible, serving
-    from ddl_kernels.readout.triton import fold, readout_and_norm, token_window
+    from ddl_kernels.readout.triton import conv_step, fold, readout_and_norm, token_window, window_step
+    from ddl_kernels.readout.triton import window_step_norm
     from ddl_kernels.residual import triton as residual
 
     runs = {"delta_residual": ("Triton residual seam", residual.run),
@@ -167,12 +168,14 @@ def triton_on_cpu(monkeypatch, operations=("delta_residual", "token_readout", "t
             "token_readout": ("Triton readout", lambda x, taps: token_window(x, taps, read=True)),
             "token_readout_norm": ("Triton readout and RMSNorm", readout_and_norm),
             "token_conv": ("Triton EC", lambda x, taps: token_window(x, taps, read=False)),
-            "folded_conv_read": ("Triton CC fold", fold)}
+            "folded_conv_read": ("Triton CC fold", fold), "window_step": ("Triton window step", window_step),
+            "window_step_norm": ("Triton window step and RMSNorm", window_step_norm),
+            "conv_step": ("Triton EC step", conv_step)}
     ops.kernel("delta_residual", "auto", torch.device("cpu"))  # (fills ops' table of installed kernels)
     for op in runs:  # (the C++ kernels' place, where there is one: these, or none; each with its readout or norm too)
         name, run = runs[op]
         served = op in operations or any(op.startswith(f"{base}_") and base in operations
-                                         for base in ("delta_residual", "token_readout"))
+                                         for base in ("delta_residual", "token_readout", "window_step"))
         cpu = serving(lambda *args: args[0].dtype != torch.float64, fallible(name, run)) if served else (
             lambda *args: None)
         monkeypatch.setitem(ops._installed, op, {**ops._installed.get(op, {}), "cpu": cpu})

@@ -257,8 +257,9 @@ def test_the_triton_seam_launches_as_many_kernels_forward_as_llamas_residual_add
     """scripts/launch_count.py: a training step's kernel launches (what a GPU step that waits on the CPU pays for),
     counted on CPU through Triton's interpreter. The seam replaces Llama's residual add by one kernel: d_v=1's forward
     and its decoded token (inside `generate`) launch what Llama's do; a training step at most 1.10x Llama's (the seam's
-    backward, the weights' gradients included, two launches) and fewer than the specification's;
-    TC's decoded token fewer with its Triton steps."""
+    backward, the weights' gradients included, two launches) and fewer than the specification's; TC's decoded token
+    at most 1.02x Llama's with its Triton steps (each readout writing its sublayer's RMSNorm), where the
+    specification's launch more."""
     pytest.importorskip("triton")
     script = os.path.join(os.path.dirname(bench.__file__), "scripts", "launch_count.py")
     done = subprocess.run([sys.executable, script, "--variants", "ddl-dv1", "--json"], capture_output=True, text=True,
@@ -274,7 +275,8 @@ def test_the_triton_seam_launches_as_many_kernels_forward_as_llamas_residual_add
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.splitlines()[-1])  # (a decoded token: the seam and TC's, EC's steps in Triton)
-    assert result["ddl-dv1"]["Triton"] == result["llama"] < result["ddl-tc"]["Triton"] < result["ddl-tc"]["PyTorch"]
+    assert result["ddl-dv1"]["Triton"] == result["llama"]
+    assert result["ddl-tc"]["Triton"] <= 1.02 * result["llama"] < result["ddl-tc"]["PyTorch"]  # (issue 58's bound)
 
 
 def test_every_triton_kernel_compiles_for_an_h200_without_spilling():
@@ -285,7 +287,7 @@ def test_every_triton_kernel_compiles_for_an_h200_without_spilling():
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env, timeout=300)
     rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| _")]
-    assert done.returncode == 0 and len(rows) == 28, done.stdout + done.stderr
+    assert done.returncode == 0 and len(rows) == 30, done.stdout + done.stderr
     assert all(row[-1].strip() == "0" for row in rows), done.stdout
 
 

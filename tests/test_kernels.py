@@ -543,6 +543,32 @@ def test_a_readouts_rmsnorm_is_made_by_its_kernel_unless_a_hook_is_on_either(com
     assert len(seen) == (0 if hook is None else len(norms) if hook.startswith("norm") else 1 + 2 * len(layers))
 
 
+@pytest.mark.parametrize("compressor", ["cc", "tc"])
+def test_a_backward_hook_on_every_module_fires_for_every_norm_and_readout_under_triton(compressor, monkeypatch):
+    """A full backward hook on every module (`register_module_full_backward_hook`) fires for each RMSNorm and
+    compressor as often under "triton" (its kernels through the interpreter) as under "reference": no kernel does a
+    hooked module's work (under "triton" it fired for none of them, 0 of 5 each)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from ddl.modeling_ddl import DDLCompressor
+
+    triton_on_cpu(monkeypatch)
+    seen = {}
+    for impl in ("reference", "triton"):
+        torch.manual_seed(0)
+        model = trained_looking(DDLForCausalLM(tiny_config(ddl_implementation=impl, ddl_compressor=compressor)))
+        seen[impl] = []
+        handle = torch.nn.modules.module.register_module_full_backward_hook(
+            lambda module, grad_in, grad_out, c=seen[impl]: c.append(type(module).__name__) if isinstance(
+                module, (LlamaRMSNorm, DDLCompressor)) else None)
+        try:
+            ids = torch.randint(3, 99, (2, 8), generator=seeded(1))
+            model(ids, labels=ids).loss.backward()
+        finally:
+            handle.remove()
+    assert sorted(seen["triton"]) == sorted(seen["reference"]) and len(seen["reference"]) == 10
+
+
 @pytest.mark.parametrize("checkpointing, failing_backward", [(False, False), (True, False), (True, True)],
                          ids=["plain", "checkpointed", "checkpointed-failing-backward"])
 def test_triton_seam_in_a_model_matches_reference(checkpointing, failing_backward, monkeypatch, caplog):
@@ -858,6 +884,71 @@ def test_triton_window_step_equals_the_spec_for_one_token(kernel, dv, dtype, tol
         # (bit for bit in the layout a decoding run keeps; from the parameter's, the compiler may spread the d_v
         # channels over threads and pair their sum otherwise)
         torch.testing.assert_close(steps, readout, rtol=0 if kept_layout else 1e-6, atol=0 if kept_layout else 1e-6)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kernel, dv, gain_fp32", [(4, 3, False), (2, 4, True)], ids=["k4-dv3", "k2-fp32-gain"])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+def test_triton_window_step_with_the_next_rmsnorm_equals_the_spec(kernel, dv, gain_fp32, dtype, tol):
+    """The TC decoding step with the next sublayer's RMSNorm (one program a sequence, its whole row): token after
+    token, its readout and the norm of it equal the specification's readout of the whole sequence and transformers'
+    LlamaRMSNorm of that, and it advances the window as the plain step does; in fp32, its readout equals the plain
+    step's and its norm the prefill's (`readout_and_norm`) bit for bit."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    windows = _triton("readout")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = seeded(kernel * 10 + dv + 1)
+    batch, d, length = 2, 200, 6
+    x = torch.randn(batch, length, dv, d, generator=g).to(device=device, dtype=dtype)
+    weight = torch.randn(kernel, d, dv, generator=g).to(device=device, dtype=dtype)
+    gain = (1 + 0.3 * torch.randn(d, generator=g)).to(device=device, dtype=torch.float32 if gain_fp32 else dtype)
+    past, plain_past = (torch.zeros(batch, dv * d, kernel - 1, device=device, dtype=dtype) for _ in range(2))
+    made = [windows.window_step_norm(past, x[:, t : t + 1], weight, gain, 1e-6) for t in range(length)]
+    plain = torch.cat([windows.window_step(plain_past, x[:, t : t + 1], weight) for t in range(length)], dim=1)
+    steps, normed = (torch.cat(outs, dim=1) for outs in zip(*made))
+    rms = LlamaRMSNorm(d, eps=1e-6).to(device=device, dtype=torch.float64)
+    rms.weight.copy_(gain)
+    whole = causal_token_readout(x.double(), weight.double())
+    assert steps.dtype == dtype and normed.dtype == torch.promote_types(dtype, gain.dtype)
+    torch.testing.assert_close(steps.double(), whole, rtol=tol, atol=tol * 4)
+    torch.testing.assert_close(normed.double(), rms(whole), rtol=tol, atol=tol * 4)
+    torch.testing.assert_close(past, plain_past, rtol=0, atol=0)
+    if dtype == torch.float32:
+        prefill = windows.readout_and_norm(x, weight.transpose(1, 2), gain, 1e-6)
+        torch.testing.assert_close(steps, plain, rtol=0, atol=0)
+        torch.testing.assert_close(normed, prefill[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("hook", [False, True], ids=["fused", "norms-hooked"])
+def test_triton_decoding_steps_with_the_next_rmsnorm_generate_the_specifications_tokens(hook, monkeypatch):
+    """TC+EC under "triton" with its decoding steps too (through the interpreter): every readout of a decoded token
+    comes with its sublayer's RMSNorm from the step's kernel, and greedy `generate` gives the specification's tokens
+    and logits; a forward hook on the norms leaves each to its module (and fires each step)."""
+    import ddl_kernels
+
+    monkeypatch.setattr(ddl_kernels, "_failed", set())
+    windows = _triton("readout")
+    fused, step_norm = [], windows.window_step_norm
+    monkeypatch.setattr(windows, "window_step_norm", lambda *args: fused.append(1) or step_norm(*args))
+    triton_on_cpu(monkeypatch, operations=("delta_residual", "token_readout", "token_conv", "window_step",
+                                           "conv_step"))
+    ids, outs, seen = torch.randint(3, 99, (1, 5), generator=seeded(2)), {}, []
+    for name, impl in (("reference", "reference"), ("fused", "triton")):
+        torch.manual_seed(0)
+        model = trained_looking(DDLForCausalLM(tiny_config(ddl_implementation=impl, ddl_compressor="tc"))).eval()
+        norms = [model.model.norm] + [n for layer in model.model.layers
+                                      for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        for norm in norms if hook and name == "fused" else []:
+            norm.register_forward_hook(lambda module, args, out: seen.append(module))
+        outs[name] = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True,
+                                    return_dict_in_generate=True)
+    assert torch.equal(outs["fused"].sequences, outs["reference"].sequences)
+    torch.testing.assert_close(torch.stack(outs["fused"].logits), torch.stack(outs["reference"].logits), rtol=1e-5,
+                               atol=1e-5)
+    assert not ddl_kernels._failed
+    assert len(fused) == (0 if hook else 3 * len(norms))  # (3 decoding steps after the prefill)
+    assert len(seen) == (4 * len(norms) if hook else 0)
 
 
 @torch.no_grad()

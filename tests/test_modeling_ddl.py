@@ -14,7 +14,7 @@ from transformers import (
     LlamaForCausalLM,
 )
 
-from conftest import TINY, count_calls, in_hf_cache, seeded, tiny_config, trained_looking
+from conftest import TINY, count_calls, in_hf_cache, seeded, tiny_config, trained_looking, triton_on_cpu
 from ddl import DDLConfig, DDLForCausalLM, DDLModel
 from ddl.configuration_ddl import conv_state_slots
 from ddl.modeling_ddl import DDLCompressor, DDLDeltaResidual, DDLEmbedConv
@@ -822,21 +822,55 @@ def test_a_decoding_loop_over_a_static_cache_counts_a_padded_rows_positions(vari
             torch.testing.assert_close(step, full, atol=1e-5, rtol=1e-5)
 
 
-def test_a_hook_on_the_attention_seam_that_edits_the_next_input_reaches_the_mlp():
+@pytest.mark.parametrize("compressor, implementation", [("cc", "auto"), ("tc", "triton")])
+def test_a_hook_on_the_attention_seam_that_edits_the_next_input_reaches_the_mlp(compressor, implementation,
+                                                                                 monkeypatch):
     """A forward hook on a block's attention seam sees (state, next input, its norm or None) and may replace the next
-    input: post_attention_layernorm then reads the edited input and the MLP its output (while the seam made the norm
-    itself, it did so before the hook: the edit reached the value input only)."""
+    input: the MLP reads post_attention_layernorm of the edited input (a seam that made the norm itself did so before
+    the hook, so a hooked seam makes none), also where the compressor's readout kernel could make the norm inside the
+    seam (TC under "triton", through the interpreter)."""
+    if implementation == "triton":
+        triton_on_cpu(monkeypatch)
     torch.manual_seed(0)
-    model = trained_looking(DDLForCausalLM(tiny_config())).eval()
+    model = trained_looking(DDLForCausalLM(tiny_config(ddl_compressor=compressor,
+                                                       ddl_implementation=implementation))).eval()
     layer, steer, seen = model.model.layers[0], 0.5 * torch.linspace(-1, 1, TINY["hidden_size"]), {}
     layer.attn_delta.register_forward_hook(lambda module, args, out: seen.update(made=out[1]) or (
         out[0], out[1] + steer, *out[2:]))
-    layer.post_attention_layernorm.register_forward_hook(lambda module, args, out: seen.update(norm=(args[0], out)))
     layer.mlp.register_forward_pre_hook(lambda module, args: seen.update(mlp=args[0]))
     with torch.no_grad():
         model(torch.randint(3, 99, (2, 5), generator=seeded(1)))
-    torch.testing.assert_close(seen["norm"][0], seen["made"] + steer)
-    assert seen["mlp"] is seen["norm"][1]
+        torch.testing.assert_close(seen["mlp"], layer.post_attention_layernorm(seen["made"] + steer))
+
+
+@pytest.mark.parametrize("how", ["gathered", "offloaded"])
+@pytest.mark.parametrize("compressor", ["cc", "tc"])
+def test_a_compressor_whose_weights_arrive_with_its_call_reads_the_same(compressor, how):
+    """A compressor whose weights exist only inside its own call, gathered by a forward pre-hook as DeepSpeed ZeRO-3
+    does, or offloaded by accelerate (`cpu_offload`: its forward wrapped, the weights on the meta device outside it),
+    gives the logits it gives without; the decoder layer's and the model's readouts built the readout weight from the
+    empty or meta weights before the call (an IndexError for CC, a meta-device error for both)."""
+    from accelerate import cpu_offload
+
+    torch.manual_seed(0)
+    model = trained_looking(DDLForCausalLM(tiny_config(ddl_compressor=compressor))).eval()
+    ids = torch.randint(3, 99, (2, 6), generator=seeded(3))
+    with torch.no_grad():
+        expected = model(ids).logits
+    compressors = [module for module in model.modules() if isinstance(module, DDLCompressor)]
+    def set_data(module, data):  # (None: a hook's result that changes nothing)
+        for name, p in module.named_parameters():
+            p.data = data[name] if data else torch.empty(0)
+
+    for module in compressors if how == "gathered" else []:
+        kept = {name: p.data for name, p in module.named_parameters()}
+        module.register_forward_pre_hook(lambda m, args, kept=kept: set_data(m, kept))
+        module.register_forward_hook(lambda m, args, out: set_data(m, None))
+        set_data(module, None)
+    for module in compressors if how == "offloaded" else []:
+        cpu_offload(module, execution_device=torch.device("cpu"))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, expected, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("module", ["compress", "post_attention_layernorm"])

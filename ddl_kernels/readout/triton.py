@@ -6,6 +6,12 @@ two launches: `_window_grads_kernel` (the input's gradient, and per-lag products
 tokens) and `_sum_parts_kernel` (the chunks' partial sums added). Each program handles one token (forward) or chunk
 (backward) and one block of features; accumulation is in fp32.
 
+A readout is a sublayer's input, which the sublayer's RMSNorm reads next: given its gain (`readout_and_norm`, and
+`window_step_norm` for a decoding step), a program holds a token's whole row and also writes that norm, in
+LlamaRMSNorm's roundings (`_store_rms_norm`); in backward `_norm_bwd_kernel` turns the normed output's gradient into
+the readout's (added to its own) and sums the gain's: the norm's eight launches forward and about fifteen backward
+(bf16) become none and two. The residual seam uses the same norm where it makes the readout itself (CC).
+
 Serves `reference.causal_token_readout` without history (x `(B, T, d_v, d)`, taps `(K, d_v, d)`, zeros before the
 first token) for CUDA tensors other than fp64, outside traces (`ddl_kernels.eager`). Opt-in
 (`ddl_implementation="triton"`; docs/gpu.md says why); tested on CPU through Triton's interpreter
@@ -185,14 +191,15 @@ def _norm_bwd_kernel(
 
 @triton.jit
 def _step_kernel(
-    past_ptr, x_ptr, w_ptr, out_ptr, d, dv, w_stride_k, w_stride_d, w_stride_v,
-    READ: tl.constexpr, K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+    past_ptr, x_ptr, w_ptr, out_ptr, gain_ptr, normed_ptr, d, dv, w_stride_k, w_stride_d, w_stride_v, norm_eps,
+    READ: tl.constexpr, NORM: tl.constexpr, K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """A decoding step of the token convolutions for one sequence and block of features, from the window of the K-1
     cached inputs (`past`, time last) then x, the products summed in fp32 in `_window_kernel`'s order of taps; then
     the window advanced in place (this program's channels; barriers order every read of a slot before its write).
     READ (TC):  out[i] = sum_j sum_s w[s, i, j] window[j*d + i, s]    past `(d_v*d, K-1)`, x `(d_v, d)`, out `(d,)`
-    otherwise (EC):  out[j, i] = sum_s w[s, i, j] window[i, s]        past `(d, K-1)`, x `(d,)`, out `(d_v, d)`"""
+    otherwise (EC):  out[j, i] = sum_s w[s, i, j] window[i, s]        past `(d, K-1)`, x `(d,)`, out `(d_v, d)`
+    NORM (a readout whose block is the whole row): also the next sublayer's RMSNorm of out (`_store_rms_norm`)."""
     b = tl.program_id(0).to(tl.int64)
     cols, tile, tile_ok = _feature_block(d, dv, BLOCK_D, BLOCK_V)  # tile: j * d + i (the cache's channel order)
     taps = w_ptr + (cols[None, :] * w_stride_d + tl.arange(0, BLOCK_V)[:, None] * w_stride_v)
@@ -220,7 +227,10 @@ def _step_kernel(
         tl.debug_barrier()  # (every thread's reads of slot s done: above, or just before as slot s + 1)
         tl.store(rows + s, following, mask=rows_ok)
     if READ:
-        tl.store(out_ptr + b * d + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=cols < d)
+        out = tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + b * d + cols, out, mask=cols < d)
+        if NORM:
+            _store_rms_norm(out, gain_ptr, normed_ptr + b * d, cols, d, norm_eps)
     else:
         tl.store(out_ptr + b * dv * d + tile, acc.to(out_ptr.dtype.element_ty), mask=tile_ok)
 
@@ -281,7 +291,8 @@ def row_tile(d, dv, more=1):
     fp32 tiles stay in registers, `more` times that for a program that holds more (compiled for sm_90,
     scripts/triton_sm90.py: the seam's forward with 4 warps keeps d = 1,024 x 4 channels without spilling; the
     readout with its norm, whose K taps' tiles are loaded at once, spills 56 bytes a thread at d = 768 x 4 with 4
-    warps and none with 8)."""
+    warps and none with 8; at d = 4,096 x 4 the norm's readout and step spill 400-1,000 bytes even with 32, as the
+    seam's backward does)."""
     block_d, block_v = triton.next_power_of_2(d), channel_block(dv)
     return dict(BLOCK_D=block_d, BLOCK_V=block_v, num_warps=min(32, more * min(16, max(4, block_d * block_v // 1024))))
 
@@ -401,7 +412,8 @@ class _TritonReadoutNorm(torch.autograd.Function):
         ctx.t_out, ctx.offset, ctx.read, ctx.norm_eps = x.shape[1], 1 - taps.shape[0], True, norm_eps
         y = x.new_empty((*x.shape[:2], x.shape[-1]), dtype=torch.promote_types(x.dtype, taps.dtype))
         normed = torch.empty_like(y, dtype=torch.promote_types(y.dtype, gain.dtype))
-        _window(True, x, taps, y, ctx.t_out, ctx.t_out, ctx.offset, gain.contiguous(), normed, norm_eps)
+        gain = gain.contiguous()  # (read at unit stride, here and in backward)
+        _window(True, x, taps, y, ctx.t_out, ctx.t_out, ctx.offset, gain, normed, norm_eps)
         ctx.save_for_backward(x, taps, gain, y)
         return y, normed
 
@@ -434,21 +446,31 @@ def norm_serves(x, taps, gain, norm_eps):
     return serves(x, taps) and gain.device == x.device and gain.dtype != torch.float64
 
 
-def _step(read, past, x, weight):
-    """Launch `_step_kernel`: one program per sequence and block of features."""
+def _step(read, past, x, weight, gain=None, norm_eps=0.0):
+    """Launch `_step_kernel`: one program per sequence and block of features (with a `gain`, a readout's whole row,
+    and (out, its RMSNorm) returned)."""
     kernel_size, d, dv = weight.shape
     shape = (x.shape[0], 1, d) if read else (x.shape[0], 1, dv, d)
     out = x.new_empty(shape, dtype=torch.promote_types(x.dtype, weight.dtype))
-    feature_blocks, tile = _tiles(d, dv)
+    normed = None if gain is None else torch.empty_like(out, dtype=torch.promote_types(out.dtype, gain.dtype))
+    feature_blocks, tile = (1, row_tile(d, dv, more=2)) if gain is not None else _tiles(d, dv)
     with torch.cuda.device_of(out):
         _step_kernel[(x.shape[0], feature_blocks)](
-            past, x.contiguous(), weight, out, d, dv, *weight.stride(), READ=read, K=kernel_size, **tile)
-    return out
+            past, x.contiguous(), weight, out, out if gain is None else gain.contiguous(),
+            out if normed is None else normed, d, dv, *weight.stride(), float(norm_eps), READ=read, NORM=gain is not None,
+            K=kernel_size, **tile)
+    return out if gain is None else (out, normed)
 
 
 def window_step(past, x, weight):
     """`kernels.window_step` (TC: a decoding step's readout from the cached window, advanced in place): one launch."""
     return _step(True, past, x, weight)
+
+
+def window_step_norm(past, x, weight, gain, norm_eps):
+    """`kernels.window_step_norm`: `window_step`, and the next sublayer's RMSNorm (LlamaRMSNorm's: `gain`,
+    `norm_eps`) of its readout, (y, normed), in one launch."""
+    return _step(True, past, x, weight, gain, norm_eps)
 
 
 def conv_step(past, x, weight):
@@ -462,6 +484,11 @@ def step_serves(past, x, weight):
     return (past.is_cuda and past.device == x.device == weight.device and past.dtype == x.dtype
             and past.dtype != torch.float64 and weight.dtype != torch.float64 and past.is_contiguous()
             and not torch.is_grad_enabled() and eager() and step_shapes(past, x, weight))
+
+
+def step_norm_serves(past, x, weight, gain, norm_eps):
+    """As `step_serves`, the gain on x's device and not fp64 too."""
+    return step_serves(past, x, weight) and gain.device == x.device and gain.dtype != torch.float64
 
 
 def step_shapes(past, x, weight):
@@ -517,8 +544,9 @@ def fold_serves(conv_weight, read):
 RUN = serving(serves, fallible("Triton readout", lambda x, taps: token_window(x, taps, read=True)))
 NORM = serving(norm_serves, fallible("Triton readout and RMSNorm", readout_and_norm))
 STEP = serving(step_serves, fallible("Triton window step", window_step))
+STEP_NORM = serving(step_norm_serves, fallible("Triton window step and RMSNorm", window_step_norm))
 FOLD = serving(fold_serves, fallible("Triton CC fold", fold))
 
-__all__ = ["FOLD", "NORM", "RUN", "STEP", "channel_block", "conv_step", "fold", "fold_serves", "norm_serves",
-           "readout_and_norm", "row_tile", "serves", "step_serves", "step_shapes", "sum_parts", "token_window",
-           "window_step"]
+__all__ = ["FOLD", "NORM", "RUN", "STEP", "STEP_NORM", "channel_block", "conv_step", "fold", "fold_serves",
+           "norm_serves", "readout_and_norm", "row_tile", "serves", "step_norm_serves", "step_serves", "step_shapes",
+           "sum_parts", "token_window", "window_step", "window_step_norm"]
