@@ -332,7 +332,7 @@ class DDLCompressor(nn.Module):
             self.kind == "tc" and state.shape[1] == 1 and not torch.is_grad_enabled()) else None  # (a decoding step's)
         op = "token_readout_norm" if past is None else "window_step_norm"
         if type(norm) is LlamaRMSNorm and self.fusable(op, plan, slot, state.device) and unseen(
-                norm, state.device) and (seam is None or not user_hooks(seam)):  # (the weights: after its hooks ran)
+                norm, state.device) and (seam is None or not user_hooks(seam)):  # (a call may bring its weights)
             weight, gain = plan.readout_weight(self), (norm.weight, norm.variance_epsilon)
             with plan.saving():
                 made = window_step(past, state, weight, plan.implementation, norm=gain) if past is not None else (
