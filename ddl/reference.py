@@ -40,7 +40,7 @@ def delta_update(x, h, v=None, beta=None, mode="delta", k_eps=1e-5):
     k = h32 * torch.rsqrt(h32.pow(2).sum(-1, keepdim=True) + k_eps**2)  # (B, T, d), |k| < 1
     state = x.unsqueeze(-2) if scalar_state else x  # (B, T, d_v, d)
     if mode == "delta":
-        readout = _dot(k, state.to(acc))  # k^T X: (B, T, d_v)
+        readout = _dot(k, state)  # k^T X: (B, T, d_v), in k's dtype
         coef = beta * (v.to(acc) - readout)  # (B, T, d_v)
     elif mode == "write_only":
         coef = beta * v.to(acc)
@@ -57,10 +57,9 @@ def delta_gate(c, weight, bias, hidden_weight=None, hidden_bias=None):
     two-layer gate 2 sigmoid(w . tanh(W_1 c + b_1) + b).
     c: `(B, T, d)`, the normalised sublayer input; weight: `(d,)` (or `(H,)`); bias: `(1,)`."""
     acc = torch.promote_types(c.dtype, torch.float32)  # fp32 at least (fp64 stays fp64)
-    c = c.to(acc)
     if hidden_weight is not None:
-        c = torch.tanh(F.linear(c, hidden_weight.to(acc), None if hidden_bias is None else hidden_bias.to(acc)))
-    return 2.0 * torch.sigmoid(_project(c, weight.to(acc).unsqueeze(0), bias.to(acc)))
+        c = torch.tanh(F.linear(c.to(acc), hidden_weight.to(acc), None if hidden_bias is None else hidden_bias.to(acc)))
+    return 2.0 * torch.sigmoid(_project(c, weight.to(acc).unsqueeze(0), bias))  # (the bias: promoted where it is added)
 
 
 def delta_value(u, weight, bias, scale=4.0):
@@ -72,17 +71,18 @@ def delta_value(u, weight, bias, scale=4.0):
 
 
 def _dot(k, state):
-    """k^T X per token `(B, T, d_v)` of k `(B, T, d)` and the state `(B, T, d_v, d)`; traced by torch.compile, as
-    products summed over d (fused into the seam's kernel, not a batched matrix product)."""
-    traced = torch.compiler.is_compiling()
-    return (k.unsqueeze(-2) * state).sum(-1) if traced else torch.einsum("btd,btvd->btv", k, state)
+    """k^T X per token `(B, T, d_v)` of k `(B, T, d)` and the state `(B, T, d_v, d)`: products summed over d where the
+    state is narrower than k (autograd keeps it, not a wider copy) or traced (Inductor fuses them), else one bmm."""
+    plain = state.dtype == k.dtype and not torch.compiler.is_compiling()
+    return torch.einsum("btd,btvd->btv", k, state) if plain else (k.unsqueeze(-2) * state).sum(-1)
 
 
 def _project(x, weight, bias):
-    """F.linear(x, weight, bias) to the few outputs of a gate or value `(..., N)`; traced by torch.compile, as products
-    summed over d, which Inductor fuses into the seam's kernel where F.linear stays a library call."""
-    traced = torch.compiler.is_compiling()
-    return (x.unsqueeze(-2) * weight).sum(-1) + bias if traced else F.linear(x, weight, bias)
+    """F.linear(x, weight, bias) to the few outputs of a gate or value `(..., N)`; as products summed over d where x's
+    dtype is narrower than weight's outside autocast (in weight's: autograd keeps x, not a wider copy of it), or traced
+    by torch.compile (Inductor fuses them into the seam's kernel, where F.linear stays a library call)."""
+    plain = not torch.compiler.is_compiling() and (x.dtype == weight.dtype or torch.is_autocast_enabled(x.device.type))
+    return F.linear(x, weight, bias.to(weight.dtype)) if plain else (x.unsqueeze(-2) * weight).sum(-1) + bias
 
 
 def constant_value(x, constant):

@@ -6,7 +6,7 @@ import torch
 
 from conftest import seeded
 
-from ddl.reference import delta_update
+from ddl.reference import delta_residual, delta_update
 
 
 pytestmark = pytest.mark.device  # (runs on DDL_TEST_DEVICE: see conftest.py)
@@ -122,6 +122,36 @@ def test_low_precision_zero_branch_output_is_finite(dtype):
     assert out.dtype == dtype and torch.equal(out, x)
     tiny = torch.full((B, T, D), 1e-4, dtype=dtype)  # |h|^2 underflows in fp16 arithmetic
     assert torch.isfinite(delta_update(x, tiny, torch.rand(B, T, 4, dtype=dtype), torch.ones(B, T, 1))).all()
+
+
+@pytest.mark.parametrize("dv", [1, 4])
+def test_a_bf16_seam_keeps_its_state_and_input_for_backward_not_fp32_copies(dv):
+    """k^T X and the gate's logit are fp32 sums of a bf16 state and normalised input c: autograd keeps those two
+    themselves for backward, never an fp32 copy of either (twice the bytes; the state's copy, of d_v x d per token, is
+    the largest tensor such a training step would keep). The copy of h stays (d per token: its norm, as written).
+    Outputs and gradients equal the seam's in fp64 on the same values to a few of bf16's roundings (2^-8 each) of the
+    largest element."""
+    g = seeded(3)
+    x = torch.randn(B, 5, dv, 64, generator=g) if dv > 1 else torch.randn(B, 5, 64, generator=g)
+    h, c = torch.randn(B, 5, 64, generator=g), torch.randn(B, 5, 64, generator=g)
+    weights = [torch.randn(64, generator=g) / 8, torch.zeros(1), torch.randn(dv, 64, generator=g) / 8, torch.zeros(dv)]
+    inputs = [t.bfloat16() for t in (x, h, c, *weights)]
+    kept, grads = [], {}
+    for dtype in (torch.bfloat16, torch.float64):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in inputs]
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+            out = delta_residual(*leaves[:3], leaves[2], *leaves[3:])
+        out.double().square().sum().backward()
+        grads[dtype] = [out.double(), *(t.grad.double() for t in leaves)]
+        if dtype == torch.bfloat16:
+            bf16_kept = list(kept)
+    flat = lambda t: t.detach().float().flatten().sort().values  # noqa: E731 (a copy in any layout)
+    for name, original in (("state", inputs[0]), ("c", inputs[2])):
+        copies = [t for t in bf16_kept if t.dtype == torch.float32 and t.numel() == original.numel()
+                  and torch.equal(flat(t), flat(original))]
+        assert not copies, f"autograd keeps an fp32 copy of the bf16 {name}"
+    for got, expected in zip(grads[torch.bfloat16], grads[torch.float64]):
+        assert (got - expected).abs().max() <= 2**-5 * expected.abs().max()
 
 
 def test_unknown_mode_is_rejected():
