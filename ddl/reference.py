@@ -59,7 +59,7 @@ def delta_gate(c, weight, bias, hidden_weight=None, hidden_bias=None):
     acc = torch.promote_types(c.dtype, torch.float32)  # fp32 at least (fp64 stays fp64)
     if hidden_weight is not None:
         c = torch.tanh(F.linear(c.to(acc), hidden_weight.to(acc), None if hidden_bias is None else hidden_bias.to(acc)))
-    return 2.0 * torch.sigmoid(_project(c, weight.to(acc).unsqueeze(0), bias))  # (the bias: promoted where it is added)
+    return 2.0 * torch.sigmoid(_project(c, weight.to(acc).unsqueeze(0), bias, exact=True))  # (also under autocast)
 
 
 def delta_value(u, weight, bias, scale=4.0):
@@ -71,17 +71,17 @@ def delta_value(u, weight, bias, scale=4.0):
 
 
 def _dot(k, state):
-    """k^T X per token `(B, T, d_v)` of k `(B, T, d)` and the state `(B, T, d_v, d)`: products summed over d where the
-    state is narrower than k (autograd keeps it, not a wider copy) or traced (Inductor fuses them), else one bmm."""
-    plain = state.dtype == k.dtype and not torch.compiler.is_compiling()
+    """k^T X `(B, T, d_v)` of k `(B, T, d)` and the state `(B, T, d_v, d)` in k's dtype, also under autocast: one bmm
+    where both have it outside autocast, else products summed over d (autograd keeps the state; Inductor fuses them)."""
+    plain = state.dtype == k.dtype and not (torch.compiler.is_compiling() or torch.is_autocast_enabled(k.device.type))
     return torch.einsum("btd,btvd->btv", k, state) if plain else (k.unsqueeze(-2) * state).sum(-1)
 
 
-def _project(x, weight, bias):
-    """F.linear(x, weight, bias) to the few outputs of a gate or value `(..., N)`; as products summed over d where x's
-    dtype is narrower than weight's outside autocast (in weight's: autograd keeps x, not a wider copy of it), or traced
-    by torch.compile (Inductor fuses them into the seam's kernel, where F.linear stays a library call)."""
-    plain = not torch.compiler.is_compiling() and (x.dtype == weight.dtype or torch.is_autocast_enabled(x.device.type))
+def _project(x, weight, bias, exact=False):
+    """F.linear(x, weight, bias) to a gate's or value's few outputs `(..., N)`; products summed over d in weight's dtype
+    (autograd keeps x, not a wider copy) where x's is narrower, under autocast if `exact`, or traced (Inductor's)."""
+    autocast = torch.is_autocast_enabled(x.device.type)
+    plain = not torch.compiler.is_compiling() and (not exact if autocast else x.dtype == weight.dtype)
     return F.linear(x, weight, bias.to(weight.dtype)) if plain else (x.unsqueeze(-2) * weight).sum(-1) + bias
 
 

@@ -6,7 +6,7 @@ import torch
 
 from conftest import seeded
 
-from ddl.reference import delta_residual, delta_update
+from ddl.reference import delta_gate, delta_residual, delta_update
 
 
 pytestmark = pytest.mark.device  # (runs on DDL_TEST_DEVICE: see conftest.py)
@@ -152,6 +152,20 @@ def test_a_bf16_seam_keeps_its_state_and_input_for_backward_not_fp32_copies(dv):
         assert not copies, f"autograd keeps an fp32 copy of the bf16 {name}"
     for got, expected in zip(grads[torch.bfloat16], grads[torch.float64]):
         assert (got - expected).abs().max() <= 2**-5 * expected.abs().max()
+
+
+def test_the_gate_and_the_readout_along_k_stay_fp32_under_autocast():
+    """beta (its logit) and k^T X are fp32 also under bf16 autocast (train.py's --bf16), as the kernels and the
+    authors' gate compute them: autocast would run F.linear's and einsum's products in bf16. The seam under autocast
+    equals the seam without it, to fp32's rounding."""
+    g = seeded(4)
+    x, c, h = torch.randn(B, T, 4, D, generator=g), torch.randn(B, T, D, generator=g), torch.randn(B, T, D, generator=g)
+    weight, bias, v = torch.randn(D, generator=g), torch.randn(1, generator=g), torch.rand(B, T, 4, generator=g)
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
+        beta, out = delta_gate(c, weight, bias), delta_update(x, h, v, delta_gate(c, weight, bias))
+    assert beta.dtype == torch.float32
+    torch.testing.assert_close(beta, delta_gate(c, weight, bias))
+    torch.testing.assert_close(out, delta_update(x, h, v, delta_gate(c, weight, bias)))
 
 
 def test_unknown_mode_is_rejected():
