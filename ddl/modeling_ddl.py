@@ -52,8 +52,8 @@ class BatchPlan:
     call_weights: dict | None = None  # (one generate call's readout weights: its steps share them)
 
     def saving(self):
-        """Where an operation saves the state for backward: under the state rebuild's hooks, or as autograd does."""
-        return self.rebuild.hooks if self.rebuild is not None else nullcontext()
+        """Where an operation saves the state: the rebuild's hooks, or autograd's (in a compiled region)."""
+        return self.rebuild.hooks if self.rebuild is not None and not torch.compiler.is_compiling() else nullcontext()
 
     def readout_weight(self, compressor):
         """`compressor.derived_weight`, made once per block (each block's call and a checkpoint's recompute make their
@@ -268,7 +268,7 @@ class DDLDeltaResidual(nn.Module):
         out, made, normed = (out, None, None) if readout is None else out if fuse else (*out, None)
         if made is not None:  # (TC's window, read from zeros, for the next tokens; CC has none)
             cached_window(out, readout.shape[0], plan.cache, read_next.layer_idx, slot)
-        if plan.rebuild is not None:
+        if plan.rebuild is not None and not torch.compiler.is_compiling():  # (a compiled region: the chain stops)
             plan.rebuild.push(state, out, h)
         if read_next is not None and made is None:  # (TC, or no kernel: the compressor reads, with the norm if it may)
             made, normed = read_next.read_normed(out, plan, slot, norm, self)

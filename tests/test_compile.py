@@ -127,3 +127,27 @@ def test_compiled_static_cache_generate_equals_eager(overrides):
     compiled = model.generate(ids, cache_implementation="static", compile_config=compile_on_any_device(), **kwargs)
     assert hasattr(model, "_compiled_call")  # generate did compile the step
     assert torch.equal(static, eager) and torch.equal(compiled, eager)
+
+
+@pytest.mark.parametrize("compiled_layers", [(0, 1), (1,)])
+def test_regional_compilation_of_fp32_training_breaks_no_graph_and_equals_eager(compiled_layers):
+    """transformers' regional compilation (`layer.compile()` on decoder layers) of an fp32 model in training: the state
+    rebuild, made by the eager forward around the layers, stays out of the compiled regions (their graphs keep what
+    they save), so a layer is one graph with no break; loss and gradients equal eager's, also with a layer left eager
+    (the chain of rebuilt states stops at the first compiled one)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = DDLForCausalLM(tiny_config(ddl_compressor="tc"))
+    ids = torch.randint(3, 99, (2, 8), generator=seeded(1))
+    reference = model(ids, labels=ids).loss
+    expected = torch.autograd.grad(reference, list(model.parameters()))
+    for i in compiled_layers:
+        model.model.layers[i].compile(fullgraph=True)  # (a graph break raises)
+    loss = model(ids, labels=ids).loss
+    torch.testing.assert_close(loss, reference, rtol=1e-5, atol=1e-6)
+    for got, want in zip(torch.autograd.grad(loss, list(model.parameters())), expected):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == len(compiled_layers)
