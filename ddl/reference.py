@@ -73,14 +73,15 @@ def delta_value(u, weight, bias, scale=4.0):
 def _dot(k, state):
     """k^T X `(B, T, d_v)` of k `(B, T, d)` and the state `(B, T, d_v, d)` in k's dtype, also under autocast: one bmm
     where both have it outside autocast, else products summed over d (autograd keeps the state; Inductor fuses them)."""
-    plain = state.dtype == k.dtype and not (torch.compiler.is_compiling() or torch.is_autocast_enabled(k.device.type))
+    autocast = k.device.type != "meta" and torch.is_autocast_enabled(k.device.type)  # (meta: no autocast to ask)
+    plain = state.dtype == k.dtype and not (torch.compiler.is_compiling() or autocast)
     return torch.einsum("btd,btvd->btv", k, state) if plain else (k.unsqueeze(-2) * state).sum(-1)
 
 
 def _project(x, weight, bias, exact=False):
     """F.linear(x, weight, bias) to a gate's or value's few outputs `(..., N)`; products summed over d in weight's dtype
     (autograd keeps x, not a wider copy) where x's is narrower, under autocast if `exact`, or traced (Inductor's)."""
-    autocast = torch.is_autocast_enabled(x.device.type)
+    autocast = x.device.type != "meta" and torch.is_autocast_enabled(x.device.type)
     plain = not torch.compiler.is_compiling() and (not exact if autocast else x.dtype == weight.dtype)
     return F.linear(x, weight, bias.to(weight.dtype)) if plain else (x.unsqueeze(-2) * weight).sum(-1) + bias
 
@@ -122,8 +123,7 @@ def _causal_window(x, kernel, history):
     """x with the K-1 inputs before it prepended (the cached history, or zeros at the start of a sequence)."""
     if kernel == 1:  # no window (CC): x itself, not a copy that autograd would keep for backward
         return x
-    if history is None:
-        history = x.new_zeros(x.shape[0], kernel - 1, *x.shape[2:])
+    history = x.new_zeros(x.shape[0], kernel - 1, *x.shape[2:]) if history is None else history
     return torch.cat([history, x], dim=1)
 
 

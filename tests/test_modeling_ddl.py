@@ -922,3 +922,14 @@ def test_assisted_decoding_with_a_static_cache_of_token_windows_is_one_error(var
         model.generate(ids, cache_implementation="static", max_new_tokens=7, do_sample=False,
                        prompt_lookup_num_tokens=3)
     assert torch.equal(model.generate(ids, max_new_tokens=7, do_sample=False, prompt_lookup_num_tokens=3), greedy)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("compressor", ["cc", "tc"])
+def test_a_forward_on_the_meta_device_gives_the_shapes_as_llama_does(compressor, dtype):
+    """Shape inference on the meta device (no memory, no values), which a Llama forward allows: a forward without
+    autograd builds and runs there (autocast, which the specifications ask about, has no meta device)."""
+    with torch.device("meta"), torch.no_grad():
+        model = DDLForCausalLM(tiny_config(ddl_compressor=compressor)).to(dtype)
+        logits = model(torch.zeros(2, 5, dtype=torch.long)).logits
+    assert logits.shape == (2, 5, model.config.vocab_size) and logits.device.type == "meta"
