@@ -79,8 +79,8 @@ def _dot(k, state):
 
 
 def _project(x, weight, bias, exact=False):
-    """F.linear(x, weight, bias) to a gate's or value's few outputs `(..., N)`; products summed over d in weight's dtype
-    (autograd keeps x, not a wider copy) where x's is narrower, under autocast if `exact`, or traced (Inductor's)."""
+    """F.linear(x, weight, bias) to a gate's or value's few outputs `(..., N)`; products summed over d (promoted:
+    autograd keeps x, not a wider copy) where the dtypes differ, under autocast if `exact`, or traced (fused)."""
     autocast = x.device.type != "meta" and torch.is_autocast_enabled(x.device.type)
     plain = not torch.compiler.is_compiling() and (not exact if autocast else x.dtype == weight.dtype)
     return F.linear(x, weight, bias.to(weight.dtype)) if plain else (x.unsqueeze(-2) * weight).sum(-1) + bias

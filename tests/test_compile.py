@@ -129,14 +129,18 @@ def test_compiled_static_cache_generate_equals_eager(overrides):
     assert torch.equal(static, eager) and torch.equal(compiled, eager)
 
 
-@pytest.mark.parametrize("compiled_layers", [(0, 1), (1,)])
-def test_regional_compilation_of_fp32_training_breaks_no_graph_and_equals_eager(compiled_layers):
+@pytest.mark.parametrize("compiled_layers, rebuilt", [((0, 1), 0), ((1,), 2), ((0,), 0)])
+def test_regional_compilation_of_fp32_training_breaks_no_graph_and_equals_eager(compiled_layers, rebuilt, monkeypatch):
     """transformers' regional compilation (`layer.compile()` on decoder layers) of an fp32 model in training: the state
     rebuild, made by the eager forward around the layers, stays out of the compiled regions (their graphs keep what
-    they save), so a layer is one graph with no break; loss and gradients equal eager's, also with a layer left eager
-    (the chain of rebuilt states stops at the first compiled one)."""
+    they save), so a layer is one graph with no break; loss and gradients equal eager's, also with a layer left eager:
+    the states of eager layers before the first compiled one are rebuilt (two a layer), none after it."""
     from torch._dynamo.utils import counters
 
+    from ddl.modeling_ddl import StateRebuild
+
+    chains, end = [], StateRebuild.end
+    monkeypatch.setattr(StateRebuild, "end", lambda self: chains.append(len(self.writes)) or end(self))
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
@@ -151,3 +155,4 @@ def test_regional_compilation_of_fp32_training_breaks_no_graph_and_equals_eager(
     for got, want in zip(torch.autograd.grad(loss, list(model.parameters())), expected):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == len(compiled_layers)
+    assert chains == [4, rebuilt]  # (eager: both layers' two updates)
