@@ -130,7 +130,7 @@ def test_a_bf16_seam_keeps_its_state_and_input_for_backward_not_fp32_copies(dv):
     themselves for backward, never an fp32 copy of either (twice the bytes; the state's copy, of d_v x d per token, is
     the largest tensor such a training step would keep). The copy of h stays (d per token: its norm, as written).
     Outputs and gradients equal the seam's in fp64 on the same values to a few of bf16's roundings (2^-8 each) of the
-    largest element."""
+    largest element; beta, fp32, to fp32's (a logit summed in bf16 would be off by bf16's)."""
     g = seeded(3)
     x = torch.randn(B, 5, dv, 64, generator=g) if dv > 1 else torch.randn(B, 5, 64, generator=g)
     h, c = torch.randn(B, 5, 64, generator=g), torch.randn(B, 5, 64, generator=g)
@@ -152,6 +152,10 @@ def test_a_bf16_seam_keeps_its_state_and_input_for_backward_not_fp32_copies(dv):
         assert not copies, f"autograd keeps an fp32 copy of the bf16 {name}"
     for got, expected in zip(grads[torch.bfloat16], grads[torch.float64]):
         assert (got - expected).abs().max() <= 2**-5 * expected.abs().max()
+    beta = delta_gate(inputs[2], *inputs[3:5])
+    assert beta.dtype == torch.float32
+    expected = delta_gate(*(t.double() for t in (inputs[2], *inputs[3:5])))
+    torch.testing.assert_close(beta.double(), expected, rtol=1e-6, atol=1e-6)  # (a few of fp32's roundings)
 
 
 def test_the_gate_and_the_readout_along_k_stay_fp32_under_autocast():
