@@ -280,6 +280,26 @@ def test_the_triton_seam_launches_as_many_kernels_forward_as_llamas_residual_add
     assert result["ddl-tc"]["Triton"] <= 1.02 * result["llama"] < result["ddl-tc"]["PyTorch"]  # (issue 58's bound)
 
 
+def test_the_triton_path_keeps_no_more_than_its_states_and_outputs_beyond_llama():
+    """scripts/triton_memory.py: the peak of a bf16 training step on the Triton path (its kernels' launches stubbed,
+    their wrappers' allocations real), measured on CPU. Beyond Llama's, a seam's backward needs its state X and its
+    sublayer's output h (its kernels recompute the rest) and the readouts and EC recompute from the states: d_v = 4
+    variants may keep at most those bytes more than Llama, and every variant less than its PyTorch path."""
+    pytest.importorskip("triton")
+    script = os.path.join(os.path.dirname(bench.__file__), "scripts", "triton_memory.py")
+    done = subprocess.run([sys.executable, script, "--size", "tiny", "--json"], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.splitlines()[-1])
+    size = bench.SIZES["tiny"]
+    tokens, seams = size.batch_size * size.seq_len, 2 * size.num_hidden_layers
+    states_and_outputs = seams * tokens * (4 * size.hidden_size + size.hidden_size) * 2  # (bf16 X and h, d_v = 4)
+    for variant in ("ddl-dv1", "ddl-cc", "ddl-tc"):
+        assert result[variant]["Triton"] < result[variant]["PyTorch"], variant
+    for variant in ("ddl-cc", "ddl-tc"):
+        assert result[variant]["Triton"] - result["llama"] <= states_and_outputs, (variant, result)
+
+
 def test_every_triton_kernel_compiles_for_an_h200_without_spilling():
     """scripts/triton_sm90.py: Triton's compiler (not the interpreter the kernel tests run on) builds every kernel
     for sm_90 here, and at the paper's small size none spills registers to local memory."""
