@@ -257,7 +257,8 @@ class DDLDeltaResidual(nn.Module):
         `slot`) or X_next; a kernel makes it (and a hook-free norm) in the update's pass where it can (`ops`)."""
         readout = plan.readout_weight(read_next) if read_next is not None and self.mode != "additive" and (
             read_next.fusable("delta_residual_readout", plan, slot, state.device) and not user_hooks(self)) else None
-        fuse = readout is not None and type(norm) is LlamaRMSNorm and unseen(norm, state.device)  # (not a subclass)
+        fuse = type(norm) is LlamaRMSNorm and kernel("delta_residual_readout_norm", plan.implementation, h.device) and (
+            readout is not None or read_next is None and not user_hooks(self)) and unseen(norm, state.device)
         weights = [getattr(self, name, None) for name in ("beta_weight", "beta_bias", "value_weight", "value_bias")]
         with plan.saving():
             out = delta_residual(state, h, context, x_in if self.value_from_state else context, *weights,
@@ -265,7 +266,7 @@ class DDLDeltaResidual(nn.Module):
                                  gate_hidden=self._gate_hidden(), v_constant=self.v_constant, readout=readout,
                                  norm=(norm.weight, norm.variance_epsilon) if fuse else None,
                                  implementation=plan.implementation)
-        out, made, normed = (out, None, None) if readout is None else out if fuse else (*out, None)
+        out, made, normed = out if fuse else (out, None, None) if readout is None else (*out, None)
         if made is not None:  # (TC's window, read from zeros, for the next tokens; CC has none)
             cached_window(out, readout.shape[0], plan.cache, read_next.layer_idx, slot)
         if plan.rebuild is not None and not torch.compiler.is_compiling():  # (a compiled region: the chain stops)

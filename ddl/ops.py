@@ -61,24 +61,23 @@ def _find_kernels():
 
 def _fast(op, implementation, device, *args):
     """ddl_kernels' `op` of `args` where it is allowed, installed and serves them, else None."""
-    run = kernel(op, implementation, device)
-    return None if run is None else run(*args)
+    return None if (run := kernel(op, implementation, device)) is None else run(*args)
 
 
 def delta_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, *, v_scale, k_eps, mode,
                    gate_hidden=None, v_constant=None, readout=None, norm=None, implementation="auto"):
     r"""One sublayer's residual seam (`reference.delta_residual`). With `readout`, the next compressor's weight
     `(K, d, d_v)`: (X_next, y), y its readout of X_next (no history) if a kernel made it in the same pass, else None;
-    with `norm` too, the next sublayer's RMSNorm `(gain, eps)`: (X_next, y, its RMSNorm or None, as y)."""
+    with `norm` too, the next sublayer's RMSNorm `(gain, eps)`: (X_next, y, its RMSNorm or None, as y); with `norm`
+    alone (d_v = 1: X_next is the next input), (X_next, None, its RMSNorm if a kernel made it, else None)."""
     fast = gate_hidden is None and v_constant is None and mode != "additive"  # (what the kernels implement)
     args = (x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, mode, readout)
     if (out := _fast("delta_residual_readout_norm", implementation, x.device, *args, *norm) if fast and norm else None):
         return out
     op = "delta_residual" if readout is None else "delta_residual_readout"
     out = _fast(op, implementation, x.device, *args) if fast else None
-    if out is None:
-        out = reference.delta_residual(*args[:-1], gate_hidden, v_constant)
-        out = out if readout is None else (out, None)
+    out = reference.delta_residual(*args[:-1], gate_hidden, v_constant) if out is None else out
+    out = out if isinstance(out, tuple) or readout is None and norm is None else (out, None)
     return out if norm is None else (*out, None)
 
 

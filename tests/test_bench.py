@@ -255,8 +255,9 @@ def test_a_second_bench_into_a_timeline_folder_being_written_is_refused(tmp_path
 
 def test_the_triton_seam_launches_as_many_kernels_forward_as_llamas_residual_add():
     """scripts/launch_count.py: a training step's kernel launches (what a GPU step that waits on the CPU pays for),
-    counted on CPU through Triton's interpreter. The seam replaces Llama's residual add by one kernel: d_v=1's forward
-    and its decoded token (inside `generate`) launch what Llama's do; a training step of d_v=1 and of TC+EC at most
+    counted on CPU through Triton's interpreter. The seam replaces Llama's residual add by one kernel, and at d_v=1 the
+    attention seam also makes post_attention_layernorm's output: d_v=1's forward and its decoded token (inside
+    `generate`) launch fewer kernels than Llama's; a training step of d_v=1 and of TC+EC at most
     1.10x Llama's (the seam's backward, the weights' gradients included, two launches; TC's readouts with their norms)
     and fewer than the specification's; TC's decoded token at most 1.02x Llama's with its Triton steps (each readout
     writing its sublayer's RMSNorm), where the specification's launch more."""
@@ -266,7 +267,7 @@ def test_the_triton_seam_launches_as_many_kernels_forward_as_llamas_residual_add
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.splitlines()[-1])
-    assert result["ddl-dv1"]["Triton"][0] == result["llama"][0]
+    assert result["ddl-dv1"]["Triton"][0] < result["llama"][0]
     for variant in ("ddl-dv1", "ddl-tc"):  # (TC: its readouts over K tokens, each with its sublayer's RMSNorm)
         ways = result[variant]
         assert ways["Triton"][1] <= 1.10 * result["llama"][1], variant  # (issue 58's bound)
@@ -276,7 +277,7 @@ def test_the_triton_seam_launches_as_many_kernels_forward_as_llamas_residual_add
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.splitlines()[-1])  # (a decoded token: the seam and TC's, EC's steps in Triton)
-    assert result["ddl-dv1"]["Triton"] == result["llama"]
+    assert result["ddl-dv1"]["Triton"] < result["llama"]
     assert result["ddl-tc"]["Triton"] <= 1.02 * result["llama"] < result["ddl-tc"]["PyTorch"]  # (issue 58's bound)
 
 

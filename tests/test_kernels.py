@@ -472,11 +472,61 @@ def test_triton_seam_with_the_next_readout_matches_reference(programs, dv, dtype
         assert y is None and normed == ([None] if norm else []) and out.shape == x.shape
 
 
+@pytest.mark.parametrize("value_input", ["state", "u"])
+@pytest.mark.parametrize("dtype, tol, frozen", [(torch.float32, 1e-5, ()), (torch.bfloat16, 3e-2, ()),
+                                                (torch.float32, 1e-5, (8,)), (torch.float32, 1e-5, (4, 5, 6, 7))],
+                         ids=["fp32", "bf16", "gain-frozen", "seam-weights-frozen"])
+def test_triton_seam_at_dv1_makes_the_next_rmsnorm_of_its_state(dtype, tol, frozen, value_input, monkeypatch):
+    """At d_v = 1 the state is the next sublayer's input: given that sublayer's RMSNorm (its gain) and no readout,
+    the seam also writes LlamaRMSNorm(X_next) in its pass, and in backward the norm's gradient joins X_next's before
+    the seam's kernel reads it: X_next, the normed state and every gradient (the state's through both, the gain's,
+    none for a frozen weight) equal the specification's (the seam, then LlamaRMSNorm) in fp64."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    residual = _triton("residual")
+    monkeypatch.setattr(_triton("readout"), "_programs", lambda tokens, device: min(tokens, 3))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = seeded(5)
+    inputs = [torch.randn(2, 11, 40, generator=g) for _ in range(4)]
+    inputs += [0.1 * torch.randn(40, generator=g), torch.randn(1, generator=g), 0.1 * torch.randn(1, 40, generator=g),
+               torch.randn(1, generator=g), 1 + 0.3 * torch.randn(40, generator=g)]
+    upstream = [torch.randn(2, 11, 40, generator=g, dtype=torch.float64) for _ in range(2)]
+
+    def spec(x, h, c, u, *weights):
+        out = delta_residual(x, h, c, u, *weights[:4], 4.0, 1e-5, "delta")
+        rms = LlamaRMSNorm(40, eps=1e-6).to(device=device, dtype=weights[4].dtype)
+        rms.weight = weights[4]  # (the leaf itself: its gradient is the one compared)
+        return out, rms(out)
+
+    def fast(x, h, c, u, *weights):
+        out, y, normed = residual.run(x, h, c, u, *weights[:4], 4.0, 1e-5, "delta", None, weights[4], 1e-6)
+        assert y is None
+        return out, normed
+
+    results = []
+    for run, cast in ((spec, torch.float64), (fast, dtype)):
+        leaves = [t.to(device=device, dtype=cast).requires_grad_(i not in frozen) for i, t in enumerate(inputs)]
+        leaves[8] = torch.nn.Parameter(leaves[8], requires_grad=8 not in frozen)
+        x, h, c, u = leaves[:4]
+        outs = run(x, h, c, x if value_input == "state" else u, *leaves[4:])
+        assert all(t.dtype == cast for t in outs)
+        (sum((t.double() * up.to(device)).sum() for t, up in zip(outs, upstream))).backward()
+        results.append([*outs, *(t.grad for t in leaves)])
+    for i, (exact, fast_) in enumerate(zip(*results)):
+        if exact is None:
+            assert fast_ is None, i
+            continue
+        torch.testing.assert_close(fast_.double(), exact, rtol=tol, atol=tol * max(1.0, exact.abs().max().item()),
+                                   msg=str(i))
+
+
+@pytest.mark.parametrize("dv", [4, 1])
 @pytest.mark.parametrize("hook", ["forward", "backward"])
-def test_the_rmsnorm_after_a_seam_is_made_by_the_seam_unless_a_hook_is_on_it(hook, monkeypatch):
+def test_the_rmsnorm_after_a_seam_is_made_by_the_seam_unless_a_hook_is_on_it(hook, dv, monkeypatch):
     """In a model under "triton" (through the interpreter), each block's attention seam, which reads the MLP's input
-    ahead (CC), also makes post_attention_layernorm's output; a forward or backward hook on that norm (user code that
-    must see it run) makes the seam leave the norm to the module, with the same loss and gradients."""
+    ahead (CC) or whose state is it (d_v = 1), also makes post_attention_layernorm's output; a forward or backward hook
+    on that norm (user code that must see it run) makes the seam leave the norm to the module, with the same loss and
+    gradients."""
     import ddl_kernels
 
     monkeypatch.setattr(ddl_kernels, "_failed", set())
@@ -485,7 +535,7 @@ def test_the_rmsnorm_after_a_seam_is_made_by_the_seam_unless_a_hook_is_on_it(hoo
     monkeypatch.setattr(residual, "run", lambda *args: normed.append(len(args) > 12) or run(*args))
     triton_on_cpu(monkeypatch)
     torch.manual_seed(0)
-    model = trained_looking(DDLForCausalLM(tiny_config(ddl_implementation="triton")))
+    model = trained_looking(DDLForCausalLM(tiny_config(ddl_implementation="triton", ddl_value_channels=dv)))
     ids = torch.randint(3, 99, (2, 8), generator=seeded(1))
 
     def loss_and_gradients():
@@ -825,8 +875,8 @@ def test_triton_cc_fold_matches_reference(d, kernel, dv, dtype, tol):
                                    msg=name)
 
 
-@pytest.mark.parametrize("overrides", [{}, {"ddl_compressor": "tc"}, {"ddl_cc_kernel_size": 2}],
-                         ids=["cc-ec", "tc-ec", "cc-even-kernel"])
+@pytest.mark.parametrize("overrides", [{}, {"ddl_compressor": "tc"}, {"ddl_cc_kernel_size": 2},
+                                       {"ddl_value_channels": 1}], ids=["cc-ec", "tc-ec", "cc-even-kernel", "dv1"])
 def test_every_triton_kernel_in_a_model_matches_reference(overrides, monkeypatch):
     """Under "triton" with every Triton kernel serving (the seam, the readouts and their norms, EC, CC's fold;
     through the interpreter), a model's loss and every parameter's gradient equal the specification's; none of them
@@ -848,7 +898,7 @@ def test_every_triton_kernel_in_a_model_matches_reference(overrides, monkeypatch
         models[name] = trained_looking(DDLForCausalLM(tiny_config(ddl_implementation=impl, **overrides)))
     assert_same_loss_and_gradients(models, torch.randint(3, 99, (2, 8), generator=seeded(1)), grad_atol=1e-5)
     assert not ddl_kernels._failed
-    expected = {"run", "token_window", "readout_and_norm"} | (
+    expected = {"run"} if overrides.get("ddl_value_channels") == 1 else {"run", "token_window", "readout_and_norm"} | (
         {"fold"} if overrides.get("ddl_compressor") != "tc" else set())
     assert set(calls) == expected, calls
 

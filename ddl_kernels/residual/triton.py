@@ -104,7 +104,8 @@ def _seam_fwd_kernel(
 ):
     """X_next = X + h (x) w with w = s beta t `(d_v,)`; READ: also the next compressor's readout of X_next as stored,
     y[i] = sum_j taps[i, j] X_next[j, i] (fp32 sums), taps `(d, d_v)` read at their strides; NORM: also the next
-    sublayer's RMSNorm of y as stored, gain * (y / sqrt(mean(y^2) + eps)) (LlamaRMSNorm's roundings)."""
+    sublayer's RMSNorm of y as stored, gain * (y / sqrt(mean(y^2) + eps)) (LlamaRMSNorm's roundings), or without READ
+    (d_v = 1) of X_next as stored."""
     token = tl.program_id(0).to(tl.int64)
     rows, row_ok, cols, col_ok, tile, tile_ok, x, k, inv_norm, h = _token_state(
         x_ptr, h_ptr, token, d, dv, k_eps_sq, BLOCK_D, BLOCK_V
@@ -124,6 +125,9 @@ def _seam_fwd_kernel(
         tl.store(y_ptr + token * d + rows, y, mask=row_ok)
         if NORM:
             _store_rms_norm(y, gain_ptr, normed_ptr + token * d, rows, d, norm_eps)
+    elif NORM:  # (d_v = 1: the next input is X_next itself, the one column of its tile)
+        y = tl.sum(out.to(tl.float32), axis=1).to(out_ptr.dtype.element_ty)
+        _store_rms_norm(y, gain_ptr, normed_ptr + token * d, rows, d, norm_eps)
 
 @triton.jit(do_not_specialize=["tokens", "per_program"])  # (the probe's one token must not compile its own variant)
 def _seam_bwd_kernel(
@@ -240,7 +244,8 @@ class _TritonSeam(torch.autograd.Function):
         d, dv = h.shape[-1], value_weight.shape[0]
         out = torch.empty_like(x)
         y = None if taps is None else h.new_empty(h.shape, dtype=torch.promote_types(x.dtype, taps.dtype))
-        normed = None if gain is None else h.new_empty(h.shape, dtype=torch.promote_types(y.dtype, gain.dtype))
+        normed = None if gain is None else h.new_empty(h.shape, dtype=torch.promote_types((
+            out if y is None else y).dtype, gain.dtype))
         ctx.v_scale, ctx.k_eps, ctx.norm_eps, ctx.erase, ctx.u_kind = v_scale, k_eps, norm_eps, erase, u_kind
         with torch.cuda.device_of(x):
             _seam_fwd_kernel[(h.numel() // d,)](
@@ -250,15 +255,21 @@ class _TritonSeam(torch.autograd.Function):
                 READ=taps is not None, NORM=gain is not None, **_value(v_scale), **_blocks(d, dv),
             )
         ctx.save_for_backward(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, taps, gain,
-                              None if gain is None else y)
-        return out if y is None else (out, y) if normed is None else (out, y, normed)
+                              None if gain is None else out if y is None else y)
+        if y is None:  # (d_v = 1 with the norm: of X_next)
+            return out if normed is None else (out, normed)
+        return (out, y) if normed is None else (out, y, normed)
 
     @staticmethod
-    def backward(ctx, grad_out, grad_read=None, grad_normed=None):
+    def backward(ctx, grad_out, *grad_read_and_normed):
         refuse_second_derivative("the Triton residual seam")  # (its gradients are computed outside autograd)
         *saved, gain, y = ctx.saved_tensors
+        grad_read, grad_normed = (((None,) if saved[8] is None else ()) + grad_read_and_normed + (None, None))[:2]
         grad_gain = None
-        if gain is not None:  # (the RMSNorm's gradient joins y's before the seam's backward reads it)
+        if gain is not None and saved[8] is None:  # (d_v = 1: the norm's gradient joins X_next's own)
+            grad_out, grad_gain = _norm_gradients(y, gain, ctx.norm_eps, grad_normed, grad_out,
+                                                  ctx.needs_input_grad[9])
+        elif gain is not None:  # (the RMSNorm's gradient joins y's before the seam's backward reads it)
             grad_read, grad_gain = _norm_gradients(y, gain, ctx.norm_eps, grad_normed, grad_read,
                                                    ctx.needs_input_grad[9])
         grads = _seam_gradients(ctx, saved, grad_out, grad_read)
@@ -344,10 +355,13 @@ def _backward_compiles(x, h, c, u, weights, taps, gain, v_scale, k_eps, erase, u
         one = [t.reshape(-1, *t.shape[2:])[:1].contiguous() for t in (x, h, c, u)]
         kept = (*(w.detach() for w in weights), None if taps is None else taps.detach())
         read = None if taps is None else one[1].new_zeros(one[1].shape, dtype=torch.promote_types(x.dtype, taps.dtype))
+        grad = torch.zeros_like(one[0])
         if gain is not None:  # (as backward runs them: the norm's first, whose fp32 gradient the seam's then reads)
-            normed = read.new_zeros(read.shape, dtype=torch.promote_types(read.dtype, gain.dtype))
-            read = _norm_gradients(read, gain.detach(), 1e-6, normed, read, gain.requires_grad)[0]
-        _seam_gradients(probe, (*one, *kept), torch.zeros_like(one[0]), read)  # (read: as y's gradient will be)
+            y = grad if read is None else read  # (d_v = 1: the norm of X_next)
+            normed = y.new_zeros(y.shape, dtype=torch.promote_types(y.dtype, gain.dtype))
+            y = _norm_gradients(y, gain.detach(), 1e-6, normed, y, gain.requires_grad)[0]
+            grad, read = (y, read) if read is None else (grad, y)
+        _seam_gradients(probe, (*one, *kept), grad, read)  # (grad, read: as X_next's and y's gradients will be)
         _compiled.add(key)
 
 
@@ -366,18 +380,22 @@ def run(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k
     (CC) and u is not c, else None (TC's reads earlier tokens' states, which other programs write; with u = c the
     backward spilled registers when compiled for sm_90 at d = 768, scripts/triton_sm90.py, where the others do not);
     with the next sublayer's RMSNorm too (its `gain` and `norm_eps`), (X_next, y, RMSNorm(y)) where y is made here,
-    else (X_next, None, None) (the caller then reads and normalises X_next itself)."""
+    else (X_next, None, None) (the caller then reads and normalises X_next itself); with the norm and no readout at
+    d_v = 1, where X_next is the next input, (X_next, None, RMSNorm(X_next))."""
     u_kind = value_input_kind(x, h, c, u)
     x, h, c = x.contiguous(), h.contiguous(), c.contiguous()
     u = c if u_kind == 1 else (x if u_kind == 2 else u.contiguous())
     weights = (gate_weight.contiguous(), gate_bias.contiguous(), value_weight.contiguous(), value_bias.contiguous())
     taps = readout if readout is not None and readout.shape[0] == 1 and u_kind != 1 else None  # (1, d, d_v)
-    norm = None if gain is None or taps is None else gain.contiguous()
+    norm = None if gain is None or taps is None and (readout is not None or x.dim() != h.dim()) else (
+        gain.contiguous())  # (with no readout at d_v = 1, the norm of X_next, the next input)
     v_scale, erase = None if v_scale is None else float(v_scale), mode == "delta"
     _backward_compiles(x, h, c, u, weights, taps, norm, v_scale, float(k_eps), erase, u_kind)
     out = _TritonSeam.apply(x, h, c, u, *weights, taps, norm, v_scale, float(k_eps),
                             0.0 if norm_eps is None else float(norm_eps), erase, u_kind)
-    if readout is None:
+    if taps is None and norm is not None:  # (d_v = 1: the next input is X_next)
+        return out[0], None, out[1]
+    if readout is None and gain is None:
         return out
     out = out if taps is not None else (out, None)
     return out if gain is None or norm is not None else (*out, None)
