@@ -20,7 +20,7 @@ from . import reference
 # under transformers' logger, so that its verbosity governs these lines also as remote code (transformers_modules.*)
 logger = logging.get_logger("transformers.ddl")
 
-INTERFACE_VERSION = 3  # the operations' arguments and results, as ddl_kernels declares them (ddl_kernels/__init__.py)
+INTERFACE_VERSION = 4  # the operations' arguments and results, as ddl_kernels declares them (ddl_kernels/__init__.py)
 FAST = {"auto": ("cpu",), "triton": ("cpu", "cuda"), "torch": (), "reference": ()}
 _installed = None
 

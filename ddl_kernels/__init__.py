@@ -32,12 +32,13 @@ import torch.utils.checkpoint
 #   folded_conv_read(conv_weight, read) -> CC's readout matrix `(d, d_v)` (an operation added without a new version:
 #       a dispatcher that does not ask for it runs as before, and one that finds none runs its specification)
 #   delta_residual_readout_norm(..., readout, gain, norm_eps) -> (X_next, y, RMSNorm(y)) with the next sublayer's
-#       RMSNorm (LlamaRMSNorm's) of y made in the same pass, or both None where y is not (added as folded_conv_read
-#       was)
+#       RMSNorm (LlamaRMSNorm's) of y made in the same pass, or both None where y is not; with readout None at d_v = 1
+#       (X_next is the next input), (X_next, None, RMSNorm(X_next)) or (X_next, None, None) (version 4: a version 3
+#       kernel gave X_next alone there)
 #   token_readout_norm(x, taps, gain, norm_eps) -> (y, RMSNorm(y)): token_readout, and the next sublayer's RMSNorm
 #       (LlamaRMSNorm's) of y made in the same pass; window_step_norm(past, x, weight, gain, norm_eps) -> (y, RMSNorm(y))
 #       likewise of window_step (both added as folded_conv_read was)
-INTERFACE_VERSION = 3
+INTERFACE_VERSION = 4
 
 
 def implementations():

@@ -253,7 +253,7 @@ def test_a_second_bench_into_a_timeline_folder_being_written_is_refused(tmp_path
         lock.release()
 
 
-def test_the_triton_seam_launches_as_many_kernels_forward_as_llamas_residual_add():
+def test_the_triton_seams_forward_launches_fewer_kernels_than_llamas_add_and_norm():
     """scripts/launch_count.py: a training step's kernel launches (what a GPU step that waits on the CPU pays for),
     counted on CPU through Triton's interpreter. The seam replaces Llama's residual add by one kernel, and at d_v=1 the
     attention seam also makes post_attention_layernorm's output: d_v=1's forward and its decoded token (inside

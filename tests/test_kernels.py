@@ -532,7 +532,13 @@ def test_the_rmsnorm_after_a_seam_is_made_by_the_seam_unless_a_hook_is_on_it(hoo
     monkeypatch.setattr(ddl_kernels, "_failed", set())
     residual = _triton("residual")
     normed, run = [], residual.run
-    monkeypatch.setattr(residual, "run", lambda *args: normed.append(len(args) > 12) or run(*args))
+
+    def counted(*args):  # (whether the seam was given the norm's gain and made the norm)
+        out = run(*args)
+        normed.append(len(args) > 12 and out[2] is not None)
+        return out
+
+    monkeypatch.setattr(residual, "run", counted)
     triton_on_cpu(monkeypatch)
     torch.manual_seed(0)
     model = trained_looking(DDLForCausalLM(tiny_config(ddl_implementation="triton", ddl_value_channels=dv)))
