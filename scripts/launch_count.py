@@ -105,13 +105,20 @@ def count_decoding(model, ids):
 
 
 def counts(variants, dtype, size, decoding=False):
-    """{"llama": (forward, step), variant: {way: (forward, step)}} (`decoding`: a decoded token's launches instead);
-    ddl.ops' table and Triton's kernels restored."""
+    """{"llama": (forward, step), variant: {way: (forward, step)}} (`decoding`: a decoded token's launches instead)."""
+    ids = torch.randint(3, size.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    measure = count_decoding if decoding else count
+    return both_ways(variants, dtype, size, lambda variant, model: measure(model, ids), CountedKernel)
+
+
+def both_ways(variants, dtype, size, measure, stand_in):
+    """{"llama": measure("llama", Llama), variant: {"PyTorch": ..., "Triton": ...}}: each model built on the CPU and
+    measured by `measure(variant, model)`, DDL's PyTorch path and its Triton path (ddl.ops' table of `triton_table()`),
+    every Triton kernel of ddl_kernels replaced by `stand_in(kernel)` meanwhile; the table and the kernels restored."""
     from ddl import ops
     from ddl_kernels.readout import triton as readout
     from ddl_kernels.residual import triton as residual
 
-    ids = torch.randint(3, size.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     cpu = torch.device("cpu")
     ops.kernel("delta_residual", "auto", cpu)  # (fills the table)
     kept_table = ops._installed
@@ -119,14 +126,13 @@ def counts(variants, dtype, size, decoding=False):
                     for name, kernel in list(vars(module).items()) if name.endswith("_kernel")]
     try:
         for module, name, kernel in kept_kernels:
-            setattr(module, name, CountedKernel(kernel))
-        measure = count_decoding if decoding else count
-        result = {"llama": measure(build("llama", size, cpu, dtype, "torch"), ids)}
+            setattr(module, name, stand_in(kernel))
+        result = {"llama": measure("llama", build("llama", size, cpu, dtype, "torch"))}
         for variant in variants:
             result[variant] = {}
             for label, table, implementation in (("PyTorch", {}, "torch"), ("Triton", triton_table(), "triton")):
                 ops._installed = table
-                result[variant][label] = measure(build(variant, size, cpu, dtype, implementation), ids)
+                result[variant][label] = measure(variant, build(variant, size, cpu, dtype, implementation))
         return result
     finally:
         ops._installed = kept_table

@@ -20,49 +20,31 @@ import sys
 from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from launch_count import triton_table  # noqa: E402 (sets TRITON_INTERPRET: no kernel runs here either way)
+from launch_count import both_ways  # noqa: E402 (sets TRITON_INTERPRET: no kernel runs here either way)
 
 import torch  # noqa: E402
-from bench import SIZES, Runner, build  # noqa: E402
+from bench import SIZES, Runner  # noqa: E402
 
 
 class _NoLaunch:
     """A Triton kernel's stand-in: `kernel[grid](...)` launches nothing."""
+
+    def __init__(self, kernel):
+        pass
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: None
 
 
 def peaks(variants, dtype, size):
-    """{"llama": bytes, variant: {"PyTorch": bytes, "Triton": bytes}}: the peak of one training step; ddl.ops' table
-    and the Triton kernels restored."""
-    from ddl import ops
-    from ddl_kernels.readout import triton as readout
-    from ddl_kernels.residual import triton as residual
+    """{"llama": bytes, variant: {"PyTorch": bytes, "Triton": bytes}}: the peak of one training step."""
 
-    cpu = torch.device("cpu")
-    ops.kernel("delta_residual", "auto", cpu)  # (fills the table)
-    kept_table = ops._installed
-    kept_kernels = [(module, name, kernel) for module in (readout, residual)
-                    for name, kernel in list(vars(module).items()) if name.endswith("_kernel")]
-
-    def peak(variant, implementation, table):
-        ops._installed = table
-        runner = Runner(variant, build(variant, size, cpu, dtype, implementation), size, cpu, False)
+    def peak(variant, model):
+        runner = Runner(variant, model, size, torch.device("cpu"), False)
         runner.train_step()
         return runner.peak_train_memory()
 
-    try:
-        for module, name, _ in kept_kernels:
-            setattr(module, name, _NoLaunch())
-        result = {"llama": peak("llama", "torch", {})}
-        for variant in variants:
-            result[variant] = {"PyTorch": peak(variant, "torch", {}), "Triton": peak(variant, "triton", triton_table())}
-        return result
-    finally:
-        ops._installed = kept_table
-        for module, name, kernel in kept_kernels:
-            setattr(module, name, kernel)
+    return both_ways(variants, dtype, size, peak, _NoLaunch)
 
 
 def main(argv=None):
