@@ -449,21 +449,7 @@ def test_triton_seam_with_the_next_readout_matches_reference(programs, dv, dtype
     def fast(x, h, c, u, *weights):
         return residual.run(x, h, c, u, *weights[:4], 4.0, 1e-5, "delta", *weights[4:], *([1e-6] if norm else []))
 
-    results = []
-    for run, cast in ((spec, torch.float64), (fast, dtype)):
-        leaves = [t.to(device=device, dtype=cast).requires_grad_(i not in frozen) for i, t in enumerate(inputs)]
-        if norm:
-            leaves[9] = torch.nn.Parameter(leaves[9], requires_grad=9 not in frozen)
-        outs = run(*leaves)
-        assert all(t.dtype == cast for t in outs)
-        (sum((t.double() * up.to(device)).sum() for t, up in zip(outs, upstream))).backward()
-        results.append([*outs, *(t.grad for t in leaves)])
-    for i, (exact, fast_) in enumerate(zip(*results)):
-        if exact is None:
-            assert fast_ is None, i
-            continue
-        torch.testing.assert_close(fast_.double(), exact, rtol=tol, atol=tol * max(1.0, exact.abs().max().item()),
-                                   msg=str(i))
+    _matches_the_specification_in_fp64(spec, fast, inputs, upstream, dtype, tol, frozen, 9 if norm else None, device)
     x, h, c, u, *weights = (t.to(device=device, dtype=dtype) for t in inputs[:8])
     extra = [inputs[9].to(device=device, dtype=dtype), 1e-6] if norm else []
     for value_input, readout in ((u, torch.randn(4, 40, dv, generator=g).to(device=device, dtype=dtype)),
@@ -472,11 +458,11 @@ def test_triton_seam_with_the_next_readout_matches_reference(programs, dv, dtype
         assert y is None and normed == ([None] if norm else []) and out.shape == x.shape
 
 
-@pytest.mark.parametrize("value_input", ["state", "u"])
+@pytest.mark.parametrize("value", ["state", "u"])
 @pytest.mark.parametrize("dtype, tol, frozen", [(torch.float32, 1e-5, ()), (torch.bfloat16, 3e-2, ()),
                                                 (torch.float32, 1e-5, (8,)), (torch.float32, 1e-5, (4, 5, 6, 7))],
                          ids=["fp32", "bf16", "gain-frozen", "seam-weights-frozen"])
-def test_triton_seam_at_dv1_makes_the_next_rmsnorm_of_its_state(dtype, tol, frozen, value_input, monkeypatch):
+def test_triton_seam_at_dv1_makes_the_next_rmsnorm_of_its_state(dtype, tol, frozen, value, monkeypatch):
     """At d_v = 1 the state is the next sublayer's input: given that sublayer's RMSNorm (its gain) and no readout,
     the seam also writes LlamaRMSNorm(X_next) in its pass, and in backward the norm's gradient joins X_next's before
     the seam's kernel reads it: X_next, the normed state and every gradient (the state's through both, the gain's,
@@ -503,12 +489,23 @@ def test_triton_seam_at_dv1_makes_the_next_rmsnorm_of_its_state(dtype, tol, froz
         assert y is None
         return out, normed
 
+    def value_input(run):  # (u: the state itself, or its own tensor)
+        return lambda x, h, c, u, *weights: run(x, h, c, x if value == "state" else u, *weights)
+
+    _matches_the_specification_in_fp64(value_input(spec), value_input(fast), inputs, upstream, dtype, tol, frozen, 8,
+                                       device)
+
+
+def _matches_the_specification_in_fp64(spec, fast, inputs, upstream, dtype, tol, frozen, gain, device):
+    """`fast` on `inputs` in `dtype` against `spec` on them in fp64 (those at `frozen` with no gradient, the one at
+    `gain` a Parameter, as a norm's weight), each output weighted by `upstream` and summed for backward: every output
+    and every input's gradient within `tol` of the largest element of the exact one, None where its is None."""
     results = []
     for run, cast in ((spec, torch.float64), (fast, dtype)):
         leaves = [t.to(device=device, dtype=cast).requires_grad_(i not in frozen) for i, t in enumerate(inputs)]
-        leaves[8] = torch.nn.Parameter(leaves[8], requires_grad=8 not in frozen)
-        x, h, c, u = leaves[:4]
-        outs = run(x, h, c, x if value_input == "state" else u, *leaves[4:])
+        if gain is not None:
+            leaves[gain] = torch.nn.Parameter(leaves[gain], requires_grad=gain not in frozen)
+        outs = run(*leaves)
         assert all(t.dtype == cast for t in outs)
         (sum((t.double() * up.to(device)).sum() for t, up in zip(outs, upstream))).backward()
         results.append([*outs, *(t.grad for t in leaves)])
