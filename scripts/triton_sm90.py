@@ -25,6 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def variants(d, dv):
     """(kernel, pointer dtype, fp32 pointers, constexprs, launch options) for each compiled variant."""
+    import triton.language as tl
+
     from ddl_kernels.readout import triton as readout
     from ddl_kernels.residual import triton as residual
 
@@ -55,11 +57,15 @@ def variants(d, dv):
          dict(ERASE=True, U_KIND=2, SIGMOID=True, READ=False, WEIGHT_GRADS=True, **scalar), scalar_warps),
         (residual._seam_bwd_kernel, "fp32", fp32_out,
          dict(ERASE=False, U_KIND=2, SIGMOID=False, READ=False, WEIGHT_GRADS=False, **scalar), scalar_warps),
-        *[(readout._norm_bwd_kernel, "bf16", {"out_ptr", "part_ptr"}, dict(GAIN_GRAD=gain, **norm), norm_warps)
-          for gain in (True, False)],
+        # the norm's backward from y itself (d_v = 1: the state), then from the state y was read out of (CC's one
+        # tap, TC's four), a token's whole state a program as the forward's readout
+        *[(readout._norm_bwd_kernel, "bf16", {"out_ptr", "part_ptr"},
+           dict(GAIN_GRAD=gain, K=0, Y=tl.bfloat16, BLOCK_V=2, **norm), norm_warps) for gain in (True, False)],
+        *[(readout._norm_bwd_kernel, "bf16", {"out_ptr", "part_ptr"}, dict(GAIN_GRAD=True, K=k, Y=tl.bfloat16, **row),
+           row_warps) for k in (1, 4)],
         # an fp32 gain with a bf16 readout (the normed output, and its gradient, in fp32)
         (readout._norm_bwd_kernel, "bf16", {"gain_ptr", "grad_normed_ptr", "out_ptr", "part_ptr"},
-         dict(GAIN_GRAD=True, **norm), norm_warps),
+         dict(GAIN_GRAD=True, K=1, Y=tl.bfloat16, **row), row_warps),
         (readout._sum_parts_kernel, "bf16", {"part_ptr"}, dict(BLOCK=1024), {}),
         (readout._fold_kernel, "bf16", set(), dict(K=4, PAD=1, BLOCK_D=readout._FOLD_BLOCK, BLOCK_V=4), {}),
         (readout._fold_grads_kernel, "bf16", set(), dict(K=4, PAD=1, BLOCK_D=readout._FOLD_BLOCK, BLOCK_V=4), {}),

@@ -854,6 +854,34 @@ def test_triton_readout_with_the_next_rmsnorm_matches_reference(kernel, dv, d, f
                                    msg=name)
 
 
+@pytest.mark.parametrize("maker", ["seam-cc", "seam-dv1", "readout-cc", "readout-tc"])
+def test_the_triton_rmsnorms_keep_no_copy_of_their_input_for_backward(maker):
+    """A kernel that writes the next sublayer's RMSNorm of a readout keeps for backward only tensors it was given and
+    the seam's new state, never the readout y `(B, T, d)` it made: the norm's backward reads y out of the state again
+    (which the readout's backward, or the next seam, keeps anyway). A bf16 copy of y per sublayer was CC+EC's largest
+    keep beyond its states and its sublayers' outputs. At d_v = 1 the state is y itself."""
+    residual, windows = _triton("residual"), _triton("readout")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dv = 1 if maker == "seam-dv1" else 4
+    x, h, c, u, *weights = (t.to(device).requires_grad_() for t in _seam_inputs(dv, torch.float32, 0))
+    taps = torch.randn(4 if maker == "readout-tc" else 1, 200, dv, device=device, requires_grad=True)
+    gain = torch.nn.Parameter(1 + 0.3 * torch.randn(200, device=device))
+    if maker.startswith("seam"):
+        readout = None if dv == 1 else taps
+        given = (x, h, c, u, *weights, taps, gain)
+        make = lambda: residual.run(x, h, c, u, *weights, 4.0, 1e-5, "delta", readout, gain, 1e-6)  # noqa: E731
+    else:
+        given = (x, taps, gain)
+        make = lambda: windows.readout_and_norm(x, taps.transpose(1, 2), gain, 1e-6)  # noqa: E731
+    make()  # (the first call also tries the backward's compilation, outside autograd)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        outs = make()
+    assert outs[-1] is not None and saved  # (the norm was made here)
+    kept = {t.untyped_storage().data_ptr() for t in given + ((outs[0],) if maker.startswith("seam") else ())}
+    assert all(t.untyped_storage().data_ptr() in kept for t in saved), [tuple(t.shape) for t in saved]
+
+
 @pytest.mark.parametrize("d, kernel, dv", [(200, 3, 4), (130, 4, 4), (64, 5, 3), (300, 1, 8), (40, 7, 4)],
                          ids=["k3-dv4", "k4-even", "dv3", "k1", "k7-wider-than-dv"])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])

@@ -8,9 +8,10 @@ tokens) and `_sum_parts_kernel` (the chunks' partial sums added). Each program h
 
 A readout is a sublayer's input, which the sublayer's RMSNorm reads next: given its gain (`readout_and_norm`, and
 `window_step_norm` for a decoding step), a program holds a token's whole row and also writes that norm, in
-LlamaRMSNorm's roundings (`_store_rms_norm`); in backward `_norm_bwd_kernel` turns the normed output's gradient into
-the readout's (added to its own) and sums the gain's: the norm's eight launches forward and about fifteen backward
-(bf16) become none and two. The residual seam uses the same norm where it makes the readout itself (CC).
+LlamaRMSNorm's roundings (`_store_rms_norm`); in backward `_norm_bwd_kernel` reads the readout out of the state again
+(kept for the readout's own backward: no copy of the readout waits for backward), turns the normed output's gradient
+into the readout's (added to its own) and sums the gain's: the norm's eight launches forward and about fifteen
+backward (bf16) become none and two. The residual seam uses the same norm where it makes the readout itself (CC).
 
 Serves `reference.causal_token_readout` without history (x `(B, T, d_v, d)`, taps `(K, d_v, d)`, zeros before the
 first token) for CUDA tensors other than fp64, outside traces (`ddl_kernels.eager`). Opt-in
@@ -43,14 +44,11 @@ def _row_in_range(cols, row, n_rows):
     return (rows >= 0) & (rows < n_rows)
 
 @triton.jit
-def _window_row(in_ptr, taps, out_ptr, b, t, row, l_src, offset, d, dv, tap_stride_k, cols, tile, tile_ok,
-                READ: tl.constexpr, K: tl.constexpr, DIRECTION: tl.constexpr, BLOCK_D: tl.constexpr,
-                BLOCK_V: tl.constexpr):
-    """Output row `row` (token t of sequence b) of a K-row window of the input weighted by the taps (this block of
-    features; `taps` their tile's pointers at lag 0):
-    READ:      out[t] = sum_s sum_j taps[s, j] * in[src(t, s), j]   (B, t_out, d) from a state (B, l_src, d_v, d)
-    otherwise: out[t, j] = sum_s taps[s, j] * in[src(t, s)]        (B, t_out, d_v, d) from vectors (B, l_src, d)
-    """
+def _window_sum(in_ptr, taps, b, t, l_src, offset, d, dv, tap_stride_k, cols, tile, tile_ok, READ: tl.constexpr,
+                K: tl.constexpr, DIRECTION: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr):
+    """The products of token t's (of sequence b) K-row window of the input and the taps, summed over the lags in fp32,
+    as a (d_v x block) tile (this block of features; `taps` their tile's pointers at lag 0): `_window_row`'s output
+    before the sum over channels (READ) and the rounding."""
     acc = tl.zeros((BLOCK_V, BLOCK_D), dtype=tl.float32)
     for s in tl.static_range(K):
         src = t + offset + DIRECTION * s
@@ -62,6 +60,19 @@ def _window_row(in_ptr, taps, out_ptr, b, t, row, l_src, offset, d, dv, tap_stri
         else:
             x = tl.load(in_ptr + (b * l_src + src) * d + cols, mask=(cols < d) & ok, other=0.0)
             acc += w * x.to(tl.float32)[None, :]
+    return acc
+
+@triton.jit
+def _window_row(in_ptr, taps, out_ptr, b, t, row, l_src, offset, d, dv, tap_stride_k, cols, tile, tile_ok,
+                READ: tl.constexpr, K: tl.constexpr, DIRECTION: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_V: tl.constexpr):
+    """Output row `row` (token t of sequence b) of a K-row window of the input weighted by the taps (this block of
+    features; `taps` their tile's pointers at lag 0):
+    READ:      out[t] = sum_s sum_j taps[s, j] * in[src(t, s), j]   (B, t_out, d) from a state (B, l_src, d_v, d)
+    otherwise: out[t, j] = sum_s taps[s, j] * in[src(t, s)]        (B, t_out, d_v, d) from vectors (B, l_src, d)
+    """
+    acc = _window_sum(in_ptr, taps, b, t, l_src, offset, d, dv, tap_stride_k, cols, tile, tile_ok, READ, K, DIRECTION,
+                      BLOCK_D, BLOCK_V)
     if READ:
         out = tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * d + cols, out, mask=cols < d)
@@ -162,21 +173,30 @@ def sum_parts(parts, dtype, out=None):
 
 @triton.jit(do_not_specialize=["tokens", "per_program"])
 def _norm_bwd_kernel(
-    y_ptr, gain_ptr, grad_normed_ptr, grad_y_ptr, out_ptr, part_ptr, tokens, per_program, d, norm_eps,
-    GAIN_GRAD: tl.constexpr, BLOCK_D: tl.constexpr,
+    y_ptr, taps_ptr, gain_ptr, grad_normed_ptr, grad_y_ptr, out_ptr, part_ptr, tokens, per_program, t_out, d, dv,
+    tap_stride_k, tap_stride_v, tap_stride_d, norm_eps, GAIN_GRAD: tl.constexpr, K: tl.constexpr, Y: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """The RMSNorm's backward for `per_program` consecutive tokens, in fp32: with n = y r, r = 1/sqrt(mean(y^2) + eps)
     and dn = gain dL/dnormed, dL/dy = r (dn - n mean(dn n)), plus y's gradient from its other readers; and
-    (GAIN_GRAD) this program's row of dL/dgain = sum over its tokens of dL/dnormed n (n as the forward rounded it)."""
+    (GAIN_GRAD) this program's row of dL/dgain = sum over its tokens of dL/dnormed n (n as the forward rounded it, to
+    y's dtype Y). K = 0: y_ptr is y; else it is the state `(B, t_out, d_v, d)` y was read out of by the K taps (no
+    history), and y is read out of it again as `_window_kernel` read it, so that no copy of y waits for backward."""
     first = tl.program_id(0).to(tl.int64) * per_program
     count = tl.minimum(per_program, tokens - first).to(tl.int32)
-    rows = tl.arange(0, BLOCK_D)
+    rows, tile, tile_ok = _feature_block(d, dv, BLOCK_D, BLOCK_V)  # (one block: the whole row)
     row_ok = rows < d
+    taps = taps_ptr + tl.arange(0, BLOCK_V)[:, None] * tap_stride_v + rows[None, :] * tap_stride_d
     gain = tl.load(gain_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     total = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for token in range(count):
-        at = (first + token) * d + rows
-        y = tl.load(y_ptr + at, mask=row_ok, other=0.0).to(tl.float32)
+        row = first + token
+        at = row * d + rows
+        if K == 0:
+            y = tl.load(y_ptr + at, mask=row_ok, other=0.0).to(tl.float32)
+        else:
+            y = tl.sum(_window_sum(y_ptr, taps, row // t_out, row % t_out, t_out, 1 - K, d, dv, tap_stride_k, rows,
+                                   tile, tile_ok, True, K, 1, BLOCK_D, BLOCK_V), axis=0).to(Y).to(tl.float32)
         inv = tl.rsqrt(tl.sum(y * y, axis=0) / d + norm_eps)
         grad_normed = tl.load(grad_normed_ptr + at, mask=row_ok, other=0.0).to(tl.float32)
         dn = grad_normed * gain
@@ -184,7 +204,7 @@ def _norm_bwd_kernel(
         grad += tl.load(grad_y_ptr + at, mask=row_ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + at, grad, mask=row_ok)
         if GAIN_GRAD:
-            total += grad_normed * (y * inv).to(y_ptr.dtype.element_ty).to(tl.float32)
+            total += grad_normed * (y * inv).to(Y).to(tl.float32)
     if GAIN_GRAD:
         tl.store(part_ptr + tl.program_id(0).to(tl.int64) * d + rows, total, mask=row_ok)
 
@@ -311,23 +331,33 @@ def _programs(tokens, device):
     return min(tokens, most)
 
 
-def _norm_gradients(y, gain, norm_eps, grad_normed, grad_y, gain_grad):
+_TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _norm_gradients(y, gain, norm_eps, grad_normed, grad_y, gain_grad, taps=None):
     """dL/dy (fp32: the normed output's share added to y's own, `grad_y`) and dL/dgain (where `gain_grad`, else None)
-    of the RMSNorm a kernel applied to y: two launches, the backward and the sum of its partial rows."""
-    d, tokens = y.shape[-1], y.numel() // y.shape[-1]
+    of the RMSNorm a kernel applied to y: two launches, the backward and the sum of its partial rows. With `taps`
+    `(K, d_v, d)`, `y` is the state `(B, T, d_v, d)` y was read out of (no history), kept anyway for the readout's
+    backward: y itself is not kept, the backward reads it out again."""
+    d, tokens = grad_normed.shape[-1], grad_normed.numel() // grad_normed.shape[-1]
     programs, per_program = _runs(tokens, y.device)
-    grad = torch.empty(y.shape, dtype=torch.float32, device=y.device)
+    grad = torch.empty(grad_normed.shape, dtype=torch.float32, device=y.device)
     parts = torch.empty(programs, d, dtype=torch.float32, device=y.device) if gain_grad else grad
+    kernel_size, dv = (0, 1) if taps is None else taps.shape[:2]
+    dtype = y.dtype if taps is None else torch.promote_types(y.dtype, taps.dtype)
+    blocks = dict(_norm_blocks(d), BLOCK_V=channel_block(dv)) if taps is None else row_tile(d, dv, more=2)
     with torch.cuda.device_of(y):
         _norm_bwd_kernel[(programs,)](
-            y, gain, grad_normed.contiguous(), grad_y.contiguous(), grad, parts, tokens, per_program, d, norm_eps,
-            GAIN_GRAD=gain_grad, **_norm_blocks(d),
+            y, y if taps is None else taps, gain, grad_normed.contiguous(), grad_y.contiguous(), grad, parts, tokens,
+            per_program, y.shape[1], d, dv, *((0, 0, 0) if taps is None else taps.stride()), norm_eps,
+            GAIN_GRAD=gain_grad, K=kernel_size, Y=_TRITON_DTYPES[dtype], **blocks,
         )
     return grad, sum_parts(parts, gain.dtype) if gain_grad else None
 
 
 def _norm_blocks(d):
-    """The norm's backward: a token's row in one block, and warps enough that it stays in registers."""
+    """The norm's backward from y itself: a token's row in one block, and warps enough that it stays in registers (from
+    the state: `row_tile`'s, as the forward that read y out of it)."""
     block = triton.next_power_of_2(d)
     return dict(BLOCK_D=block, num_warps=min(16, max(4, block // 256)))
 
@@ -414,14 +444,14 @@ class _TritonReadoutNorm(torch.autograd.Function):
         normed = torch.empty_like(y, dtype=torch.promote_types(y.dtype, gain.dtype))
         gain = gain.contiguous()  # (read at unit stride, here and in backward)
         _window(True, x, taps, y, ctx.t_out, ctx.t_out, ctx.offset, gain, normed, norm_eps)
-        ctx.save_for_backward(x, taps, gain, y)
+        ctx.save_for_backward(x, taps, gain)  # (not y: the norm's backward reads it out of x again)
         return y, normed
 
     @staticmethod
     def backward(ctx, grad_y, grad_normed):
         refuse_second_derivative("the Triton readout and RMSNorm")  # (its gradients are computed outside autograd)
-        x, taps, gain, y = ctx.saved_tensors
-        grad, grad_gain = _norm_gradients(y, gain, ctx.norm_eps, grad_normed, grad_y, ctx.needs_input_grad[2])
+        x, taps, gain = ctx.saved_tensors
+        grad, grad_gain = _norm_gradients(x, gain, ctx.norm_eps, grad_normed, grad_y, ctx.needs_input_grad[2], taps)
         return *_window_gradients(ctx, x, taps, grad), grad_gain, None
 
 

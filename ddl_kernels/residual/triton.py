@@ -6,10 +6,11 @@ stored. The same kernels serve d_v = 1 and every d_v > 1. Given the next compres
 also writes that compressor's readout of X_next, the next sublayer's input, and the backward takes its gradient
 (`run`): the seam returns the state and the next input, as the C++ seam does. Given the next sublayer's RMSNorm too
 (its gain; `delta_residual_readout_norm`), the forward also writes that norm of the readout, the input the sublayer
-itself reads, in LlamaRMSNorm's roundings; in backward the norm's kernel (`readout.triton._norm_gradients`) turns the
-normed output's gradient into the readout's (added to the readout's own) and sums the gain's, before the seam's
-backward takes it: the norm's launches each way, and autograd's addition of the readout's two gradients, become
-those two (as fla's and mamba's fused add-norm return the normed input beside the residual).
+itself reads, in LlamaRMSNorm's roundings; in backward the norm's kernel (`readout.triton._norm_gradients`) reads the
+readout out of X_next again (which the next seam keeps), turns the normed output's gradient into the readout's (added
+to the readout's own) and sums the gain's, before the seam's backward takes it: the norm's launches each way, and
+autograd's addition of the readout's two gradients, become those two (as fla's and mamba's fused add-norm return the
+normed input beside the residual).
 
 Per token, with the gate and value of `reference.delta_residual` (all in fp32, whatever the storage dtype):
     beta = 2 sigmoid(w . c + b),   v_j = s_v sigmoid(W_v[j] . u + b_v[j])  (or W_v[j] . u + b_v[j] when s_v = None)
@@ -255,7 +256,7 @@ class _TritonSeam(torch.autograd.Function):
                 READ=taps is not None, NORM=gain is not None, **_value(v_scale), **_blocks(d, dv),
             )
         ctx.save_for_backward(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, taps, gain,
-                              None if gain is None else out if y is None else y)
+                              None if gain is None else out)  # (the next seam keeps X_next too; y is read out again)
         if y is None:  # (d_v = 1 with the norm: of X_next)
             return out if normed is None else (out, normed)
         return (out, y) if normed is None else (out, y, normed)
@@ -263,15 +264,15 @@ class _TritonSeam(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, *grad_read_and_normed):
         refuse_second_derivative("the Triton residual seam")  # (its gradients are computed outside autograd)
-        *saved, gain, y = ctx.saved_tensors
+        *saved, gain, out = ctx.saved_tensors
         grad_read, grad_normed = (((None,) if saved[8] is None else ()) + grad_read_and_normed + (None, None))[:2]
         grad_gain = None
         if gain is not None and saved[8] is None:  # (d_v = 1: the norm's gradient joins X_next's own)
-            grad_out, grad_gain = _norm_gradients(y, gain, ctx.norm_eps, grad_normed, grad_out,
+            grad_out, grad_gain = _norm_gradients(out, gain, ctx.norm_eps, grad_normed, grad_out,
                                                   ctx.needs_input_grad[9])
-        elif gain is not None:  # (the RMSNorm's gradient joins y's before the seam's backward reads it)
-            grad_read, grad_gain = _norm_gradients(y, gain, ctx.norm_eps, grad_normed, grad_read,
-                                                   ctx.needs_input_grad[9])
+        elif gain is not None:  # (the RMSNorm's gradient joins y's, y read out of X_next, before the seam's backward)
+            grad_read, grad_gain = _norm_gradients(out, gain, ctx.norm_eps, grad_normed, grad_read,
+                                                   ctx.needs_input_grad[9], saved[8].transpose(1, 2))
         grads = _seam_gradients(ctx, saved, grad_out, grad_read)
         return *grads[:9], grad_gain, *grads[9:], None
 
@@ -357,9 +358,10 @@ def _backward_compiles(x, h, c, u, weights, taps, gain, v_scale, k_eps, erase, u
         read = None if taps is None else one[1].new_zeros(one[1].shape, dtype=torch.promote_types(x.dtype, taps.dtype))
         grad = torch.zeros_like(one[0])
         if gain is not None:  # (as backward runs them: the norm's first, whose fp32 gradient the seam's then reads)
-            y = grad if read is None else read  # (d_v = 1: the norm of X_next)
+            y = grad if read is None else read  # (d_v = 1: the norm of X_next; else of its readout, read out again)
             normed = y.new_zeros(y.shape, dtype=torch.promote_types(y.dtype, gain.dtype))
-            y = _norm_gradients(y, gain.detach(), 1e-6, normed, y, gain.requires_grad)[0]
+            y = _norm_gradients(grad if read is None else grad[None], gain.detach(), 1e-6, normed, y,
+                                gain.requires_grad, None if taps is None else kept[-1].transpose(1, 2))[0]
             grad, read = (y, read) if read is None else (grad, y)
         _seam_gradients(probe, (*one, *kept), grad, read)  # (grad, read: as X_next's and y's gradients will be)
         _compiled.add(key)
