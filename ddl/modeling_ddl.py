@@ -23,9 +23,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
-from transformers.utils import can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
-from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .ops import choose, conv_step, delta_residual, folded_conv_read, kernel, token_conv, token_readout, window_step
@@ -48,7 +47,7 @@ class BatchPlan:
     padding: Padding | None = None
     documents: Documents | None = None
     rebuild: "StateRebuild | None" = None
-    weights: dict = field(default_factory=dict)
+    weights: dict = field(default_factory=dict)  # (this block's readout weights: each block's forward makes its own)
     call_weights: dict | None = None  # (one generate call's readout weights: its steps share them)
 
     def saving(self):
@@ -251,20 +250,22 @@ class DDLDeltaResidual(nn.Module):
             self.value_weight = nn.Parameter(torch.empty(dv, d))
             self.value_bias = nn.Parameter(torch.empty(dv))
 
-    def forward(self, state, h, context, x_in, plan, read_next=None, slot=None, norm=None):
+    def forward(self, state, h, context, x_in, plan, read=None, read_next=None, slot=None, norm=None):
         """(X_next, the next sublayer's input[, its `norm` or None]) for the state X, the sublayer output h, its
-        normalised input c (`context`) and input x_in: the next input is `read_next`'s readout of X_next (its cache
-        `slot`) or X_next; a kernel makes it (and a hook-free norm) in the update's pass where it can (`ops`)."""
+        normalised input c (`context`) and input x_in (`read`'s readout of X): the next input is `read_next`'s readout
+        of X_next (its cache `slot`) or X_next; a kernel makes it (and a hook-free norm) in the same pass (`ops`)."""
         readout = plan.readout_weight(read_next) if read_next is not None and self.mode != "additive" and (
             read_next.fusable("delta_residual_readout", plan, slot, state.device) and not user_hooks(self)) else None
         fuse = type(norm) is LlamaRMSNorm and kernel("delta_residual_readout_norm", plan.implementation, h.device) and (
             readout is not None or read_next is None and not user_hooks(self)) and unseen(norm, state.device)
+        u_read = plan.readout_weight(read) if self.value_from_state and read is not None and read.kind != "tc" and (
+            read.fusable("delta_residual_readout_norm", plan, None, h.device) and not user_hooks(self)) else None
         weights = [getattr(self, name, None) for name in ("beta_weight", "beta_bias", "value_weight", "value_bias")]
         with plan.saving():
             out = delta_residual(state, h, context, x_in if self.value_from_state else context, *weights,
                                  v_scale=self.v_scale, k_eps=self.k_eps, mode=self.mode,
                                  gate_hidden=self._gate_hidden(), v_constant=self.v_constant, readout=readout,
-                                 norm=(norm.weight, norm.variance_epsilon) if fuse else None,
+                                 norm=(norm.weight, norm.variance_epsilon) if fuse else None, u_read=u_read,
                                  implementation=plan.implementation)
         out, made, normed = out if fuse else (out, None, None) if readout is None else (*out, None)
         if made is not None:  # (TC's window, read from zeros, for the next tokens; CC has none)
@@ -426,8 +427,7 @@ class DDLDecoderLayer(GradientCheckpointingLayer):
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(self, hidden_states, attention_mask=None, position_ids=None, cache: Cache | None = None,
                 use_cache: bool | None = False, position_embeddings=None, plan: BatchPlan | None = None, **kwargs):
-        plan = replace(plan, weights={}) if plan is not None else BatchPlan(  # (weights: this block's, once)
-            choose(self.config.ddl_implementation), cache)
+        plan = replace(plan, weights={}) if plan else BatchPlan(choose(self.config.ddl_implementation), cache)
         modules = self._modules  # (the compressor of each sublayer, None at d_v = 1: no missing-attribute exception)
         read_attn, read_mlp = (modules.get("compress") or modules.get(f"{which}_compress") for which in ("attn", "mlp"))
         # Self Attention: on the state's readout x_in (the state itself at d_v = 1)
@@ -436,10 +436,10 @@ class DDLDecoderLayer(GradientCheckpointingLayer):
         context = self.input_layernorm(x_in) if context is None else context  # (or the readout's kernel made it)
         h, _ = self.self_attn(hidden_states=context, attention_mask=attention_mask, position_ids=position_ids,
                               cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
-        hidden_states, x_in, context = self.attn_delta(hidden_states, h, context, x_in, plan, read_mlp,
+        hidden_states, x_in, context = self.attn_delta(hidden_states, h, context, x_in, plan, read_attn, read_mlp,
                                                        self.cache_slots["mlp"], self.post_attention_layernorm)
         context = self.post_attention_layernorm(x_in) if context is None else context  # (or the seam made it)
-        hidden_states, _ = self.mlp_delta(hidden_states, self.mlp(context), context, x_in, plan)
+        hidden_states, _ = self.mlp_delta(hidden_states, self.mlp(context), context, x_in, plan, read_mlp)
         return hidden_states
 
 

@@ -20,7 +20,7 @@ from . import reference
 # under transformers' logger, so that its verbosity governs these lines also as remote code (transformers_modules.*)
 logger = logging.get_logger("transformers.ddl")
 
-INTERFACE_VERSION = 4  # the operations' arguments and results, as ddl_kernels declares them (ddl_kernels/__init__.py)
+INTERFACE_VERSION = 5  # the operations' arguments and results, as ddl_kernels declares them (ddl_kernels/__init__.py)
 FAST = {"auto": ("cpu",), "triton": ("cpu", "cuda"), "torch": (), "reference": ()}
 _installed = None
 
@@ -59,23 +59,23 @@ def _find_kernels():
     return ddl_kernels.implementations()
 
 
-def _fast(op, implementation, device, *args):
-    """ddl_kernels' `op` of `args` where it is allowed, installed and serves them, else None."""
-    return None if (run := kernel(op, implementation, device)) is None else run(*args)
+def _fast(op, implementation, *args, **kwargs):
+    """ddl_kernels' `op` of `args` (on the first's device) where it is allowed, installed and serves them, else None."""
+    return None if (run := kernel(op, implementation, args[0].device)) is None else run(*args, **kwargs)
 
 
 def delta_residual(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, *, v_scale, k_eps, mode,
-                   gate_hidden=None, v_constant=None, readout=None, norm=None, implementation="auto"):
+                   gate_hidden=None, v_constant=None, readout=None, norm=None, u_read=None, implementation="auto"):
     r"""One sublayer's residual seam (`reference.delta_residual`). With `readout`, the next compressor's weight
     `(K, d, d_v)`: (X_next, y), y its readout of X_next (no history) if a kernel made it in the same pass, else None;
-    with `norm` too, the next sublayer's RMSNorm `(gain, eps)`: (X_next, y, its RMSNorm or None, as y); with `norm`
-    alone (d_v = 1: X_next is the next input), (X_next, None, its RMSNorm if a kernel made it, else None)."""
+    with `norm` too, the next sublayer's RMSNorm `(gain, eps)`: (X_next, y, its RMSNorm or None); with `norm` alone
+    (d_v = 1), (X_next, None, its RMSNorm or None). `u_read`: the one-tap weight that read u out of x (kept, not u)."""
     fast = gate_hidden is None and v_constant is None and mode != "additive"  # (what the kernels implement)
     args = (x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, mode, readout)
-    if (out := _fast("delta_residual_readout_norm", implementation, x.device, *args, *norm) if fast and norm else None):
+    if fast and norm and (out := _fast("delta_residual_readout_norm", implementation, *args, *norm, u_read=u_read)):
         return out
     op = "delta_residual" if readout is None else "delta_residual_readout"
-    out = _fast(op, implementation, x.device, *args) if fast else None
+    out = _fast(op, implementation, *args, u_read=u_read) if fast else None
     out = reference.delta_residual(*args[:-1], gate_hidden, v_constant) if out is None else out
     out = out if isinstance(out, tuple) or readout is None and norm is None else (out, None)
     return out if norm is None else (*out, None)
@@ -86,7 +86,7 @@ def token_readout(x, weight, history=None, implementation="auto", norm=None):
     `(B, T, d_v, d)` by weight `(K, d, d_v)`, after history `(B, K-1, d_v, d)` or None (zeros); with the next
     LlamaRMSNorm's `norm` (gain, eps) and no history, (y, its norm) where a kernel makes both in one pass, else None."""
     return _convolve("token_readout", reference.causal_token_readout, x, weight, history, implementation) if (
-        norm is None) else _fast("token_readout_norm", implementation, x.device, x, weight.transpose(1, 2), *norm)
+        norm is None) else _fast("token_readout_norm", implementation, x, weight.transpose(1, 2), *norm)
 
 
 def token_conv(x, weight, history=None, implementation="auto"):
@@ -106,7 +106,7 @@ def _convolve(op, specification, x, weight, history, implementation):
 
 def folded_conv_read(conv_weight, read, implementation="auto"):
     r"""CC's readout matrix `(d, d_v)` of its conv `(d, K)` and read `(d_v,)` (`reference.folded_conv_read`)."""
-    out = _fast("folded_conv_read", implementation, conv_weight.device, conv_weight, read)
+    out = _fast("folded_conv_read", implementation, conv_weight, read)
     return reference.folded_conv_read(conv_weight, read) if out is None else out
 
 
@@ -114,7 +114,7 @@ def window_step(past, x, weight, implementation="auto", norm=None):
     r"""A TC decoding step's readout `(B, 1, d)` of its state x `(B, 1, d_v, d)` after the K-1 states before it,
     `past` `(B, d_v*d, K-1)` as the cache keeps them (channel j*d + i, time last; no autograd), then advanced in place;
     with `norm`, as `token_readout`'s: (y, its norm) where a kernel makes both (and advances), else None (and not)."""
-    out = _fast("window_step_norm" if norm else "window_step", implementation, x.device, past, x, weight, *(norm or ()))
+    out = _fast("window_step_norm" if norm else "window_step", implementation, past, x, weight, *(norm or ()))
     if out is None and norm is None:
         steps = past.transpose(1, 2).unflatten(-1, (weight.shape[2], weight.shape[1]))  # (B, K-1, d_v, d)
         out = reference.causal_token_readout(x, weight, steps.to(x.dtype))
@@ -125,7 +125,7 @@ def window_step(past, x, weight, implementation="auto", norm=None):
 def conv_step(past, x, weight, implementation="auto"):
     r"""EC `(B, 1, d_v, d)` of a decoding step's embedding x `(B, 1, d)` after the K-1 embeddings before it, `past`
     `(B, d, K-1)` as the cache keeps them (time last; no autograd), then advanced in place."""
-    out = _fast("conv_step", implementation, x.device, past, x, weight)
+    out = _fast("conv_step", implementation, past, x, weight)
     if out is None:
         out = reference.causal_token_conv(x, weight, past.transpose(1, 2).to(x.dtype))
         _advance(past, x)

@@ -38,7 +38,9 @@ import torch.utils.checkpoint
 #   token_readout_norm(x, taps, gain, norm_eps) -> (y, RMSNorm(y)): token_readout, and the next sublayer's RMSNorm
 #       (LlamaRMSNorm's) of y made in the same pass; window_step_norm(past, x, weight, gain, norm_eps) -> (y, RMSNorm(y))
 #       likewise of window_step (both added as folded_conv_read was)
-INTERFACE_VERSION = 4
+#   delta_residual*(..., u_read=None): keyword, the one-tap weight `(1, d, d_v)` u was read out of x by (the caller's
+#       promise), so that a kernel may read u out of x again in backward instead of keeping it (version 5)
+INTERFACE_VERSION = 5
 
 
 def implementations():
@@ -76,8 +78,8 @@ def implementations():
 
 
 def serving(serves, run):
-    """`run` as the dispatcher calls it: its result where `serves(*args)`, else None."""
-    return lambda *args: run(*args) if serves(*args) else None
+    """`run` as the dispatcher calls it: its result where `serves(*args, **kwargs)`, else None."""
+    return lambda *args, **kwargs: run(*args, **kwargs) if serves(*args, **kwargs) else None
 
 
 _failed = set()  # kernels that failed to compile or launch in this process: the specification serves them
@@ -88,11 +90,11 @@ def fallible(name, run):
     process) when it fails to compile or launch, e.g. Triton on a GPU it does not support: the dispatcher then runs
     the specification, which computes the same numbers."""
 
-    def guarded(*args):
+    def guarded(*args, **kwargs):
         if name in _failed:
             return None
         try:
-            return run(*args)
+            return run(*args, **kwargs)
         except _NOT_THE_KERNELS:
             raise
         except Exception as error:  # a compile error, a launch error, an unsupported device

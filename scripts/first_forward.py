@@ -42,8 +42,8 @@ def main(argv=None):
     ops.kernel("delta_residual", "auto", torch.device("cpu"))  # (fills the table)
     for op, devices in ops._installed.items():
         def counted(run, op):
-            def served(*a):
-                out = run(*a)  # (None: the kernel does not serve these inputs)
+            def served(*a, **kw):
+                out = run(*a, **kw)  # (None: the kernel does not serve these inputs)
                 if out is not None:
                     calls[op] = calls.get(op, 0) + 1
                 return out

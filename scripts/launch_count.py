@@ -65,7 +65,7 @@ def triton_table():
     from ddl_kernels.readout import triton as readout
     from ddl_kernels.residual import triton as residual
 
-    serves = lambda *args: args[0].dtype != torch.float64  # noqa: E731
+    serves = lambda *args, **kwargs: args[0].dtype != torch.float64  # noqa: E731
     runs = {"delta_residual": residual.run, "delta_residual_readout": residual.run,
             "delta_residual_readout_norm": residual.run,
             "token_readout": lambda x, taps: readout.token_window(x, taps, read=True),

@@ -37,18 +37,22 @@ def variants(d, dv):
     norm, row = readout._norm_blocks(d), readout.row_tile(d, dv, more=2)
     row_warps = {"num_warps": row.pop("num_warps")}
     norm_warps = {"num_warps": norm.pop("num_warps")}
-    fp32_out = {"gz_ptr", "gy_ptr", "write_ptr", "part_ptr"}
+    fp32_out = {"gz_ptr", "gy_ptr", "write_ptr", "part_ptr", "v_ptr"}
     return [
-        (residual._seam_fwd_kernel, "bf16", set(), dict(ERASE=True, U_IS_C=False, SIGMOID=True, READ=False, NORM=False,
-                                                          **blocks), warps),
+        # (KEEP_V: the value kept for a backward that reads u out of X again)
+        *[(residual._seam_fwd_kernel, "bf16", {"v_ptr"}, dict(ERASE=True, U_IS_C=False, SIGMOID=True, READ=False,
+                                                              NORM=False, KEEP_V=keep, **blocks), warps)
+          for keep in (False, True)],
         *[(residual._seam_fwd_kernel, dtype, set(), dict(ERASE=True, U_IS_C=False, SIGMOID=True, READ=True, NORM=norm,
-                                                         **blocks), warps)
+                                                         KEEP_V=False, **blocks), warps)
           for dtype in ("fp32", "bf16") for norm in (False, True)],
         (residual._seam_fwd_kernel, "bf16", set(), dict(ERASE=False, U_IS_C=True, SIGMOID=False, READ=True, NORM=False,
-                                                        **blocks), warps),
+                                                        KEEP_V=False, **blocks), warps),
+        # u its own (0), read out of X again where the seam makes no readout (3: CC's value input, the authors'), c (1)
         *[(residual._seam_bwd_kernel, "bf16", fp32_out,
-           dict(ERASE=True, U_KIND=kind, SIGMOID=True, READ=read, WEIGHT_GRADS=True, **blocks), back_warps)
-          for kind, read in ((0, False), (0, True), (1, False))],
+           dict(ERASE=True, U_KIND=kind, SIGMOID=True, READ=read, WEIGHT_GRADS=weight_grads, **blocks), back_warps)
+          for kind, read, weight_grads in ((0, False, True), (0, True, True), (3, False, True), (3, False, False),
+                                           (1, False, True))],
         # after the next RMSNorm's backward (readout._norm_gradients), the readout's gradient comes in fp32
         (residual._seam_bwd_kernel, "bf16", fp32_out | {"grad_read_ptr"},
          dict(ERASE=True, U_KIND=0, SIGMOID=True, READ=True, WEIGHT_GRADS=True, **blocks), back_warps),
@@ -57,12 +61,12 @@ def variants(d, dv):
          dict(ERASE=True, U_KIND=2, SIGMOID=True, READ=False, WEIGHT_GRADS=True, **scalar), scalar_warps),
         (residual._seam_bwd_kernel, "fp32", fp32_out,
          dict(ERASE=False, U_KIND=2, SIGMOID=False, READ=False, WEIGHT_GRADS=False, **scalar), scalar_warps),
-        # the norm's backward from y itself (d_v = 1: the state), then from the state y was read out of (CC's one
-        # tap, TC's four), a token's whole state a program as the forward's readout
+        # the norm's backward from y itself, then from the state y was read out of (the seam's: CC's one tap), a
+        # token's whole state a program as the forward's readout
         *[(readout._norm_bwd_kernel, "bf16", {"out_ptr", "part_ptr"},
            dict(GAIN_GRAD=gain, K=0, Y=tl.bfloat16, BLOCK_V=2, **norm), norm_warps) for gain in (True, False)],
-        *[(readout._norm_bwd_kernel, "bf16", {"out_ptr", "part_ptr"}, dict(GAIN_GRAD=True, K=k, Y=tl.bfloat16, **row),
-           row_warps) for k in (1, 4)],
+        (readout._norm_bwd_kernel, "bf16", {"out_ptr", "part_ptr"}, dict(GAIN_GRAD=True, K=1, Y=tl.bfloat16, **row),
+         row_warps),
         # an fp32 gain with a bf16 readout (the normed output, and its gradient, in fp32)
         (readout._norm_bwd_kernel, "bf16", {"gain_ptr", "grad_normed_ptr", "out_ptr", "part_ptr"},
          dict(GAIN_GRAD=True, K=1, Y=tl.bfloat16, **row), row_warps),

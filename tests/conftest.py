@@ -129,16 +129,16 @@ def count_calls(monkeypatch, op, which):
     kernel = ops.kernel(op, "auto", cpu)  # (also fills ops' table of installed kernels)
     if which == "C++":
         if kernel is not None:
-            def counted(*args):
-                out = kernel(*args)
+            def counted(*args, **kwargs):
+                out = kernel(*args, **kwargs)
                 return out if out is None else calls.append(1) or out
 
             monkeypatch.setitem(ops._installed[op], "cpu", counted)
         return calls
     dispatched, served = getattr(ops, op), []
     if kernel is not None:
-        monkeypatch.setitem(ops._installed[op], "cpu", lambda *args: (lambda out: out if out is None else served.append(
-            1) or out)(kernel(*args)))
+        monkeypatch.setitem(ops._installed[op], "cpu", lambda *args, **kwargs: (
+            lambda out: out if out is None else served.append(1) or out)(kernel(*args, **kwargs)))
 
     def counted(*args, **kwargs):
         before = len(served)
@@ -176,8 +176,8 @@ def triton_on_cpu(monkeypatch, operations=("delta_residual", "token_readout", "t
         name, run = runs[op]
         served = op in operations or any(op.startswith(f"{base}_") and base in operations
                                          for base in ("delta_residual", "token_readout", "window_step"))
-        cpu = serving(lambda *args: args[0].dtype != torch.float64, fallible(name, run)) if served else (
-            lambda *args: None)
+        cpu = serving(lambda *args, **kwargs: args[0].dtype != torch.float64, fallible(name, run)) if served else (
+            lambda *args, **kwargs: None)
         monkeypatch.setitem(ops._installed, op, {**ops._installed.get(op, {}), "cpu": cpu})
 
 

@@ -321,9 +321,9 @@ def test_models_take_the_kernel_in_training_and_decoding(overrides, monkeypatch)
     seams, readouts = [], count_calls(monkeypatch, "token_readout", "C++")
     for op in ("delta_residual", "delta_residual_readout"):  # (seams.append: whether it made the next input too)
         kernel = ops.kernel(op, "auto", torch.device("cpu"))
-        monkeypatch.setitem(ops._installed[op], "cpu", lambda *args, kernel=kernel: (
+        monkeypatch.setitem(ops._installed[op], "cpu", lambda *args, kernel=kernel, **kwargs: (
             lambda out: out if out is None else seams.append(len(args) > 11 and args[11] is not None) or out)(
-                kernel(*args)))
+                kernel(*args, **kwargs)))
     expanded = overrides.get("ddl_value_channels", 4) > 1
     tc = expanded and overrides.get("ddl_compressor", "cc") == "tc"
     models = {}

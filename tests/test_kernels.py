@@ -73,7 +73,7 @@ def test_without_the_kernels_of_this_interface_the_specifications_run(found, mon
 def test_the_seams_no_kernel_serves_run_the_specification(gate, monkeypatch):
     """A two-layer gate, a constant target and the additive control: the dispatcher asks no kernel."""
     asked = []
-    monkeypatch.setattr(ops, "_installed", {"delta_residual": {"cpu": lambda *args: asked.append(1)}})
+    monkeypatch.setattr(ops, "_installed", {"delta_residual": {"cpu": lambda *args, **kwargs: asked.append(1)}})
     overrides = {"two-layer": dict(ddl_beta_hidden_size=8), "constant target": dict(ddl_v_constant=2.0),
                  "additive": dict(ddl_residual="additive")}[gate]
     model = DDLForCausalLM(tiny_config(**overrides))
@@ -496,6 +496,63 @@ def test_triton_seam_at_dv1_makes_the_next_rmsnorm_of_its_state(dtype, tol, froz
                                        device)
 
 
+@pytest.mark.parametrize("next_readout", [False, True], ids=["alone", "with-next-readout-and-rmsnorm"])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
+def test_triton_seam_reads_its_value_input_out_of_the_state_again(dtype, tol, next_readout, monkeypatch):
+    """Told that u is x's one-tap readout (`u_read`: CC's, whose output the authors' value reads), a seam that makes
+    no readout itself keeps v (d_v floats a token) where it kept u (d) and reads u out of x again in backward; one that
+    makes the next readout keeps u (its backward's registers are full). Either way X_next (and the next readout and
+    its RMSNorm) and every gradient (x's through the update and through u, u's weight's, the seam's and the next
+    readout's weights', the gain's) equal the specification's (u = `causal_token_readout(x, weight)`, then the seam)
+    in fp64."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    residual = _triton("residual")
+    monkeypatch.setattr(_triton("readout"), "_programs", lambda tokens, device: min(tokens, 3))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = seeded(11)
+    inputs = [torch.randn(2, 11, 4, 40, generator=g)] + [torch.randn(2, 11, 40, generator=g) for _ in range(2)]
+    inputs += [0.1 * torch.randn(40, generator=g), torch.randn(1, generator=g), 0.1 * torch.randn(4, 40, generator=g),
+               torch.randn(4, generator=g), torch.randn(1, 40, 4, generator=g)]
+    inputs += [torch.randn(1, 40, 4, generator=g), 1 + 0.3 * torch.randn(40, generator=g)] if next_readout else []
+    upstream = [torch.randn(2, 11, 4, 40, generator=g, dtype=torch.float64)] + [
+        torch.randn(2, 11, 40, generator=g, dtype=torch.float64) for _ in range(2 if next_readout else 0)]
+
+    def spec(x, h, c, *weights):
+        out = delta_residual(x, h, c, causal_token_readout(x, weights[4]), *weights[:4], 4.0, 1e-5, "delta")
+        if not next_readout:
+            return (out,)
+        rms = LlamaRMSNorm(40, eps=1e-6).to(device=device, dtype=weights[6].dtype)
+        rms.weight = weights[6]  # (the leaf itself: its gradient is the one compared)
+        y = causal_token_readout(out, weights[5])
+        return out, y, rms(y)
+
+    def fast(x, h, c, *weights):
+        u = causal_token_readout(x, weights[4])
+        after = (weights[5], weights[6], 1e-6) if next_readout else ()
+        out = residual.run(x, h, c, u, *weights[:4], 4.0, 1e-5, "delta", *after, u_read=weights[4])
+        return out if next_readout else (out,)
+
+    _matches_the_specification_in_fp64(spec, fast, inputs, upstream, dtype, tol, (), 9 if next_readout else None,
+                                       device)
+    x, h, c, *weights = (t.to(device=device, dtype=dtype).requires_grad_() for t in inputs)
+    u = causal_token_readout(x, weights[4]).detach().requires_grad_()  # (u's own storage)
+    after = (weights[5], weights[6], 1e-6) if next_readout else ()
+    for u_read in (None, weights[4]):
+        residual.run(x, h, c, u, *weights[:4], 4.0, 1e-5, "delta", *after, u_read=u_read)  # (compiles the backward)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            out = residual.run(x, h, c, u, *weights[:4], 4.0, 1e-5, "delta", *after, u_read=u_read)
+        given = {t.untyped_storage().data_ptr() for t in (x, c, *weights, (out if next_readout else [out])[0])}
+        own = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved
+               if t.untyped_storage().data_ptr() not in given}
+        kept_u = u_read is None or next_readout
+        assert (u.untyped_storage().data_ptr() in own) == kept_u and h.untyped_storage().data_ptr() in own
+        beside = [size for ptr, size in own.items() if ptr not in (h.untyped_storage().data_ptr(),
+                                                                    u.untyped_storage().data_ptr())]
+        assert beside == ([] if kept_u else [2 * 11 * 4 * 4])  # (v: d_v fp32 values a token)
+
+
 def _matches_the_specification_in_fp64(spec, fast, inputs, upstream, dtype, tol, frozen, gain, device):
     """`fast` on `inputs` in `dtype` against `spec` on them in fp64 (those at `frozen` with no gradient, the one at
     `gain` a Parameter, as a norm's weight), each output weighted by `upstream` and summed for backward: every output
@@ -530,8 +587,8 @@ def test_the_rmsnorm_after_a_seam_is_made_by_the_seam_unless_a_hook_is_on_it(hoo
     residual = _triton("residual")
     normed, run = [], residual.run
 
-    def counted(*args):  # (whether the seam was given the norm's gain and made the norm)
-        out = run(*args)
+    def counted(*args, **kwargs):  # (whether the seam was given the norm's gain and made the norm)
+        out = run(*args, **kwargs)
         normed.append(len(args) > 12 and out[2] is not None)
         return out
 
@@ -636,7 +693,7 @@ def test_triton_seam_in_a_model_matches_reference(checkpointing, failing_backwar
     residual = _triton("residual")
     calls = []
     run = residual.run
-    monkeypatch.setattr(residual, "run", lambda *args: calls.append(1) or run(*args))
+    monkeypatch.setattr(residual, "run", lambda *args, **kwargs: calls.append(1) or run(*args, **kwargs))
     monkeypatch.setattr(ddl_kernels, "_failed", set())
     monkeypatch.setattr(residual, "_compiled", set())
     triton_on_cpu(monkeypatch, operations=("delta_residual",))
@@ -680,7 +737,8 @@ def test_a_seam_whose_backward_cannot_compile_does_not_serve(dv, value_input, mo
     monkeypatch.setattr(residual, "_seam_bwd_kernel", _Launch(lambda *a, **k: attempts.append(1) or _ptxas_fails()))
     monkeypatch.setattr(ddl_kernels, "_failed", set())
     monkeypatch.setattr(residual, "_compiled", set())
-    guarded = ddl_kernels.serving(lambda *args: True, ddl_kernels.fallible("Triton residual seam", residual.run))
+    guarded = ddl_kernels.serving(lambda *args, **kwargs: True,
+                                  ddl_kernels.fallible("Triton residual seam", residual.run))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     for _ in range(2):
         leaves = [t.to(device).requires_grad_() for t in _seam_inputs(dv, torch.float32, seed=0)]
@@ -854,31 +912,23 @@ def test_triton_readout_with_the_next_rmsnorm_matches_reference(kernel, dv, d, f
                                    msg=name)
 
 
-@pytest.mark.parametrize("maker", ["seam-cc", "seam-dv1", "readout-cc", "readout-tc"])
-def test_the_triton_rmsnorms_keep_no_copy_of_their_input_for_backward(maker):
-    """A kernel that writes the next sublayer's RMSNorm of a readout keeps for backward only tensors it was given and
-    the seam's new state, never the readout y `(B, T, d)` it made: the norm's backward reads y out of the state again
-    (which the readout's backward, or the next seam, keeps anyway). A bf16 copy of y per sublayer was CC+EC's largest
-    keep beyond its states and its sublayers' outputs. At d_v = 1 the state is y itself."""
-    residual, windows = _triton("residual"), _triton("readout")
+@pytest.mark.parametrize("dv", [4, 1])
+def test_a_seam_that_makes_the_next_rmsnorm_keeps_no_copy_of_its_input(dv):
+    """A seam that writes the next sublayer's RMSNorm keeps for backward only tensors it was given, h and its new
+    state, never the readout y `(B, T, d)` it made: the norm's backward reads y out of the state again (which the next
+    seam keeps anyway). At d_v = 1 the state is y itself."""
+    residual = _triton("residual")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dv = 1 if maker == "seam-dv1" else 4
     x, h, c, u, *weights = (t.to(device).requires_grad_() for t in _seam_inputs(dv, torch.float32, 0))
-    taps = torch.randn(4 if maker == "readout-tc" else 1, 200, dv, device=device, requires_grad=True)
+    taps = torch.randn(1, 200, dv, device=device, requires_grad=True)
     gain = torch.nn.Parameter(1 + 0.3 * torch.randn(200, device=device))
-    if maker.startswith("seam"):
-        readout = None if dv == 1 else taps
-        given = (x, h, c, u, *weights, taps, gain)
-        make = lambda: residual.run(x, h, c, u, *weights, 4.0, 1e-5, "delta", readout, gain, 1e-6)  # noqa: E731
-    else:
-        given = (x, taps, gain)
-        make = lambda: windows.readout_and_norm(x, taps.transpose(1, 2), gain, 1e-6)  # noqa: E731
-    make()  # (the first call also tries the backward's compilation, outside autograd)
+    readout = taps if dv > 1 else None
+    residual.run(x, h, c, u, *weights, 4.0, 1e-5, "delta", readout, gain, 1e-6)  # (compiles the backward, unsaved)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        outs = make()
+        outs = residual.run(x, h, c, u, *weights, 4.0, 1e-5, "delta", readout, gain, 1e-6)
     assert outs[-1] is not None and saved  # (the norm was made here)
-    kept = {t.untyped_storage().data_ptr() for t in given + ((outs[0],) if maker.startswith("seam") else ())}
+    kept = {t.untyped_storage().data_ptr() for t in (x, h, c, u, *weights, taps, gain, outs[0])}
     assert all(t.untyped_storage().data_ptr() in kept for t in saved), [tuple(t.shape) for t in saved]
 
 
@@ -911,7 +961,8 @@ def test_triton_cc_fold_matches_reference(d, kernel, dv, dtype, tol):
 def test_every_triton_kernel_in_a_model_matches_reference(overrides, monkeypatch):
     """Under "triton" with every Triton kernel serving (the seam, the readouts and their norms, EC, CC's fold;
     through the interpreter), a model's loss and every parameter's gradient equal the specification's; none of them
-    failed (a failing kernel gives way to the specification, which would compare the specification with itself)."""
+    failed (a failing kernel gives way to the specification, which would compare the specification with itself); CC's
+    seams are told that their value input is their state's readout (`u_read`), so they keep no copy of it."""
     import ddl_kernels
 
     monkeypatch.setattr(ddl_kernels, "_failed", set())
@@ -920,8 +971,8 @@ def test_every_triton_kernel_in_a_model_matches_reference(overrides, monkeypatch
     for module, name in ((residual, "run"), (windows, "fold"), (windows, "token_window"),
                          (windows, "readout_and_norm")):
         function = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *args, _f=function, _n=name, **kwargs: calls.append(_n) or _f(
-            *args, **kwargs))
+        monkeypatch.setattr(module, name, lambda *args, _f=function, _n=name, **kwargs: calls.append(
+            _n + (" u_read" if kwargs.get("u_read") is not None else "")) or _f(*args, **kwargs))
     triton_on_cpu(monkeypatch)
     models = {}
     for name, impl in (("reference", "reference"), ("fused", "triton")):
@@ -929,9 +980,32 @@ def test_every_triton_kernel_in_a_model_matches_reference(overrides, monkeypatch
         models[name] = trained_looking(DDLForCausalLM(tiny_config(ddl_implementation=impl, **overrides)))
     assert_same_loss_and_gradients(models, torch.randint(3, 99, (2, 8), generator=seeded(1)), grad_atol=1e-5)
     assert not ddl_kernels._failed
-    expected = {"run"} if overrides.get("ddl_value_channels") == 1 else {"run", "token_window", "readout_and_norm"} | (
-        {"fold"} if overrides.get("ddl_compressor") != "tc" else set())
+    cc = overrides.get("ddl_value_channels") != 1 and overrides.get("ddl_compressor") != "tc"
+    expected = {"run"} if overrides.get("ddl_value_channels") == 1 else {"token_window", "readout_and_norm"} | (
+        {"run u_read", "fold"} if cc else {"run"})
     assert set(calls) == expected, calls
+
+
+def test_a_seam_keeps_its_value_input_where_a_hook_may_change_it(monkeypatch):
+    """A forward hook on the compressor may change the sublayer input after the readout made it: the seams are then
+    not told that u is their state's readout (they keep u), and the model's loss and gradients under "triton" equal
+    the specification's with the same hook."""
+    import ddl_kernels
+
+    monkeypatch.setattr(ddl_kernels, "_failed", set())
+    residual = _triton("residual")
+    told, run = [], residual.run
+    monkeypatch.setattr(residual, "run", lambda *args, **kwargs: told.append(kwargs.get("u_read") is not None) or run(
+        *args, **kwargs))
+    triton_on_cpu(monkeypatch)
+    models = {}
+    for name, impl in (("reference", "reference"), ("fused", "triton")):
+        torch.manual_seed(0)
+        models[name] = trained_looking(DDLForCausalLM(tiny_config(ddl_implementation=impl)))
+        for layer in models[name].model.layers:
+            layer.compress.register_forward_hook(lambda module, args, out: out * 1.5)
+    assert_same_loss_and_gradients(models, torch.randint(3, 99, (2, 8), generator=seeded(1)), grad_atol=1e-5)
+    assert told and not any(told) and not ddl_kernels._failed
 
 
 @torch.no_grad()
@@ -1137,7 +1211,7 @@ def test_a_failing_kernel_gives_way_to_the_specification_with_one_warning(monkey
 
     calls = []
 
-    def broken(*args):
+    def broken(*args, **kwargs):
         calls.append(1)
         raise RuntimeError("ptxas fatal: unsupported GPU")
 

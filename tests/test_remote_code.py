@@ -75,8 +75,8 @@ used = {op: sorted(devices) for op, devices in ops._installed.items()}
 calls = {}
 for op, devices in ops._installed.items():
     def counted(run, name):
-        return lambda *args: (lambda out: out if out is None else calls.__setitem__(name, calls.get(name, 0) + 1)
-                              or out)(run(*args))
+        return lambda *args, **kwargs: (lambda out: out if out is None else calls.__setitem__(
+            name, calls.get(name, 0) + 1) or out)(run(*args, **kwargs))
     for device, run in devices.items():
         devices[device] = counted(run, f"{op} on {device}")
 ids = torch.tensor(json.loads(sys.argv[2]))

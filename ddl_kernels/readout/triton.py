@@ -8,10 +8,10 @@ tokens) and `_sum_parts_kernel` (the chunks' partial sums added). Each program h
 
 A readout is a sublayer's input, which the sublayer's RMSNorm reads next: given its gain (`readout_and_norm`, and
 `window_step_norm` for a decoding step), a program holds a token's whole row and also writes that norm, in
-LlamaRMSNorm's roundings (`_store_rms_norm`); in backward `_norm_bwd_kernel` reads the readout out of the state again
-(kept for the readout's own backward: no copy of the readout waits for backward), turns the normed output's gradient
-into the readout's (added to its own) and sums the gain's: the norm's eight launches forward and about fifteen
-backward (bf16) become none and two. The residual seam uses the same norm where it makes the readout itself (CC).
+LlamaRMSNorm's roundings (`_store_rms_norm`); in backward `_norm_bwd_kernel` turns the normed output's gradient into
+the readout's (added to its own) and sums the gain's: the norm's eight launches forward and about fifteen backward
+(bf16) become none and two. The residual seam uses the same norm where it makes the readout itself (CC), and there
+reads the readout out of the new state again in backward rather than keeping it.
 
 Serves `reference.causal_token_readout` without history (x `(B, T, d_v, d)`, taps `(K, d_v, d)`, zeros before the
 first token) for CUDA tensors other than fp64, outside traces (`ddl_kernels.eager`). Opt-in
@@ -337,8 +337,8 @@ _TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.
 def _norm_gradients(y, gain, norm_eps, grad_normed, grad_y, gain_grad, taps=None):
     """dL/dy (fp32: the normed output's share added to y's own, `grad_y`) and dL/dgain (where `gain_grad`, else None)
     of the RMSNorm a kernel applied to y: two launches, the backward and the sum of its partial rows. With `taps`
-    `(K, d_v, d)`, `y` is the state `(B, T, d_v, d)` y was read out of (no history), kept anyway for the readout's
-    backward: y itself is not kept, the backward reads it out again."""
+    `(K, d_v, d)`, `y` is the state `(B, T, d_v, d)` y was read out of (no history), which the caller keeps anyway:
+    y itself need not be kept, the backward reads it out again."""
     d, tokens = grad_normed.shape[-1], grad_normed.numel() // grad_normed.shape[-1]
     programs, per_program = _runs(tokens, y.device)
     grad = torch.empty(grad_normed.shape, dtype=torch.float32, device=y.device)
@@ -444,14 +444,14 @@ class _TritonReadoutNorm(torch.autograd.Function):
         normed = torch.empty_like(y, dtype=torch.promote_types(y.dtype, gain.dtype))
         gain = gain.contiguous()  # (read at unit stride, here and in backward)
         _window(True, x, taps, y, ctx.t_out, ctx.t_out, ctx.offset, gain, normed, norm_eps)
-        ctx.save_for_backward(x, taps, gain)  # (not y: the norm's backward reads it out of x again)
+        ctx.save_for_backward(x, taps, gain, y)  # (y: the next seam keeps it too, as its value input u)
         return y, normed
 
     @staticmethod
     def backward(ctx, grad_y, grad_normed):
         refuse_second_derivative("the Triton readout and RMSNorm")  # (its gradients are computed outside autograd)
-        x, taps, gain = ctx.saved_tensors
-        grad, grad_gain = _norm_gradients(x, gain, ctx.norm_eps, grad_normed, grad_y, ctx.needs_input_grad[2], taps)
+        x, taps, gain, y = ctx.saved_tensors
+        grad, grad_gain = _norm_gradients(y, gain, ctx.norm_eps, grad_normed, grad_y, ctx.needs_input_grad[2])
         return *_window_gradients(ctx, x, taps, grad), grad_gain, None
 
 

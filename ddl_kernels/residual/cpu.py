@@ -81,9 +81,10 @@ class _Seam(torch.autograd.Function):
                 gwr if read else None)
 
 
-def run(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, mode, readout=None):
+def run(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, mode, readout=None, u_read=None):
     """`reference.delta_residual` through the C++ kernel (None where it does not serve), for any number of tokens,
-    with autograd; with `readout` `(K, d, d_v)`, (X_next, its `reference.causal_token_readout` without history)."""
+    with autograd; with `readout` `(K, d, d_v)`, (X_next, its `reference.causal_token_readout` without history).
+    `u_read` (the weight u was read out of x by) is not used: this seam keeps u."""
     if not serves(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, mode, readout):
         return None
     u_kind = value_input_kind(x, h, c, u)

@@ -80,28 +80,41 @@ def _weights(w_ptr, wv_ptr, rows, row_ok, tile, tile_ok):
     return w, tl.load(wv_ptr + tile, mask=tile_ok, other=0.0).to(tl.float32)
 
 @triton.jit
+def _read_out(x, taps_ptr, rows, cols, tile_ok, tap_stride_d, tap_stride_v, dtype):
+    """A one-tap readout of a token's state tile x (fp32), y[i] = sum_j taps[i, j] x[j, i] (fp32 sums, as the seam's
+    and the readout's forward make it), rounded to `dtype`; taps `(d, d_v)` read at their strides."""
+    taps = tl.load(taps_ptr + rows[:, None] * tap_stride_d + cols[None, :] * tap_stride_v, mask=tile_ok,
+                   other=0.0).to(tl.float32)
+    return tl.sum(x * taps, axis=1).to(dtype).to(tl.float32)
+
+@triton.jit
 def _gate_and_value(
-    c_ptr, u_ptr, b_ptr, bv_ptr, w, wv, token, d, v_scale, rows, row_ok, cols, col_ok,
-    U_IS_C: tl.constexpr, SIGMOID: tl.constexpr,
+    c_ptr, u_ptr, b_ptr, bv_ptr, v_ptr, w, wv, token, d, dv, v_scale, rows, row_ok, cols, col_ok,
+    U_IS_C: tl.constexpr, V_KEPT: tl.constexpr, SIGMOID: tl.constexpr,
 ):
-    """c, u (fp32) and this token's beta = 2 sigmoid(w . c + b) and v `(BLOCK_V,)` (0 past d_v)."""
+    """c (fp32) and this token's beta = 2 sigmoid(w . c + b) and v `(BLOCK_V,)` (0 past d_v): from u (U_IS_C c, else
+    loaded), or V_KEPT as the forward kept it at v_ptr `(N, d_v)` (fp32)."""
     c = tl.load(c_ptr + token * d + rows, mask=row_ok, other=0.0).to(tl.float32)
     beta = 2.0 * tl.sigmoid(tl.sum(w * c, axis=0) + tl.load(b_ptr).to(tl.float32))
-    if U_IS_C:
-        u = c
+    if V_KEPT:
+        v = tl.load(v_ptr + token * dv + cols, mask=col_ok, other=0.0)
     else:
-        u = tl.load(u_ptr + token * d + rows, mask=row_ok, other=0.0).to(tl.float32)
-    v = tl.sum(wv * u[:, None], axis=0) + tl.load(bv_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    if SIGMOID:
-        v = v_scale * tl.sigmoid(v)
-    return c, u, beta, tl.where(col_ok, v, 0.0)
+        if U_IS_C:
+            u = c
+        else:
+            u = tl.load(u_ptr + token * d + rows, mask=row_ok, other=0.0).to(tl.float32)
+        v = tl.sum(wv * u[:, None], axis=0) + tl.load(bv_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        if SIGMOID:
+            v = v_scale * tl.sigmoid(v)
+        v = tl.where(col_ok, v, 0.0)
+    return c, beta, v
 
 @triton.jit
 def _seam_fwd_kernel(
-    x_ptr, h_ptr, c_ptr, u_ptr, w_ptr, b_ptr, wv_ptr, bv_ptr, taps_ptr, out_ptr, y_ptr, gain_ptr, normed_ptr, d, dv,
-    k_eps_sq, v_scale, norm_eps, tap_stride_d, tap_stride_v,
+    x_ptr, h_ptr, c_ptr, u_ptr, w_ptr, b_ptr, wv_ptr, bv_ptr, taps_ptr, out_ptr, y_ptr, gain_ptr, normed_ptr, v_ptr, d,
+    dv, k_eps_sq, v_scale, norm_eps, tap_stride_d, tap_stride_v,
     ERASE: tl.constexpr, U_IS_C: tl.constexpr, SIGMOID: tl.constexpr, READ: tl.constexpr, NORM: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+    KEEP_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """X_next = X + h (x) w with w = s beta t `(d_v,)`; READ: also the next compressor's readout of X_next as stored,
     y[i] = sum_j taps[i, j] X_next[j, i] (fp32 sums), taps `(d, d_v)` read at their strides; NORM: also the next
@@ -112,9 +125,12 @@ def _seam_fwd_kernel(
         x_ptr, h_ptr, token, d, dv, k_eps_sq, BLOCK_D, BLOCK_V
     )
     w, wv = _weights(w_ptr, wv_ptr, rows, row_ok, tile, tile_ok)
-    c, u, beta, v = _gate_and_value(
-        c_ptr, u_ptr, b_ptr, bv_ptr, w, wv, token, d, v_scale, rows, row_ok, cols, col_ok, U_IS_C, SIGMOID,
+    c, beta, v = _gate_and_value(
+        c_ptr, u_ptr, b_ptr, bv_ptr, v_ptr, w, wv, token, d, dv, v_scale, rows, row_ok, cols, col_ok, U_IS_C, False,
+        SIGMOID,
     )
+    if KEEP_V:  # (for the backward, which then needs no u: d_v floats a token where u is d)
+        tl.store(v_ptr + token * dv + cols, v, mask=col_ok)
     target = _target(v, k, x, ERASE)
     write = inv_norm * beta * target
     out = (x + h[:, None] * write[None, :]).to(out_ptr.dtype.element_ty)
@@ -133,14 +149,16 @@ def _seam_fwd_kernel(
 @triton.jit(do_not_specialize=["tokens", "per_program"])  # (the probe's one token must not compile its own variant)
 def _seam_bwd_kernel(
     x_ptr, h_ptr, c_ptr, u_ptr, w_ptr, b_ptr, wv_ptr, bv_ptr, taps_ptr, grad_ptr, grad_read_ptr, gx_ptr, gh_ptr,
-    gc_ptr, gu_ptr, gz_ptr, gy_ptr, write_ptr, part_ptr, tokens, per_program, d, dv, k_eps_sq, v_scale,
-    tap_stride_d, tap_stride_v,
+    gc_ptr, gu_ptr, gz_ptr, gy_ptr, write_ptr, part_ptr, v_ptr, tokens, per_program, d, dv, k_eps_sq, v_scale,
+    tap_stride_d, tap_stride_v, u_tap_stride_d, u_tap_stride_v,
     ERASE: tl.constexpr, U_KIND: tl.constexpr, SIGMOID: tl.constexpr, READ: tl.constexpr,
     WEIGHT_GRADS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """dX, dh, dc, du (U_KIND 0; 1: u is c, its gradient in dc; 2: u is the d_v = 1 state, in dX) of `per_program`
-    consecutive tokens, and (WEIGHT_GRADS) this program's row of the weights' partial gradients, sums over its tokens
-    in fp32: [dw = sum dz c (d) | dW_v = sum u dy^T (d_v x d, W_v's layout) | db_v = sum dy (d_v) | db = sum dz].
+    """dX, dh, dc, du (U_KIND 0; 3: the same, v as the forward kept it at v_ptr and u, for the weights' sums, read out
+    of X again by the one-tap weight at u_ptr, in du's dtype; 1: u is c, its gradient in dc; 2: u is the d_v = 1
+    state, in dX) of `per_program` consecutive tokens, and (WEIGHT_GRADS) this program's row of the weights' partial
+    gradients, sums over its tokens in fp32: [dw = sum dz c (d) | dW_v = sum u dy^T (d_v x d, W_v's layout) | db_v =
+    sum dy (d_v) | db = sum dz].
     The sums are a second pass over the tokens, from the per-token dz `(N,)` and dy `(N, d_v)` the first one wrote
     (fp32) and c and u read again (one more read of each: from L2 while a program's run of tokens is still there), so
     that no running sum holds registers while the first pass's tiles do. READ (the forward also read X_next out):
@@ -149,17 +167,21 @@ def _seam_bwd_kernel(
     first = tl.program_id(0).to(tl.int64) * per_program
     count = tl.minimum(per_program, tokens - first).to(tl.int32)
     x_ptr, grad_ptr, gx_ptr = x_ptr + first * d * dv, grad_ptr + first * d * dv, gx_ptr + first * d * dv
-    h_ptr, c_ptr, u_ptr = h_ptr + first * d, c_ptr + first * d, u_ptr + first * d
+    h_ptr, c_ptr = h_ptr + first * d, c_ptr + first * d
+    if U_KIND != 3:  # (3: u_ptr is the readout's weight)
+        u_ptr += first * d
     gh_ptr, gc_ptr, gu_ptr = gh_ptr + first * d, gc_ptr + first * d, gu_ptr + first * d
     gz_ptr, gy_ptr, write_ptr, grad_read_ptr = gz_ptr + first, gy_ptr + first * dv, write_ptr + first * dv, (
         grad_read_ptr + first * d)
+    v_ptr += first * dv
     for token in range(count):
         rows, row_ok, cols, col_ok, tile, tile_ok, x, k, inv_norm, h = _token_state(
             x_ptr, h_ptr, token, d, dv, k_eps_sq, BLOCK_D, BLOCK_V
         )
         w, wv = _weights(w_ptr, wv_ptr, rows, row_ok, tile, tile_ok)
-        c, u, beta, v = _gate_and_value(
-            c_ptr, u_ptr, b_ptr, bv_ptr, w, wv, token, d, v_scale, rows, row_ok, cols, col_ok, U_KIND == 1, SIGMOID,
+        c, beta, v = _gate_and_value(
+            c_ptr, u_ptr, b_ptr, bv_ptr, v_ptr, w, wv, token, d, dv, v_scale, rows, row_ok, cols, col_ok, U_KIND == 1,
+            U_KIND == 3, SIGMOID,
         )
         target = _target(v, k, x, ERASE)
         g = tl.load(grad_ptr + token * d * dv + tile, mask=tile_ok, other=0.0).to(tl.float32)
@@ -178,7 +200,7 @@ def _seam_bwd_kernel(
             grad_c = grad_c + grad_u
         if U_KIND == 2:
             gx = gx + grad_u[:, None]
-        if U_KIND == 0:
+        if U_KIND == 0 or U_KIND == 3:
             tl.store(gu_ptr + token * d + rows, grad_u.to(gu_ptr.dtype.element_ty), mask=row_ok)
         tl.store(gx_ptr + token * d * dv + tile, gx.to(gx_ptr.dtype.element_ty), mask=tile_ok)
         tl.store(gh_ptr + token * d + rows, grad_h.to(gh_ptr.dtype.element_ty), mask=row_ok)
@@ -202,8 +224,14 @@ def _seam_bwd_kernel(
             grad_z = tl.load(gz_ptr + token)
             grad_y = tl.load(gy_ptr + token * dv + cols, mask=col_ok, other=0.0)
             c = tl.load(c_ptr + token * d + rows, mask=row_ok, other=0.0).to(tl.float32)
+            tile = cols[None, :] * d + rows[:, None]
+            tile_ok = row_ok[:, None] & col_ok[None, :]
+            if READ or U_KIND == 3:  # (X as stored: u's and X_next's source)
+                x = tl.load(x_ptr + token * d * dv + tile, mask=tile_ok, other=0.0).to(tl.float32)
             if U_KIND == 1:
                 u = c
+            elif U_KIND == 3:
+                u = _read_out(x, u_ptr, rows, cols, tile_ok, u_tap_stride_d, u_tap_stride_v, gu_ptr.dtype.element_ty)
             else:
                 u = tl.load(u_ptr + token * d + rows, mask=row_ok, other=0.0).to(tl.float32)
             sum_w += grad_z * c
@@ -211,9 +239,6 @@ def _seam_bwd_kernel(
             sum_bv += grad_y
             sum_b += grad_z
             if READ:  # (X_next as the forward stored it)
-                tile = cols[None, :] * d + rows[:, None]
-                tile_ok = row_ok[:, None] & col_ok[None, :]
-                x = tl.load(x_ptr + token * d * dv + tile, mask=tile_ok, other=0.0).to(tl.float32)
                 h = tl.load(h_ptr + token * d + rows, mask=row_ok, other=0.0).to(tl.float32)
                 write = tl.load(write_ptr + token * dv + cols, mask=col_ok, other=0.0)
                 stored = (x + h[:, None] * write[None, :]).to(gx_ptr.dtype.element_ty).to(tl.float32)
@@ -241,22 +266,26 @@ _SEAM = "Triton residual seam"
 class _TritonSeam(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, taps, gain, v_scale, k_eps, norm_eps,
-                erase, u_kind):
+                erase, u_kind, u_taps):
         d, dv = h.shape[-1], value_weight.shape[0]
         out = torch.empty_like(x)
         y = None if taps is None else h.new_empty(h.shape, dtype=torch.promote_types(x.dtype, taps.dtype))
         normed = None if gain is None else h.new_empty(h.shape, dtype=torch.promote_types((
             out if y is None else y).dtype, gain.dtype))
         ctx.v_scale, ctx.k_eps, ctx.norm_eps, ctx.erase, ctx.u_kind = v_scale, k_eps, norm_eps, erase, u_kind
+        ctx.u_dtype = u.dtype
+        values = h.new_empty((h.numel() // d, dv), dtype=torch.float32) if u_kind == 3 else None
         with torch.cuda.device_of(x):
             _seam_fwd_kernel[(h.numel() // d,)](
                 x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, x if taps is None else taps, out,
-                out if y is None else y, x if gain is None else gain, out if normed is None else normed, d, dv,
-                k_eps**2, norm_eps=norm_eps, **_tap_strides(taps), ERASE=erase, U_IS_C=u_kind == 1,
-                READ=taps is not None, NORM=gain is not None, **_value(v_scale), **_blocks(d, dv),
+                out if y is None else y, x if gain is None else gain, out if normed is None else normed,
+                out if values is None else values, d, dv, k_eps**2, norm_eps=norm_eps, **_tap_strides(taps),
+                ERASE=erase, U_IS_C=u_kind == 1, READ=taps is not None, NORM=gain is not None,
+                KEEP_V=values is not None, **_value(v_scale), **_blocks(d, dv),
             )
-        ctx.save_for_backward(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, taps, gain,
-                              None if gain is None else out)  # (the next seam keeps X_next too; y is read out again)
+        ctx.save_for_backward(x, h, c, u_taps if u_kind == 3 else u, gate_weight, gate_bias, value_weight,
+                              value_bias, taps, gain, None if gain is None else out, values)  # (u_kind 3: v kept and
+        # u read out of x again, and the next seam keeps X_next: of the seam's tensors, only h and v are kept for it)
         if y is None:  # (d_v = 1 with the norm: of X_next)
             return out if normed is None else (out, normed)
         return (out, y) if normed is None else (out, y, normed)
@@ -264,7 +293,7 @@ class _TritonSeam(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, *grad_read_and_normed):
         refuse_second_derivative("the Triton residual seam")  # (its gradients are computed outside autograd)
-        *saved, gain, out = ctx.saved_tensors
+        *saved, gain, out, values = ctx.saved_tensors
         grad_read, grad_normed = (((None,) if saved[8] is None else ()) + grad_read_and_normed + (None, None))[:2]
         grad_gain = None
         if gain is not None and saved[8] is None:  # (d_v = 1: the norm's gradient joins X_next's own)
@@ -273,8 +302,8 @@ class _TritonSeam(torch.autograd.Function):
         elif gain is not None:  # (the RMSNorm's gradient joins y's, y read out of X_next, before the seam's backward)
             grad_read, grad_gain = _norm_gradients(out, gain, ctx.norm_eps, grad_normed, grad_read,
                                                    ctx.needs_input_grad[9], saved[8].transpose(1, 2))
-        grads = _seam_gradients(ctx, saved, grad_out, grad_read)
-        return *grads[:9], grad_gain, *grads[9:], None
+        grads = _seam_gradients(ctx, saved, grad_out, grad_read, values)
+        return *grads[:9], grad_gain, *grads[9:], None, None
 
 
 def _value(v_scale):
@@ -287,19 +316,19 @@ def _aligned(n):
     return -(-n // 16) * 16
 
 
-def _tap_strides(taps):
+def _tap_strides(taps, prefix=""):
     """The readout taps' `(1, d, d_v)` strides along d and d_v, as the kernels take them (0 without a readout)."""
-    return dict(zip(("tap_stride_d", "tap_stride_v"), (0, 0) if taps is None else taps.stride()[1:]))
+    return dict(zip((f"{prefix}tap_stride_d", f"{prefix}tap_stride_v"), (0, 0) if taps is None else taps.stride()[1:]))
 
 
-def _seam_gradients(ctx, saved, grad_out, grad_read=None):
+def _seam_gradients(ctx, saved, grad_out, grad_read=None, values=None):
     """The seam's gradients in two launches: the backward kernel, then the sum of its partial rows of the weights'
     gradients (the gate's, the value's and, with a readout, its taps') in their dtype (none where no weight needs
     one, as under LoRA)."""
     x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, taps = saved
     d, dv, tokens, read = h.shape[-1], value_weight.shape[0], h.numel() // h.shape[-1], taps is not None
     grad_x, grad_h, grad_c = torch.empty_like(x), torch.empty_like(h), torch.empty_like(c)
-    grad_u = torch.empty_like(u) if ctx.u_kind == 0 else grad_c  # (not written otherwise)
+    grad_u = torch.empty_like(h, dtype=ctx.u_dtype) if ctx.u_kind in (0, 3) else grad_c  # (not written otherwise)
     weights = (gate_weight, gate_bias, value_weight, value_bias) + ((taps,) if read else ())
     needs = ctx.needs_input_grad[4 : 4 + len(weights)]
     programs, per_program = _runs(tokens, x.device)
@@ -317,8 +346,10 @@ def _seam_gradients(ctx, saved, grad_out, grad_read=None):
         _seam_bwd_kernel[(programs,)](
             x, h, c, u, *weights[:4], taps if read else x, grad_out.contiguous(),
             grad_read.contiguous() if read else grad_out, grad_x, grad_h, grad_c, grad_u, grad_z, grad_y, write,
-            parts, tokens, per_program, d, dv, ctx.k_eps**2, **_tap_strides(taps), ERASE=ctx.erase, U_KIND=ctx.u_kind,
-            READ=read, WEIGHT_GRADS=any(needs), **_value(ctx.v_scale), **_blocks(d, dv, backward=True),
+            parts, grad_z if values is None else values, tokens, per_program, d, dv, ctx.k_eps**2,
+            **_tap_strides(taps), **_tap_strides(u if ctx.u_kind == 3 else None, "u_"), ERASE=ctx.erase,
+            U_KIND=ctx.u_kind, READ=read, WEIGHT_GRADS=any(needs), **_value(ctx.v_scale),
+            **_blocks(d, dv, backward=True),
         )
     grads = [None] * len(weights)
     if any(needs):
@@ -328,14 +359,14 @@ def _seam_gradients(ctx, saved, grad_out, grad_read=None):
         split = (summed[:d], summed[end - 1 : end], summed[d : d + d * dv].view(dv, d), summed[d + d * dv : end - 1])
         split += (summed[end:].view(1, dv, d).transpose(1, 2),) if read else ()  # (rows: w, W_v, b_v, b, the taps)
         grads = [part.to(w.dtype) if need else None for part, w, need in zip(split, weights, needs)]
-    return (grad_x, grad_h, grad_c, grad_u if ctx.u_kind == 0 else None, *grads[:4], grads[4] if read else None,
+    return (grad_x, grad_h, grad_c, grad_u if ctx.u_kind in (0, 3) else None, *grads[:4], grads[4] if read else None,
             None, None, None, None)
 
 
 _compiled = set()  # the kernels' variants whose backward compiled here
 
 
-def _backward_compiles(x, h, c, u, weights, taps, gain, v_scale, k_eps, erase, u_kind):
+def _backward_compiles(x, h, c, u, weights, taps, gain, v_scale, k_eps, erase, u_kind, u_taps):
     """This variant's backward kernels compiled and launched (else raises), tried once (on one token) before its forward
     first serves: a backward that failed only after the forward ran could give no gradient for that step, while a
     seam that does not serve leaves forward and backward to the specification. None without autograd (a decoding
@@ -346,14 +377,15 @@ def _backward_compiles(x, h, c, u, weights, taps, gain, v_scale, k_eps, erase, u
     weight_grads = any(w.requires_grad for w in trained)
     key = (x.dtype, h.dtype, c.dtype, u.dtype, *(w.dtype for w in weights), x.device, h.shape[-1], weights[2].shape[0],
            v_scale is None, erase, u_kind, weight_grads, None if taps is None else taps.dtype,
-           None if gain is None else (gain.dtype, gain.requires_grad))
+           None if gain is None else (gain.dtype, gain.requires_grad), None if u_taps is None else u_taps.dtype)
     if key not in _compiled:
         class Probe:
             needs_input_grad = (False,) * 4 + (weight_grads,) * 5 + (False,) * 4
 
         probe = Probe()
-        probe.v_scale, probe.k_eps, probe.erase, probe.u_kind = v_scale, k_eps, erase, u_kind
+        probe.v_scale, probe.k_eps, probe.erase, probe.u_kind, probe.u_dtype = v_scale, k_eps, erase, u_kind, u.dtype
         one = [t.reshape(-1, *t.shape[2:])[:1].contiguous() for t in (x, h, c, u)]
+        one[3] = one[3] if u_taps is None else u_taps.detach()
         kept = (*(w.detach() for w in weights), None if taps is None else taps.detach())
         read = None if taps is None else one[1].new_zeros(one[1].shape, dtype=torch.promote_types(x.dtype, taps.dtype))
         grad = torch.zeros_like(one[0])
@@ -363,38 +395,45 @@ def _backward_compiles(x, h, c, u, weights, taps, gain, v_scale, k_eps, erase, u
             y = _norm_gradients(grad if read is None else grad[None], gain.detach(), 1e-6, normed, y,
                                 gain.requires_grad, None if taps is None else kept[-1].transpose(1, 2))[0]
             grad, read = (y, read) if read is None else (grad, y)
-        _seam_gradients(probe, (*one, *kept), grad, read)  # (grad, read: as X_next's and y's gradients will be)
+        values = None if u_taps is None else torch.zeros(1, weights[2].shape[0], device=x.device)  # (the kept v)
+        _seam_gradients(probe, (*one, *kept), grad, read, values)  # (grad, read: as X_next's and y's gradients)
         _compiled.add(key)
 
 
 def serves(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, mode, readout=None, gain=None,
-           norm_eps=None):
+           norm_eps=None, u_read=None):
     """Delta or write-only; every tensor on CUDA and none fp64; `eager`."""
     tensors = (x, h, c, u, gate_weight, gate_bias, value_weight, value_bias) + tuple(
-        t for t in (readout, gain) if t is not None)
+        t for t in (readout, gain, u_read) if t is not None)
     return mode != "additive" and eager() and all(t.is_cuda and t.dtype != torch.float64 for t in tensors)
 
 
 def run(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k_eps, mode, readout=None, gain=None,
-        norm_eps=None):
+        norm_eps=None, u_read=None):
     """`reference.delta_residual` through the seam's kernels, with autograd: X_next; with the next compressor's
     `readout` weight `(K, d, d_v)`, (X_next, y), y its readout of X_next made in the same pass where it has one tap
     (CC) and u is not c, else None (TC's reads earlier tokens' states, which other programs write; with u = c the
     backward spilled registers when compiled for sm_90 at d = 768, scripts/triton_sm90.py, where the others do not);
     with the next sublayer's RMSNorm too (its `gain` and `norm_eps`), (X_next, y, RMSNorm(y)) where y is made here,
     else (X_next, None, None) (the caller then reads and normalises X_next itself); with the norm and no readout at
-    d_v = 1, where X_next is the next input, (X_next, None, RMSNorm(X_next))."""
+    d_v = 1, where X_next is the next input, (X_next, None, RMSNorm(X_next)). `u_read`, a one-tap weight `(1, d, d_v)`
+    by which u was read out of x (CC's readout, the authors' value input; the caller's promise): where the seam makes
+    no readout itself, it keeps v (d_v floats a token) for backward, which reads u out of x again for the value's
+    weight, instead of keeping u (d a token; beside the readout's tiles the backward spilled registers for sm_90)."""
     u_kind = value_input_kind(x, h, c, u)
+    taps = readout if readout is not None and readout.shape[0] == 1 and u_kind != 1 else None  # (1, d, d_v)
+    u_taps = u_read if u_kind == 0 and taps is None and u_read is not None and x.dim() == h.dim() + 1 and (
+        u_read.shape == (1, h.shape[-1], value_weight.shape[0])) and torch.is_grad_enabled() else None
+    u_kind = 3 if u_taps is not None else u_kind
     x, h, c = x.contiguous(), h.contiguous(), c.contiguous()
     u = c if u_kind == 1 else (x if u_kind == 2 else u.contiguous())
     weights = (gate_weight.contiguous(), gate_bias.contiguous(), value_weight.contiguous(), value_bias.contiguous())
-    taps = readout if readout is not None and readout.shape[0] == 1 and u_kind != 1 else None  # (1, d, d_v)
     norm = None if gain is None or taps is None and (readout is not None or x.dim() != h.dim()) else (
         gain.contiguous())  # (with no readout at d_v = 1, the norm of X_next, the next input)
     v_scale, erase = None if v_scale is None else float(v_scale), mode == "delta"
-    _backward_compiles(x, h, c, u, weights, taps, norm, v_scale, float(k_eps), erase, u_kind)
+    _backward_compiles(x, h, c, u, weights, taps, norm, v_scale, float(k_eps), erase, u_kind, u_taps)
     out = _TritonSeam.apply(x, h, c, u, *weights, taps, norm, v_scale, float(k_eps),
-                            0.0 if norm_eps is None else float(norm_eps), erase, u_kind)
+                            0.0 if norm_eps is None else float(norm_eps), erase, u_kind, u_taps)
     if taps is None and norm is not None:  # (d_v = 1: the next input is X_next)
         return out[0], None, out[1]
     if readout is None and gain is None:
