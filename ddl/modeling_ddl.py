@@ -250,16 +250,15 @@ class DDLDeltaResidual(nn.Module):
             self.value_weight = nn.Parameter(torch.empty(dv, d))
             self.value_bias = nn.Parameter(torch.empty(dv))
 
-    def forward(self, state, h, context, x_in, plan, read=None, read_next=None, slot=None, norm=None):
+    def forward(self, state, h, context, x_in, plan, read_next=None, slot=None, norm=None, read=None):
         """(X_next, the next sublayer's input[, its `norm` or None]) for the state X, the sublayer output h, its
-        normalised input c (`context`) and input x_in (`read`'s readout of X): the next input is `read_next`'s readout
-        of X_next (its cache `slot`) or X_next; a kernel makes it (and a hook-free norm) in the same pass (`ops`)."""
+        normalised input c (`context`) and input x_in (`read`'s kernel's readout of X, untouched since): the next input
+        is `read_next`'s readout of X_next (its cache `slot`) or X_next; a kernel makes it (and a norm) in the pass."""
         readout = plan.readout_weight(read_next) if read_next is not None and self.mode != "additive" and (
             read_next.fusable("delta_residual_readout", plan, slot, state.device) and not user_hooks(self)) else None
         fuse = type(norm) is LlamaRMSNorm and kernel("delta_residual_readout_norm", plan.implementation, h.device) and (
             readout is not None or read_next is None and not user_hooks(self)) and unseen(norm, state.device)
-        u_read = plan.readout_weight(read) if self.value_from_state and read is not None and read.kind != "tc" and (
-            read.fusable("delta_residual_readout_norm", plan, None, h.device) and not user_hooks(self)) else None
+        u_read = plan.readout_weight(read) if read and self.value_from_state and not user_hooks(self) else None
         weights = [getattr(self, name, None) for name in ("beta_weight", "beta_bias", "value_weight", "value_bias")]
         with plan.saving():
             out = delta_residual(state, h, context, x_in if self.value_from_state else context, *weights,
@@ -436,10 +435,11 @@ class DDLDecoderLayer(GradientCheckpointingLayer):
         context = self.input_layernorm(x_in) if context is None else context  # (or the readout's kernel made it)
         h, _ = self.self_attn(hidden_states=context, attention_mask=attention_mask, position_ids=position_ids,
                               cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
-        hidden_states, x_in, context = self.attn_delta(hidden_states, h, context, x_in, plan, read_attn, read_mlp,
-                                                       self.cache_slots["mlp"], self.post_attention_layernorm)
-        context = self.post_attention_layernorm(x_in) if context is None else context  # (or the seam made it)
-        hidden_states, _ = self.mlp_delta(hidden_states, self.mlp(context), context, x_in, plan, read_mlp)
+        hidden_states, x_in, made = self.attn_delta(hidden_states, h, context, x_in, plan, read_mlp,
+                                                    self.cache_slots["mlp"], self.post_attention_layernorm)
+        context = self.post_attention_layernorm(x_in) if made is None else made  # (or a kernel made it with x_in)
+        hidden_states, _ = self.mlp_delta(hidden_states, self.mlp(context), context, x_in, plan, read=None if (
+            made is None) else read_mlp)  # (x_in as that kernel read it out of the state: the seam may read it again)
         return hidden_states
 
 

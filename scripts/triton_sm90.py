@@ -62,14 +62,14 @@ def variants(d, dv):
         (residual._seam_bwd_kernel, "fp32", fp32_out,
          dict(ERASE=False, U_KIND=2, SIGMOID=False, READ=False, WEIGHT_GRADS=False, **scalar), scalar_warps),
         # the norm's backward from y itself, then from the state y was read out of (the seam's: CC's one tap), a
-        # token's whole state a program as the forward's readout
-        *[(readout._norm_bwd_kernel, "bf16", {"out_ptr", "part_ptr"},
-           dict(GAIN_GRAD=gain, K=0, Y=tl.bfloat16, BLOCK_V=2, **norm), norm_warps) for gain in (True, False)],
-        (readout._norm_bwd_kernel, "bf16", {"out_ptr", "part_ptr"}, dict(GAIN_GRAD=True, K=1, Y=tl.bfloat16, **row),
-         row_warps),
-        # an fp32 gain with a bf16 readout (the normed output, and its gradient, in fp32)
-        (readout._norm_bwd_kernel, "bf16", {"gain_ptr", "grad_normed_ptr", "out_ptr", "part_ptr"},
-         dict(GAIN_GRAD=True, K=1, Y=tl.bfloat16, **row), row_warps),
+        # token's whole state a program as the forward's readout; and an fp32 gain with a bf16 readout (the normed
+        # output, and its gradient, in fp32)
+        *[(readout._norm_bwd_kernel, "bf16", {"out_ptr", "part_ptr"} | gain_fp32,
+           dict(GAIN_GRAD=gain, FROM_STATE=False, Y=tl.bfloat16, BLOCK_V=2, **norm), norm_warps)
+          for gain, gain_fp32 in ((True, set()), (False, set()), (True, {"gain_ptr", "grad_normed_ptr"}))],
+        *[(readout._norm_bwd_kernel, "bf16", {"out_ptr", "part_ptr"} | gain_fp32,
+           dict(GAIN_GRAD=True, FROM_STATE=True, Y=tl.bfloat16, **row), row_warps)
+          for gain_fp32 in (set(), {"gain_ptr", "grad_normed_ptr"})],
         (readout._sum_parts_kernel, "bf16", {"part_ptr"}, dict(BLOCK=1024), {}),
         (readout._fold_kernel, "bf16", set(), dict(K=4, PAD=1, BLOCK_D=readout._FOLD_BLOCK, BLOCK_V=4), {}),
         (readout._fold_grads_kernel, "bf16", set(), dict(K=4, PAD=1, BLOCK_D=readout._FOLD_BLOCK, BLOCK_V=4), {}),

@@ -501,7 +501,7 @@ def test_triton_seam_at_dv1_makes_the_next_rmsnorm_of_its_state(dtype, tol, froz
 def test_triton_seam_reads_its_value_input_out_of_the_state_again(dtype, tol, next_readout, monkeypatch):
     """Told that u is x's one-tap readout (`u_read`: CC's, whose output the authors' value reads), a seam that makes
     no readout itself keeps v (d_v floats a token) where it kept u (d) and reads u out of x again in backward; one that
-    makes the next readout keeps u (its backward's registers are full). Either way X_next (and the next readout and
+    makes the next readout keeps u (its backward's registers are full), and so does an fp32 one. Either way X_next (and the next readout and
     its RMSNorm) and every gradient (x's through the update and through u, u's weight's, the seam's and the next
     readout's weights', the gain's) equal the specification's (u = `causal_token_readout(x, weight)`, then the seam)
     in fp64."""
@@ -546,11 +546,12 @@ def test_triton_seam_reads_its_value_input_out_of_the_state_again(dtype, tol, ne
         given = {t.untyped_storage().data_ptr() for t in (x, c, *weights, (out if next_readout else [out])[0])}
         own = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved
                if t.untyped_storage().data_ptr() not in given}
-        kept_u = u_read is None or next_readout
+        kept_u = u_read is None or next_readout or dtype == torch.float32  # (an fp32 state may be rebuilt)
         assert (u.untyped_storage().data_ptr() in own) == kept_u and h.untyped_storage().data_ptr() in own
         beside = [size for ptr, size in own.items() if ptr not in (h.untyped_storage().data_ptr(),
                                                                     u.untyped_storage().data_ptr())]
-        assert beside == ([] if kept_u else [2 * 11 * 4 * 4])  # (v: d_v fp32 values a token)
+        fp32_y = next_readout and dtype == torch.float32  # (the next readout, kept for its norm: an fp32 state)
+        assert sorted(beside) == sorted(([] if kept_u else [2 * 11 * 4 * 4]) + ([2 * 11 * 40 * 4] if fp32_y else []))
 
 
 def _matches_the_specification_in_fp64(spec, fast, inputs, upstream, dtype, tol, frozen, gain, device):
@@ -912,24 +913,30 @@ def test_triton_readout_with_the_next_rmsnorm_matches_reference(kernel, dv, d, f
                                    msg=name)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("dv", [4, 1])
-def test_a_seam_that_makes_the_next_rmsnorm_keeps_no_copy_of_its_input(dv):
-    """A seam that writes the next sublayer's RMSNorm keeps for backward only tensors it was given, h and its new
-    state, never the readout y `(B, T, d)` it made: the norm's backward reads y out of the state again (which the next
-    seam keeps anyway). At d_v = 1 the state is y itself."""
+def test_a_seam_that_makes_the_next_rmsnorm_keeps_no_copy_of_its_input(dv, dtype):
+    """A low-precision seam that writes the next sublayer's RMSNorm keeps for backward only tensors it was given, h
+    and its new state, never the readout y `(B, T, d)` it made: the norm's backward reads y out of the state again
+    (which the next seam keeps anyway; at d_v = 1 the state is y). An fp32 state may be rebuilt in backward instead of
+    kept (`StateRebuild`), whose hooks would keep a new state saved before the model hands it over: an fp32 d_v > 1
+    seam keeps y, not X_next."""
     residual = _triton("residual")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    x, h, c, u, *weights = (t.to(device).requires_grad_() for t in _seam_inputs(dv, torch.float32, 0))
-    taps = torch.randn(1, 200, dv, device=device, requires_grad=True)
-    gain = torch.nn.Parameter(1 + 0.3 * torch.randn(200, device=device))
+    x, h, c, u, *weights = (t.to(device).requires_grad_() for t in _seam_inputs(dv, dtype, 0))
+    taps = torch.randn(1, 200, dv, device=device, dtype=dtype, requires_grad=True)
+    gain = torch.nn.Parameter(1 + 0.3 * torch.randn(200, device=device, dtype=dtype))
     readout = taps if dv > 1 else None
     residual.run(x, h, c, u, *weights, 4.0, 1e-5, "delta", readout, gain, 1e-6)  # (compiles the backward, unsaved)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         outs = residual.run(x, h, c, u, *weights, 4.0, 1e-5, "delta", readout, gain, 1e-6)
     assert outs[-1] is not None and saved  # (the norm was made here)
-    kept = {t.untyped_storage().data_ptr() for t in (x, h, c, u, *weights, taps, gain, outs[0])}
-    assert all(t.untyped_storage().data_ptr() in kept for t in saved), [tuple(t.shape) for t in saved]
+    storages = {t.untyped_storage().data_ptr() for t in saved}
+    given = {t.untyped_storage().data_ptr() for t in (x, h, c, u, *weights, taps, gain)}
+    made = [t.untyped_storage().data_ptr() for t in outs[:2] if t is not None]  # (X_next, and y at d_v > 1)
+    expected = made[1:] if dtype == torch.float32 and dv > 1 else made[:1]
+    assert storages - given == set(expected), [tuple(t.shape) for t in saved]
 
 
 @pytest.mark.parametrize("d, kernel, dv", [(200, 3, 4), (130, 4, 4), (64, 5, 3), (300, 1, 8), (40, 7, 4)],
@@ -961,8 +968,8 @@ def test_triton_cc_fold_matches_reference(d, kernel, dv, dtype, tol):
 def test_every_triton_kernel_in_a_model_matches_reference(overrides, monkeypatch):
     """Under "triton" with every Triton kernel serving (the seam, the readouts and their norms, EC, CC's fold;
     through the interpreter), a model's loss and every parameter's gradient equal the specification's; none of them
-    failed (a failing kernel gives way to the specification, which would compare the specification with itself); CC's
-    seams are told that their value input is their state's readout (`u_read`), so they keep no copy of it."""
+    failed (a failing kernel gives way to the specification, which would compare the specification with itself); the
+    MLP seams are told that their value input is their state's readout (`u_read`)."""
     import ddl_kernels
 
     monkeypatch.setattr(ddl_kernels, "_failed", set())
@@ -980,32 +987,107 @@ def test_every_triton_kernel_in_a_model_matches_reference(overrides, monkeypatch
         models[name] = trained_looking(DDLForCausalLM(tiny_config(ddl_implementation=impl, **overrides)))
     assert_same_loss_and_gradients(models, torch.randint(3, 99, (2, 8), generator=seeded(1)), grad_atol=1e-5)
     assert not ddl_kernels._failed
-    cc = overrides.get("ddl_value_channels") != 1 and overrides.get("ddl_compressor") != "tc"
-    expected = {"run"} if overrides.get("ddl_value_channels") == 1 else {"token_window", "readout_and_norm"} | (
-        {"run u_read", "fold"} if cc else {"run"})
+    expected = {"run"} if overrides.get("ddl_value_channels") == 1 else {"run", "run u_read", "token_window",
+                                                                         "readout_and_norm"} | (
+        {"fold"} if overrides.get("ddl_compressor") != "tc" else set())
     assert set(calls) == expected, calls
 
 
-def test_a_seam_keeps_its_value_input_where_a_hook_may_change_it(monkeypatch):
-    """A forward hook on the compressor may change the sublayer input after the readout made it: the seams are then
-    not told that u is their state's readout (they keep u), and the model's loss and gradients under "triton" equal
-    the specification's with the same hook."""
+def _tell_the_seams(monkeypatch, strip=()):
+    """Every Triton seam's call, through the interpreter: a list of whether it was told `u_read` (not passed on while
+    `strip` is not empty)."""
     import ddl_kernels
 
     monkeypatch.setattr(ddl_kernels, "_failed", set())
     residual = _triton("residual")
     told, run = [], residual.run
-    monkeypatch.setattr(residual, "run", lambda *args, **kwargs: told.append(kwargs.get("u_read") is not None) or run(
-        *args, **kwargs))
+
+    def seam(*args, u_read=None, **kwargs):
+        told.append(u_read is not None)
+        return run(*args, u_read=None if strip else u_read, **kwargs)
+
+    monkeypatch.setattr(residual, "run", seam)
     triton_on_cpu(monkeypatch)
+    return told
+
+
+@pytest.mark.parametrize("where", ["compressor", "attention-seam", "norm"])
+def test_a_seam_keeps_its_value_input_where_a_hook_may_change_it(where, monkeypatch):
+    """A hook between the readout and the MLP's seam may change x_in after the readout made it (a forward hook on the
+    compressor or the attention seam, a pre-hook on the norm editing it in place): the seams are then not told that u
+    is their state's readout (they keep u), and the model's loss and gradients under "triton" equal the
+    specification's with the same hook."""
+    import ddl_kernels
+
+    def hook(layer):
+        if where == "compressor":
+            layer.compress.register_forward_hook(lambda module, args, out: out * 1.5)
+        elif where == "attention-seam":
+            layer.attn_delta.register_forward_hook(lambda module, args, out: (out[0], out[1] * 1.5, *out[2:]))
+        else:
+            layer.post_attention_layernorm.register_forward_pre_hook(lambda module, args: (args[0].mul_(1.5), None)[1])
+
+    told = _tell_the_seams(monkeypatch)
     models = {}
     for name, impl in (("reference", "reference"), ("fused", "triton")):
         torch.manual_seed(0)
         models[name] = trained_looking(DDLForCausalLM(tiny_config(ddl_implementation=impl)))
         for layer in models[name].model.layers:
-            layer.compress.register_forward_hook(lambda module, args, out: out * 1.5)
+            hook(layer)
     assert_same_loss_and_gradients(models, torch.randint(3, 99, (2, 8), generator=seeded(1)), grad_atol=1e-5)
     assert told and not any(told) and not ddl_kernels._failed
+
+
+def test_under_the_state_rebuild_the_triton_seams_keep_no_state_alive(monkeypatch):
+    """fp32 training rebuilds the states in backward instead of keeping them (`ddl_rebuild_states`): with the Triton
+    seams making the MLP's readout and norm, no attention seam's new state outlives the forward (its norm's backward
+    keeps the readout, not the state, which the rebuild's hooks could not place before the model hands it over)."""
+    import gc
+    import weakref
+
+    _tell_the_seams(monkeypatch)
+    torch.manual_seed(0)
+    model = trained_looking(DDLForCausalLM(tiny_config(ddl_implementation="triton", num_hidden_layers=3)))
+    states = []
+    for layer in model.model.layers:  # (not a hook: hooks would change what the kernels may do)
+        def seam(*args, _forward=layer.attn_delta.forward, **kwargs):
+            out = _forward(*args, **kwargs)
+            states.append(weakref.ref(out[0].untyped_storage()))
+            return out
+
+        layer.attn_delta.forward = seam
+    ids = torch.randint(3, 99, (2, 8), generator=seeded(1))
+    loss = model(input_ids=ids, labels=ids).loss
+    gc.collect()
+    assert len(states) == 3 and all(state() is None for state in states)
+    loss.backward()
+
+
+def test_a_bf16_model_whose_mlp_seams_read_their_input_again_has_the_same_gradients(monkeypatch):
+    """In a bf16 CC model under "triton" the MLP seams are told that u is their state's readout and keep v instead
+    of u: its loss and every gradient equal those of the same model whose seams keep u (only the order of an fp32
+    sum may differ), and the seams kept no u: the step's saved bytes are fewer."""
+    strip = []
+    told = _tell_the_seams(monkeypatch, strip)
+    ids = torch.randint(3, 99, (2, 8), generator=seeded(1))
+    results = []
+    for stripped in (False, True):
+        strip += [stripped] if stripped else []  # (then the seams keep u: as if nobody told them)
+        torch.manual_seed(0)
+        model = trained_looking(DDLForCausalLM(tiny_config(ddl_implementation="triton"))).to(torch.bfloat16)
+        model(input_ids=ids, labels=ids).loss.backward()  # (compiles; then the measured step)
+        model.zero_grad(set_to_none=True)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        kept = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}.values())
+        results.append((loss.item(), [p.grad.float() for p in model.parameters()], kept))
+    assert any(told)
+    (loss, grads, kept), (loss_u, grads_u, kept_u) = results
+    assert loss == pytest.approx(loss_u, rel=1e-3) and kept < kept_u
+    for grad, grad_u in zip(grads, grads_u):
+        torch.testing.assert_close(grad, grad_u, rtol=2e-2, atol=2e-2 * max(1.0, grad_u.abs().max().item()))
 
 
 @torch.no_grad()

@@ -44,11 +44,14 @@ def _row_in_range(cols, row, n_rows):
     return (rows >= 0) & (rows < n_rows)
 
 @triton.jit
-def _window_sum(in_ptr, taps, b, t, l_src, offset, d, dv, tap_stride_k, cols, tile, tile_ok, READ: tl.constexpr,
-                K: tl.constexpr, DIRECTION: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr):
-    """The products of token t's (of sequence b) K-row window of the input and the taps, summed over the lags in fp32,
-    as a (d_v x block) tile (this block of features; `taps` their tile's pointers at lag 0): `_window_row`'s output
-    before the sum over channels (READ) and the rounding."""
+def _window_row(in_ptr, taps, out_ptr, b, t, row, l_src, offset, d, dv, tap_stride_k, cols, tile, tile_ok,
+                READ: tl.constexpr, K: tl.constexpr, DIRECTION: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_V: tl.constexpr):
+    """Output row `row` (token t of sequence b) of a K-row window of the input weighted by the taps (this block of
+    features; `taps` their tile's pointers at lag 0):
+    READ:      out[t] = sum_s sum_j taps[s, j] * in[src(t, s), j]   (B, t_out, d) from a state (B, l_src, d_v, d)
+    otherwise: out[t, j] = sum_s taps[s, j] * in[src(t, s)]        (B, t_out, d_v, d) from vectors (B, l_src, d)
+    """
     acc = tl.zeros((BLOCK_V, BLOCK_D), dtype=tl.float32)
     for s in tl.static_range(K):
         src = t + offset + DIRECTION * s
@@ -60,19 +63,6 @@ def _window_sum(in_ptr, taps, b, t, l_src, offset, d, dv, tap_stride_k, cols, ti
         else:
             x = tl.load(in_ptr + (b * l_src + src) * d + cols, mask=(cols < d) & ok, other=0.0)
             acc += w * x.to(tl.float32)[None, :]
-    return acc
-
-@triton.jit
-def _window_row(in_ptr, taps, out_ptr, b, t, row, l_src, offset, d, dv, tap_stride_k, cols, tile, tile_ok,
-                READ: tl.constexpr, K: tl.constexpr, DIRECTION: tl.constexpr, BLOCK_D: tl.constexpr,
-                BLOCK_V: tl.constexpr):
-    """Output row `row` (token t of sequence b) of a K-row window of the input weighted by the taps (this block of
-    features; `taps` their tile's pointers at lag 0):
-    READ:      out[t] = sum_s sum_j taps[s, j] * in[src(t, s), j]   (B, t_out, d) from a state (B, l_src, d_v, d)
-    otherwise: out[t, j] = sum_s taps[s, j] * in[src(t, s)]        (B, t_out, d_v, d) from vectors (B, l_src, d)
-    """
-    acc = _window_sum(in_ptr, taps, b, t, l_src, offset, d, dv, tap_stride_k, cols, tile, tile_ok, READ, K, DIRECTION,
-                      BLOCK_D, BLOCK_V)
     if READ:
         out = tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * d + cols, out, mask=cols < d)
@@ -173,30 +163,31 @@ def sum_parts(parts, dtype, out=None):
 
 @triton.jit(do_not_specialize=["tokens", "per_program"])
 def _norm_bwd_kernel(
-    y_ptr, taps_ptr, gain_ptr, grad_normed_ptr, grad_y_ptr, out_ptr, part_ptr, tokens, per_program, t_out, d, dv,
-    tap_stride_k, tap_stride_v, tap_stride_d, norm_eps, GAIN_GRAD: tl.constexpr, K: tl.constexpr, Y: tl.constexpr,
+    y_ptr, taps_ptr, gain_ptr, grad_normed_ptr, grad_y_ptr, out_ptr, part_ptr, tokens, per_program, d, dv,
+    tap_stride_v, tap_stride_d, norm_eps, GAIN_GRAD: tl.constexpr, FROM_STATE: tl.constexpr, Y: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """The RMSNorm's backward for `per_program` consecutive tokens, in fp32: with n = y r, r = 1/sqrt(mean(y^2) + eps)
     and dn = gain dL/dnormed, dL/dy = r (dn - n mean(dn n)), plus y's gradient from its other readers; and
     (GAIN_GRAD) this program's row of dL/dgain = sum over its tokens of dL/dnormed n (n as the forward rounded it, to
-    y's dtype Y). K = 0: y_ptr is y; else it is the state `(B, t_out, d_v, d)` y was read out of by the K taps (no
-    history), and y is read out of it again as `_window_kernel` read it, so that no copy of y waits for backward."""
+    y's dtype Y). FROM_STATE: y_ptr is the state `(N, d_v, d)` y was read out of by one tap `(d_v, d)` (at its
+    strides), and y is read out of it again, summed in fp32 and rounded to Y as the forward's readout."""
     first = tl.program_id(0).to(tl.int64) * per_program
     count = tl.minimum(per_program, tokens - first).to(tl.int32)
     rows, tile, tile_ok = _feature_block(d, dv, BLOCK_D, BLOCK_V)  # (one block: the whole row)
     row_ok = rows < d
-    taps = taps_ptr + tl.arange(0, BLOCK_V)[:, None] * tap_stride_v + rows[None, :] * tap_stride_d
+    if FROM_STATE:
+        taps = tl.load(taps_ptr + tl.arange(0, BLOCK_V)[:, None] * tap_stride_v + rows[None, :] * tap_stride_d,
+                       mask=tile_ok, other=0.0).to(tl.float32)
     gain = tl.load(gain_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     total = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for token in range(count):
-        row = first + token
-        at = row * d + rows
-        if K == 0:
-            y = tl.load(y_ptr + at, mask=row_ok, other=0.0).to(tl.float32)
+        at = (first + token) * d + rows
+        if FROM_STATE:
+            state = tl.load(y_ptr + (first + token) * dv * d + tile, mask=tile_ok, other=0.0).to(tl.float32)
+            y = tl.sum(state * taps, axis=0).to(Y).to(tl.float32)
         else:
-            y = tl.sum(_window_sum(y_ptr, taps, row // t_out, row % t_out, t_out, 1 - K, d, dv, tap_stride_k, rows,
-                                   tile, tile_ok, True, K, 1, BLOCK_D, BLOCK_V), axis=0).to(Y).to(tl.float32)
+            y = tl.load(y_ptr + at, mask=row_ok, other=0.0).to(tl.float32)
         inv = tl.rsqrt(tl.sum(y * y, axis=0) / d + norm_eps)
         grad_normed = tl.load(grad_normed_ptr + at, mask=row_ok, other=0.0).to(tl.float32)
         dn = grad_normed * gain
@@ -337,20 +328,20 @@ _TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.
 def _norm_gradients(y, gain, norm_eps, grad_normed, grad_y, gain_grad, taps=None):
     """dL/dy (fp32: the normed output's share added to y's own, `grad_y`) and dL/dgain (where `gain_grad`, else None)
     of the RMSNorm a kernel applied to y: two launches, the backward and the sum of its partial rows. With `taps`
-    `(K, d_v, d)`, `y` is the state `(B, T, d_v, d)` y was read out of (no history), which the caller keeps anyway:
-    y itself need not be kept, the backward reads it out again."""
+    `(d_v, d)` (one tap), `y` is the state `(..., d_v, d)` y was read out of, which the caller keeps anyway: y itself
+    need not be kept, the backward reads it out again."""
     d, tokens = grad_normed.shape[-1], grad_normed.numel() // grad_normed.shape[-1]
     programs, per_program = _runs(tokens, y.device)
     grad = torch.empty(grad_normed.shape, dtype=torch.float32, device=y.device)
     parts = torch.empty(programs, d, dtype=torch.float32, device=y.device) if gain_grad else grad
-    kernel_size, dv = (0, 1) if taps is None else taps.shape[:2]
+    dv = 1 if taps is None else taps.shape[0]
     dtype = y.dtype if taps is None else torch.promote_types(y.dtype, taps.dtype)
     blocks = dict(_norm_blocks(d), BLOCK_V=channel_block(dv)) if taps is None else row_tile(d, dv, more=2)
     with torch.cuda.device_of(y):
         _norm_bwd_kernel[(programs,)](
             y, y if taps is None else taps, gain, grad_normed.contiguous(), grad_y.contiguous(), grad, parts, tokens,
-            per_program, y.shape[1], d, dv, *((0, 0, 0) if taps is None else taps.stride()), norm_eps,
-            GAIN_GRAD=gain_grad, K=kernel_size, Y=_TRITON_DTYPES[dtype], **blocks,
+            per_program, d, dv, *((0, 0) if taps is None else taps.stride()), norm_eps, GAIN_GRAD=gain_grad,
+            FROM_STATE=taps is not None, Y=_TRITON_DTYPES[dtype], **blocks,
         )
     return grad, sum_parts(parts, gain.dtype) if gain_grad else None
 
@@ -444,7 +435,7 @@ class _TritonReadoutNorm(torch.autograd.Function):
         normed = torch.empty_like(y, dtype=torch.promote_types(y.dtype, gain.dtype))
         gain = gain.contiguous()  # (read at unit stride, here and in backward)
         _window(True, x, taps, y, ctx.t_out, ctx.t_out, ctx.offset, gain, normed, norm_eps)
-        ctx.save_for_backward(x, taps, gain, y)  # (y: the next seam keeps it too, as its value input u)
+        ctx.save_for_backward(x, taps, gain, y)
         return y, normed
 
     @staticmethod

@@ -283,9 +283,12 @@ class _TritonSeam(torch.autograd.Function):
                 ERASE=erase, U_IS_C=u_kind == 1, READ=taps is not None, NORM=gain is not None,
                 KEEP_V=values is not None, **_value(v_scale), **_blocks(d, dv),
             )
+        # For the norm's backward: y, or X_next (which the next seam keeps) where y is read out of it again; not where
+        # the state is fp32, which the model may rebuild in backward (its hooks would keep an X_next saved here). u_kind
+        # 3: v, not u (read out of x again).
+        kept = None if gain is None else y if y is not None and x.dtype == torch.float32 else out
         ctx.save_for_backward(x, h, c, u_taps if u_kind == 3 else u, gate_weight, gate_bias, value_weight,
-                              value_bias, taps, gain, None if gain is None else out, values)  # (u_kind 3: v kept and
-        # u read out of x again, and the next seam keeps X_next: of the seam's tensors, only h and v are kept for it)
+                              value_bias, taps, gain, kept, values)
         if y is None:  # (d_v = 1 with the norm: of X_next)
             return out if normed is None else (out, normed)
         return (out, y) if normed is None else (out, y, normed)
@@ -293,15 +296,16 @@ class _TritonSeam(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, *grad_read_and_normed):
         refuse_second_derivative("the Triton residual seam")  # (its gradients are computed outside autograd)
-        *saved, gain, out, values = ctx.saved_tensors
+        *saved, gain, kept, values = ctx.saved_tensors
         grad_read, grad_normed = (((None,) if saved[8] is None else ()) + grad_read_and_normed + (None, None))[:2]
         grad_gain = None
         if gain is not None and saved[8] is None:  # (d_v = 1: the norm's gradient joins X_next's own)
-            grad_out, grad_gain = _norm_gradients(out, gain, ctx.norm_eps, grad_normed, grad_out,
+            grad_out, grad_gain = _norm_gradients(kept, gain, ctx.norm_eps, grad_normed, grad_out,
                                                   ctx.needs_input_grad[9])
-        elif gain is not None:  # (the RMSNorm's gradient joins y's, y read out of X_next, before the seam's backward)
-            grad_read, grad_gain = _norm_gradients(out, gain, ctx.norm_eps, grad_normed, grad_read,
-                                                   ctx.needs_input_grad[9], saved[8].transpose(1, 2))
+        elif gain is not None:  # (the RMSNorm's gradient joins y's, y kept or read out of X_next, before the seam's)
+            again = kept.dim() > saved[1].dim()  # (X_next, not y)
+            grad_read, grad_gain = _norm_gradients(kept, gain, ctx.norm_eps, grad_normed, grad_read,
+                                                   ctx.needs_input_grad[9], saved[8][0].t() if again else None)
         grads = _seam_gradients(ctx, saved, grad_out, grad_read, values)
         return *grads[:9], grad_gain, *grads[9:], None, None
 
@@ -390,10 +394,11 @@ def _backward_compiles(x, h, c, u, weights, taps, gain, v_scale, k_eps, erase, u
         read = None if taps is None else one[1].new_zeros(one[1].shape, dtype=torch.promote_types(x.dtype, taps.dtype))
         grad = torch.zeros_like(one[0])
         if gain is not None:  # (as backward runs them: the norm's first, whose fp32 gradient the seam's then reads)
-            y = grad if read is None else read  # (d_v = 1: the norm of X_next; else of its readout, read out again)
+            y = grad if read is None else read  # (d_v = 1: the norm of X_next; else of its readout, kept or read again)
             normed = y.new_zeros(y.shape, dtype=torch.promote_types(y.dtype, gain.dtype))
-            y = _norm_gradients(grad if read is None else grad[None], gain.detach(), 1e-6, normed, y,
-                                gain.requires_grad, None if taps is None else kept[-1].transpose(1, 2))[0]
+            again = read is not None and x.dtype != torch.float32
+            y = _norm_gradients(grad if again else y, gain.detach(), 1e-6, normed, y, gain.requires_grad,
+                                kept[-1][0].t() if again else None)[0]
             grad, read = (y, read) if read is None else (grad, y)
         values = None if u_taps is None else torch.zeros(1, weights[2].shape[0], device=x.device)  # (the kept v)
         _seam_gradients(probe, (*one, *kept), grad, read, values)  # (grad, read: as X_next's and y's gradients)
@@ -418,12 +423,14 @@ def run(x, h, c, u, gate_weight, gate_bias, value_weight, value_bias, v_scale, k
     else (X_next, None, None) (the caller then reads and normalises X_next itself); with the norm and no readout at
     d_v = 1, where X_next is the next input, (X_next, None, RMSNorm(X_next)). `u_read`, a one-tap weight `(1, d, d_v)`
     by which u was read out of x (CC's readout, the authors' value input; the caller's promise): where the seam makes
-    no readout itself, it keeps v (d_v floats a token) for backward, which reads u out of x again for the value's
-    weight, instead of keeping u (d a token; beside the readout's tiles the backward spilled registers for sm_90)."""
+    no readout itself and the state is not fp32 (which the model may rebuild), it keeps v (d_v floats a token) for
+    backward, which reads u out of x again for the value's weight, instead of keeping u (d a token; beside the
+    readout's tiles the backward spilled registers for sm_90)."""
     u_kind = value_input_kind(x, h, c, u)
     taps = readout if readout is not None and readout.shape[0] == 1 and u_kind != 1 else None  # (1, d, d_v)
     u_taps = u_read if u_kind == 0 and taps is None and u_read is not None and x.dim() == h.dim() + 1 and (
-        u_read.shape == (1, h.shape[-1], value_weight.shape[0])) and torch.is_grad_enabled() else None
+        u_read.shape == (1, h.shape[-1], value_weight.shape[0])) and x.dtype != torch.float32 and (
+        torch.is_grad_enabled()) else None
     u_kind = 3 if u_taps is not None else u_kind
     x, h, c = x.contiguous(), h.contiguous(), c.contiguous()
     u = c if u_kind == 1 else (x if u_kind == 2 else u.contiguous())
