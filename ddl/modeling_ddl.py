@@ -438,8 +438,8 @@ class DDLDecoderLayer(GradientCheckpointingLayer):
         hidden_states, x_in, made = self.attn_delta(hidden_states, h, context, x_in, plan, read_mlp,
                                                     self.cache_slots["mlp"], self.post_attention_layernorm)
         context = self.post_attention_layernorm(x_in) if made is None else made  # (or a kernel made it with x_in)
-        hidden_states, _ = self.mlp_delta(hidden_states, self.mlp(context), context, x_in, plan, read=None if (
-            made is None) else read_mlp)  # (x_in as that kernel read it out of the state: the seam may read it again)
+        hidden_states, _ = self.mlp_delta(hidden_states, self.mlp(context), context, x_in, plan, read=read_mlp if (
+            made is not None and torch.is_grad_enabled()) else None)  # (x_in as a kernel read it: backward may again)
         return hidden_states
 
 

@@ -2,7 +2,7 @@ r"""The residual seam in Triton for CUDA. `_seam_*` make the gate, the value and
 way (`reference.delta_residual`): the forward one program per token, the backward one per run of consecutive tokens.
 Each program loads h (d), the state X (d_v x d, stored column after column) and the inputs of beta and v, and writes
 X_next; the backward recomputes k, k^T X, beta, v and the coefficient from the same inputs, so nothing else is
-stored. The same kernels serve d_v = 1 and every d_v > 1. Given the next compressor's one-tap weight (CC), the forward
+stored (but v, d_v floats a token, where u is read out of X again: `run`'s `u_read`). The same kernels serve d_v = 1 and every d_v > 1. Given the next compressor's one-tap weight (CC), the forward
 also writes that compressor's readout of X_next, the next sublayer's input, and the backward takes its gradient
 (`run`): the seam returns the state and the next input, as the C++ seam does. Given the next sublayer's RMSNorm too
 (its gain; `delta_residual_readout_norm`), the forward also writes that norm of the readout, the input the sublayer
